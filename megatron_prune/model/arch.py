@@ -1,0 +1,195 @@
+"""HF-style architecture description of a decoder-only model, and named tiny presets.
+
+One :class:`ModelArch` describes Llama, Mistral, Qwen2/2.5 (qkv bias) and Qwen3 (qk-norm)
+models. It is read from an HF ``config.json``, recorded in our checkpoints, and turned into a
+Megatron ``TransformerConfig`` by :mod:`megatron_prune.model.provider`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(kw_only=True)
+class ModelArch:
+    """Architecture of a decoder-only transformer (RMSNorm, SwiGLU, RoPE, GQA)."""
+
+    model_type: str = "llama"
+    """HF ``model_type``: llama, mistral, qwen2 or qwen3."""
+    vocab_size: int
+    """True vocabulary size (Megatron pads the embedding beyond it; padding is never scored)."""
+    hidden_size: int
+    """Model width."""
+    intermediate_size: int
+    """SwiGLU inner width."""
+    num_layers: int
+    """Number of transformer layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (GQA groups)."""
+    head_dim: int | None = None
+    """Per-head width; defaults to hidden_size // num_attention_heads."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: dict[str, Any] | None = None
+    """HF rope scaling dict; only Llama-3 style scaling (Megatron's low/high/original constants) is supported."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the RoPE tables are built for."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding and the output layer."""
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on per-head queries and keys (Qwen3)."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError("hidden_size must be divisible by num_attention_heads when head_dim is not set")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelArch":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown architecture fields: {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], *, source: str = "config.json") -> "ModelArch":
+        """Read an HF ``config.json`` dict; refuse what cannot be represented, naming the field."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu/SwiGLU)")
+        if config.get("num_experts") or config.get("num_local_experts"):
+            raise ValueError(f"{source}: mixture-of-experts models are not supported")
+        if model_type == "mistral" and config.get("sliding_window") not in (None, 0):
+            max_pos = config.get("max_position_embeddings", 0)
+            if config["sliding_window"] < max_pos:
+                raise ValueError(
+                    f"{source}: sliding_window={config['sliding_window']} is not supported; "
+                    "set it to null for full attention"
+                )
+        if config.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        rope = config.get("rope_parameters") or {}
+        rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_scaling = config.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = rope
+        if rope_scaling is not None:
+            _check_rope_scaling(rope_scaling, source)
+        qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            head_dim=config.get("head_dim"),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "ModelArch":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"{cfg_path} not found: --hf-model must be an HF model directory")
+        with open(cfg_path, encoding="utf-8") as f:
+            return cls.from_hf_config(json.load(f), source=cfg_path)
+
+
+# Megatron implements Llama-3.1 scaling with a free factor and fixed low/high/original constants.
+_MEGATRON_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}
+
+
+def _check_rope_scaling(rope_scaling: dict[str, Any], source: str) -> None:
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return
+    if kind != "llama3":
+        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported by Megatron-Core (only llama3)")
+    for key, expected in _MEGATRON_LLAMA3_SCALING.items():
+        if float(rope_scaling.get(key, expected)) != expected:
+            raise ValueError(
+                f"{source}: rope_scaling.{key}={rope_scaling.get(key)} is not supported; "
+                f"Megatron-Core's llama3 scaling is fixed at {key}={expected}"
+            )
+
+
+PRESETS: dict[str, ModelArch] = {
+    # A few hundred thousand parameters: unit tests and parity checks.
+    "tiny": ModelArch(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        qk_norm=True,
+    ),
+    # Same shape with tied embeddings, for the tied-weight paths under PP.
+    "tiny-tied": ModelArch(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelArch:
+    if name not in PRESETS:
+        raise ValueError(f"--model-preset {name!r} is unknown; choose from {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name])

@@ -1,0 +1,69 @@
+"""Assemble whole (layout-independent) tensors from every rank's shards.
+
+Used to compare a TP x PP run with the single-rank run tensor by tensor, and to export.
+Keys are Megatron's checkpoint keys; layer-stacked tensors keep their leading layer axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_prune.model.init import iter_sharded_tensors
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+@contextlib.contextmanager
+def _params_hold(chunks, source: str) -> Iterator[None]:
+    """Temporarily put each parameter's ``source`` (``main_grad``) into its data."""
+    stash = []
+    with torch.no_grad():
+        for chunk in chunks:
+            for p in _unwrap(chunk).parameters():
+                value = getattr(p, source, None)
+                if value is None:
+                    value = torch.zeros_like(p)
+                stash.append((p, p.data.clone()))
+                p.data.copy_(value.view_as(p).to(p.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, data in stash:
+                p.data.copy_(data)
+
+
+def gather_global_state(chunks, *, source: str = "param") -> dict[str, torch.Tensor]:
+    """Whole tensors (fp32, CPU) on every rank: parameters (``param``) or gradients (``main_grad``)."""
+    ctx = contextlib.nullcontext() if source == "param" else _params_hold(chunks, source)
+    pieces = []
+    with ctx:
+        for chunk in chunks:
+            for sh in iter_sharded_tensors(_unwrap(chunk).sharded_state_dict()):
+                if sh.data is None or not torch.is_floating_point(sh.data):
+                    continue
+                if any(r != 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,))):
+                    continue
+                pieces.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset),
+                               sh.data.detach().float().cpu().clone()))
+    everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, pieces)
+    else:
+        everyone = [pieces]
+    out: dict[str, torch.Tensor] = {}
+    for rank_pieces in everyone:
+        for key, shape, offset, data in rank_pieces:
+            full = out.setdefault(key, torch.full(shape, float("nan")))
+            lead = len(shape) - data.dim()
+            index = tuple(offset[:lead]) + tuple(
+                slice(o, o + n) for o, n in zip(offset[lead:], data.shape)
+            )
+            full[index] = data
+    return out

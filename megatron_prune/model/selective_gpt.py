@@ -1,0 +1,77 @@
+"""GPTModel whose last stage scores only selected positions (the selective LM head).
+
+A subclass, not a patch: ``forward`` accepts a :class:`TokenSelection`; on the last pipeline
+stage ``_postprocess`` gathers sequence-parallel hidden states, indexes the selected positions and
+returns their label log-probs through the fused vocab-parallel op. No full-vocabulary logits are
+formed. Without a selection the model behaves exactly like Megatron's ``GPTModel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from megatron_prune.ops import vocab_parallel_logprobs
+
+DEFAULT_CHUNK_SIZE = 4096
+
+
+@dataclass
+class TokenSelection:
+    """Positions to score, as flat indices into the ``[s, b]`` activation layout."""
+
+    index: torch.Tensor
+    """[n] int64: ``position * micro_batch_size + row`` for each scored token."""
+    labels: torch.Tensor
+    """[n] int64: the token id whose log-prob is wanted at each selected position."""
+    seq_ids: torch.Tensor
+    """[n] int64: which sequence (sample/branch) each selected token belongs to."""
+
+    def __post_init__(self) -> None:
+        assert self.index.shape == self.labels.shape == self.seq_ids.shape, "selection fields must align"
+
+
+class SelectiveGPTModel(GPTModel):
+    """Megatron ``GPTModel`` plus a selective, vocab-parallel log-prob head."""
+
+    def __init__(self, *args, true_vocab_size: int, logprob_chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.true_vocab_size = true_vocab_size
+        self.logprob_chunk_size = logprob_chunk_size
+        self._selection: TokenSelection | None = None
+
+    def forward(self, *args, token_selection: TokenSelection | None = None, **kwargs):
+        self._selection = token_selection
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._selection = None
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        selection = self._selection
+        if selection is None or not self.post_process:
+            return super()._postprocess(hidden_states, *args, **kwargs)
+        if self.config.sequence_parallel:
+            # The op returns the complete (TP-summed) gradient, so the gather's backward only splits.
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp
+            )
+        s, b, h = hidden_states.shape
+        selected = hidden_states.reshape(s * b, h).index_select(0, selection.index)
+        weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else self.output_layer.weight
+        )
+        return vocab_parallel_logprobs(
+            selected,
+            weight,
+            selection.labels,
+            chunk_size=self.logprob_chunk_size,
+            tp_group=self.pg_collection.tp,
+            vocab_size=self.true_vocab_size,
+        )

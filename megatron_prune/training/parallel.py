@@ -1,0 +1,142 @@
+"""Process groups: torch.distributed start-up and Megatron model-parallel state."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from typing import Iterator
+
+
+import torch.distributed as dist
+
+from megatron_prune.accelerator import get_accelerator
+from megatron_prune.model.provider import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def validate_layout(parallel: ParallelConfig, world_size: int) -> int:
+    """Check the layout against the world size; return the data-parallel size."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor-model-parallel-size x "
+            f"pipeline-model-parallel-size = {tp} x {pp}"
+        )
+    if parallel.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 2 or pp < 2):
+        raise ValueError("--virtual-pipeline-model-parallel-size needs a value >= 2 and pipeline parallelism > 1")
+    return world_size // (tp * pp)
+
+
+def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
+    """Start torch.distributed from torchrun's environment (a single process when absent).
+
+    On CPU this also applies the registered Megatron CPU patches.
+    """
+    acc = get_accelerator()
+    if acc.kind == "cpu":
+        from megatron_prune.patches import apply_cpu_patches
+
+        apply_cpu_patches()
+    acc.set_device()
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(
+        backend=acc.backend,
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
+    """Create Megatron's TP/PP/DP groups for ``parallel`` and seed the RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    validate_layout(parallel, dist.get_world_size())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+    )
+    get_accelerator().manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def model_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> Iterator[None]:
+    """Model-parallel state for the duration of the block, always torn down afterwards."""
+    initialize_model_parallel(parallel, seed=seed)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+
+
+def is_logging_rank() -> bool:
+    """First rank of the last pipeline stage, data- and tensor-parallel rank 0: reports metrics."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        return True
+    if not parallel_state.model_parallel_is_initialized():
+        return dist.get_rank() == 0
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+__all__ = [
+    "barrier",
+    "broadcast_object",
+    "destroy_model_parallel",
+    "initialize_distributed",
+    "initialize_model_parallel",
+    "is_logging_rank",
+    "model_parallel",
+    "validate_layout",
+    "world_size",
+]

@@ -1,0 +1,214 @@
+"""CPU support for Megatron-Core: the places that assume CUDA, rebound for the CPU/gloo path.
+
+Applied only when the accelerator is CPU (see :func:`megatron_prune.patches.apply_cpu_patches`);
+on GPU and NPU nothing here runs. Each entry names its target, its reason and the versions it was
+checked on. Literal CUDA devices inside long functions are rewritten textually (exact strings that
+must still be present), so the rest of the function stays Megatron's own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .registry import Patch, register, rewrite_source
+
+GROUP = "cpu"
+CHECKED = ("0.16.1",)
+
+_CUR = "torch.cuda.current_device()"
+
+
+def _cpu(name: str, target: str, reason: str, *replacements: tuple[str, str]) -> None:
+    register(
+        Patch(
+            name=f"cpu.{name}",
+            target=target,
+            reason=reason,
+            build=rewrite_source(*replacements),
+            group=GROUP,
+            checked_versions=CHECKED,
+        )
+    )
+
+
+# --- attention masks -----------------------------------------------------------------------
+_cpu(
+    "get_default_causal_mask",
+    "megatron.core.transformer.utils.get_default_causal_mask",
+    "the causal mask is allocated with device='cuda' (also imported by name in fused_softmax)",
+    ('device="cuda"', 'device="cpu"'),
+)
+
+# --- tensor-parallel communication buffers ---------------------------------------------------
+for _fn in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
+    _cpu(
+        f"mappings.{_fn}",
+        f"megatron.core.tensor_parallel.mappings.{_fn}",
+        "TP collective output buffers are allocated on torch.cuda.current_device()",
+        (_CUR, "input_.device"),
+    )
+
+_cpu(
+    "GlobalMemoryBuffer.get_tensor",
+    "megatron.core.utils.GlobalMemoryBuffer.get_tensor",
+    "the global memory buffer (sequence-parallel all-gather) is allocated on the current CUDA device",
+    (_CUR, '"cpu"'),
+)
+
+# --- pipeline p2p and schedules -------------------------------------------------------------
+_cpu(
+    "P2PCommunicator._communicate_shapes",
+    "megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator._communicate_shapes",
+    "variable-shape p2p exchanges shape tensors on the current CUDA device and syncs CUDA",
+    (_CUR, '"cpu"'),
+    ("torch.cuda.synchronize()", "pass"),
+)
+_cpu(
+    "P2PCommunicator._communicate",
+    "megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator._communicate",
+    "p2p receive buffers are allocated on the current CUDA device; it syncs CUDA after batched p2p",
+    (_CUR, '"cpu"'),
+    ("torch.cuda.synchronize()", "pass"),
+)
+for _sched in (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+):
+    _cpu(
+        f"schedules.{_sched}",
+        f"megatron.core.pipeline_parallel.schedules.{_sched}",
+        "the schedule's token counter is a literal device='cuda' tensor",
+        ('device="cuda"', 'device="cpu"'),
+    )
+
+# --- RoPE -----------------------------------------------------------------------------------
+_cpu(
+    "RotaryEmbedding.get_emb",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
+    "RoPE moves inv_freq from CPU to the current CUDA device at the first forward",
+    ("self.inv_freq.device.type == 'cpu'", "False"),
+)
+
+# --- optimizer and gradient clipping ----------------------------------------------------------
+_cpu(
+    "MixedPrecisionOptimizer.__init__",
+    "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.__init__",
+    "bf16/fp16 optimizers keep found_inf and scale tensors on device='cuda'",
+    ("device='cuda'", "device='cpu'"),
+)
+_cpu(
+    "Float16OptimizerWithFloat16Params.__init__",
+    "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
+    "parameter types are checked against the CUDA tensor type names",
+    ("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'", "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
+    ("param.type() == 'torch.cuda.FloatTensor'", "param.type() == 'torch.FloatTensor'"),
+)
+_cpu(
+    "DistributedOptimizer._build_model_and_main_param_groups",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups",
+    "parameter types are checked against the CUDA tensor type names",
+    ("'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'", "'torch.HalfTensor', 'torch.BFloat16Tensor'"),
+    ("model_param.type() == 'torch.cuda.FloatTensor'", "model_param.type() == 'torch.FloatTensor'"),
+)
+_cpu(
+    "get_grad_norm_fp32",
+    "megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
+    "the gradient norm is reduced in device='cuda' tensors",
+    ("device='cuda'", "device='cpu'"),
+)
+_cpu(
+    "clip_grad_by_total_norm_fp32",
+    "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+    "gradient types are asserted to be torch.cuda.FloatTensor",
+    ("param.grad.type() == 'torch.cuda.FloatTensor'", "param.grad.type() == 'torch.FloatTensor'"),
+    ("device='cuda'", "device='cpu'"),
+)
+_cpu(
+    "count_zeros_fp32",
+    "megatron.core.optimizer.clip_grads.count_zeros_fp32",
+    "the zero counter is a device='cuda' tensor",
+    ("device='cuda'", "device='cpu'"),
+)
+_cpu(
+    "local_multi_tensor_l2_norm",
+    "megatron.core.utils.local_multi_tensor_l2_norm",
+    "the apex-free L2 norm fallback returns a device='cuda' tensor",
+    ('device="cuda"', 'device="cpu"'),
+)
+
+
+# --- RNG tracker: the CUDA generator becomes the CPU generator ----------------------------------
+def _cpu_get_rng_state(original):
+    @functools.wraps(original)
+    def get_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    return get_rng_state
+
+
+def _cpu_set_rng_state(original):
+    @functools.wraps(original)
+    def set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    return set_rng_state
+
+
+register(
+    Patch(
+        name="cpu.random._get_cuda_rng_state",
+        target="megatron.core.tensor_parallel.random._get_cuda_rng_state",
+        reason="the model-parallel RNG tracker reads the CUDA generator; on CPU it uses torch's",
+        build=_cpu_get_rng_state,
+        group=GROUP,
+        checked_versions=CHECKED,
+    )
+)
+register(
+    Patch(
+        name="cpu.random._set_cuda_rng_state",
+        target="megatron.core.tensor_parallel.random._set_cuda_rng_state",
+        reason="the model-parallel RNG tracker writes the CUDA generator; on CPU it uses torch's",
+        build=_cpu_set_rng_state,
+        group=GROUP,
+        checked_versions=CHECKED,
+    )
+)
+_cpu(
+    "CudaRNGStatesTracker.add",
+    "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add",
+    "tracker states are created with torch.cuda.get_rng_state/manual_seed",
+    ("torch.cuda.get_rng_state()", "torch.get_rng_state()"),
+    ("torch.cuda.manual_seed(seed)", "torch.manual_seed(seed)"),
+)
+_cpu(
+    "CudaRNGStatesTracker.fork",
+    "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork",
+    "fork warns when the CPU generator changes, which on CPU is the tracked generator itself",
+    ("if not torch.all(cpu_rng_state == torch.get_rng_state()).item():", "if False:"),
+)
+
+# --- DDP gradient buffers ---------------------------------------------------------------------
+_cpu(
+    "_ParamAndGradBuffer.__init__",
+    "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__",
+    "DDP's contiguous param/grad buffers are allocated on torch.cuda.current_device()",
+    (_CUR, '"cpu"'),
+)
+_cpu(
+    "FP32Optimizer.__init__",
+    "megatron.core.optimizer.optimizer.FP32Optimizer.__init__",
+    "the fp32 optimizer's unit loss scale is a device='cuda' tensor",
+    ("device='cuda'", "device='cpu'"),
+)
+
+# --- tensor-parallel linear backward -----------------------------------------------------------
+_cpu(
+    "LinearWithGradAccumulationAndAsyncCommunication.backward",
+    "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
+    "the sequence-parallel all-gather buffer in backward is allocated on the current CUDA device",
+    (_CUR, "input.device"),
+)
