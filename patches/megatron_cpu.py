@@ -212,3 +212,11 @@ _cpu(
     "the sequence-parallel all-gather buffer in backward is allocated on the current CUDA device",
     (_CUR, "input.device"),
 )
+
+# --- tied embeddings across pipeline stages ------------------------------------------------------
+_cpu(
+    "LanguageModule.setup_embeddings_and_output_layer",
+    "megatron.core.models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer",
+    "the shared embedding/output weight is moved with .cuda() before the embedding-group all-reduce",
+    ("weight.data = weight.data.cuda()", "pass"),
+)

@@ -70,6 +70,19 @@ def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
     return {n: float(totals[i, 0] / totals[i, 1]) for i, n in enumerate(names)}
 
 
+def forward_backward(
+    *,
+    model: list[torch.nn.Module],
+    optimizer,
+    **schedule_kwargs,
+) -> list[dict[str, Any]]:
+    """Zero grads and accumulate this step's gradients (reduced over DP/TP/embedding groups)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    return run_schedule(model=model, forward_only=False, **schedule_kwargs)
+
+
 def train_step(
     *,
     forward_step_func: Callable,
@@ -81,17 +94,14 @@ def train_step(
     micro_batch_size: int,
 ) -> StepResult:
     """Zero grads, run forward/backward over the microbatches, step the optimizer."""
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    outputs = run_schedule(
+    outputs = forward_backward(
+        model=model,
+        optimizer=optimizer,
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
-        model=model,
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
-        forward_only=False,
     )
     success, grad_norm, _ = optimizer.step()
     return StepResult(metrics=reduce_metrics(outputs), grad_norm=grad_norm, skipped=not success)

@@ -1,0 +1,94 @@
+"""Run a test function on N gloo ranks (CPU) and collect each rank's return value.
+
+``run_distributed(fn, world_size, **kwargs)`` spawns ``world_size`` processes; each starts
+torch.distributed through the plugin's own ``initialize_distributed`` (so the CPU patches are
+applied exactly as in production), calls ``fn(**kwargs)`` and returns its (picklable) result.
+``fn`` must be a module-level function of an importable test module. Parallel state is torn
+down in ``finally`` blocks, so a failing layout cannot poison the next launch.
+
+Launching costs ~5-15 s (importing Megatron); checking one layout of a tiny model takes < 1 s,
+so tests loop over layouts inside one launch with :func:`megatron_prune.training.parallel.model_parallel`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, outdir: str, kwargs: dict) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+
+    torch.set_num_threads(1)
+    from megatron_prune.training.parallel import initialize_distributed
+
+    try:
+        initialize_distributed(timeout_minutes=3)
+        result = fn(**kwargs)
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("ok", result), f)
+    except BaseException:  # report, then fail the process so the launcher sees it
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("error", traceback.format_exc()), f)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def run_distributed(fn: Callable, world_size: int, **kwargs: Any) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    with tempfile.TemporaryDirectory() as outdir:
+        try:
+            mp.start_processes(
+                _worker,
+                args=(fn, world_size, _free_port(), outdir, kwargs),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except Exception as exc:  # noqa: BLE001 - re-raised with every rank's traceback
+            reports = []
+            for rank in range(world_size):
+                path = os.path.join(outdir, f"{rank}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        status, payload = pickle.load(f)
+                    if status == "error":
+                        reports.append(f"--- rank {rank} ---\n{payload}")
+            raise DistributedTestError("\n".join(reports) or str(exc)) from None
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(outdir, f"{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f)[1])
+        return results

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up (once) and run the default test suite: bash tests/run.sh [pytest args]
+# Creates .venv if absent, installs the CPU build of torch first (an unpinned torch pulls a
+# multi-GB CUDA build), then the project with its test extra, then runs pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test]"
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "tests/run.sh: pytest collected no tests; failing" >&2
+  exit 1
+fi
+exit "$rc"
