@@ -1,0 +1,365 @@
+"""Preference pairs (DPO) from local JSONL or Parquet files, as token ids.
+
+Record shapes, detected per record (or forced with ``format=``):
+
+``explicit``
+    ``prompt``, ``chosen``, ``rejected``. The prompt is a string (one user message; a string
+    already in HH-RLHF form, ``"\\n\\nHuman: ...\\n\\nAssistant:"``, is parsed as a dialogue) or
+    a message list ``[{"role", "content"}]``. A response is a string or a message list: the
+    prompt's messages may be repeated at its start, what remains must be one assistant message.
+``hh``
+    HH-RLHF: ``chosen`` and ``rejected`` are full transcripts sharing the dialogue up to the
+    last ``"\\n\\nAssistant:"``. The prompt is that shared dialogue, marker included; a
+    response is the rest (its single leading space belongs to the plain template).
+``helpsteer3``
+    HelpSteer3-Preference: ``context`` (message list), ``response1``, ``response2`` and
+    ``overall_preference`` (int in [-3, 3]; negative prefers response1, positive response2).
+    A tie (0) carries no preference and is always a counted skip (reason ``"tie"``).
+
+Detection: ``context`` and ``response1`` -> helpsteer3; else ``prompt`` -> explicit; else
+``chosen`` and ``rejected`` -> hh.
+
+Token ids: the prompt is rendered by the tokenizer's chat template (the plain HH-RLHF template
+when it has none, see ``tokenizer.py``) with the generation prompt; each response is
+``encode(render_response(text)) + [eos]``.
+
+Truncation rule (``max_seq_length`` L, ``max_prompt_length`` P):
+
+1. a prompt longer than P tokens keeps its last P tokens (left truncation);
+2. each response keeps its first ``L - len(prompt)`` tokens (right truncation; a cut response
+   loses its eos), so prompt+chosen and prompt+rejected both fit in L;
+3. when the prompt leaves no room for a response token (only possible when P is None or
+   P >= L) the record is invalid (reason ``"prompt too long"``), and so is a pair whose two
+   responses are identical after truncation (reason ``"identical responses"``).
+
+Bad records raise :class:`DataError` naming file, 1-based line/record number and reason; with
+``skip_invalid=True`` each is logged and counted in ``skipped`` instead. Nothing is dropped
+silently: yielded + skipped always equals the number of input records.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+from typing import Any, Iterator, Sequence
+
+from megatron_prune.data.records import (
+    DataError,
+    RecordError,
+    SkipPolicy,
+    check_encodable,
+    iter_records,
+    record_error,
+)
+from megatron_prune.data.tokenizer import (
+    PLAIN_GENERATION_PROMPT,
+    PLAIN_ROLE_MARKERS,
+    Message,
+    Tokenizer,
+    validate_messages,
+)
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("auto", "explicit", "hh", "helpsteer3")
+ALWAYS_SKIPPED = frozenset({"tie"})
+"""Reasons that are counted skips even without ``skip_invalid`` (the record is valid but unusable)."""
+
+PathLike = str | os.PathLike
+
+
+@dataclasses.dataclass(kw_only=True)
+class PreferenceDataConfig:
+    """How preference records are read, tokenized and truncated."""
+
+    max_seq_length: int = 1024
+    """Longest prompt+response sequence, in tokens; both prompt+chosen and prompt+rejected fit."""
+    max_prompt_length: int | None = None
+    """Prompts longer than this keep their last tokens; None: never truncate the prompt."""
+    format: str = "auto"
+    """Record shape: auto (detected per record), explicit, hh or helpsteer3."""
+    skip_invalid: bool = False
+    """Count and log bad records instead of raising DataError on the first one."""
+
+    def __post_init__(self) -> None:
+        if self.max_seq_length < 2:
+            raise ValueError(f"max_seq_length must be >= 2, got {self.max_seq_length}")
+        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_seq_length:
+            raise ValueError(
+                f"max_prompt_length must be in [1, max_seq_length={self.max_seq_length}), "
+                f"got {self.max_prompt_length}"
+            )
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceText:
+    """A parsed preference record before tokenization."""
+
+    prompt: list[Message]
+    chosen: str
+    rejected: str
+
+
+@dataclasses.dataclass
+class PreferencePair:
+    """One preference pair as token ids; ``source`` and ``line`` locate the input record."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    source: str
+    line: int
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def detect_format(record: dict[str, Any]) -> str:
+    """The record shape of ``record`` (see the module docstring); RecordError if none fits."""
+    if "context" in record and "response1" in record:
+        return "helpsteer3"
+    if "prompt" in record:
+        return "explicit"
+    if "chosen" in record and "rejected" in record:
+        return "hh"
+    raise RecordError(
+        "unknown format",
+        "expected prompt/chosen/rejected, chosen/rejected or context/response1/response2; "
+        f"got keys {sorted(record)[:8]}",
+    )
+
+
+def parse_preference_record(record: dict[str, Any], *, format: str = "auto") -> PreferenceText:
+    """Prompt messages and the chosen/rejected texts of one record; RecordError if unusable."""
+    kind = detect_format(record) if format == "auto" else format
+    if kind == "explicit":
+        text = _parse_explicit(record)
+    elif kind == "hh":
+        text = _parse_hh(record)
+    elif kind == "helpsteer3":
+        text = _parse_helpsteer3(record)
+    else:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    for name in ("chosen", "rejected"):
+        if not getattr(text, name).strip():
+            raise RecordError("empty response", f"{name} response is empty")
+    if text.chosen == text.rejected:
+        raise RecordError("identical responses", "chosen and rejected are the same text")
+    check_encodable([m["content"] for m in text.prompt] + [text.chosen, text.rejected])
+    return text
+
+
+def _field(record: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+    if name not in record:
+        raise RecordError("missing field", repr(name))
+    value = record[name]
+    if not isinstance(value, types) or isinstance(value, bool):
+        expected = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise RecordError("wrong type", f"{name!r} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _messages(value: Any, name: str) -> list[Message]:
+    try:
+        validate_messages(value)
+    except ValueError as exc:
+        raise RecordError("invalid messages", f"{name}: {exc}") from None
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def split_hh_transcript(transcript: str) -> tuple[str, str]:
+    """``(prompt, response)`` of an HH-RLHF transcript, cut after its last ``"\\n\\nAssistant:"``."""
+    cut = transcript.rfind(PLAIN_GENERATION_PROMPT)
+    if cut < 0:
+        raise RecordError("not a dialogue", f"no {PLAIN_GENERATION_PROMPT!r} turn in the transcript")
+    end = cut + len(PLAIN_GENERATION_PROMPT)
+    return transcript[:end], transcript[end:]
+
+
+def parse_hh_dialogue(prompt: str) -> list[Message]:
+    """Messages of an HH-RLHF prompt ``"\\n\\nHuman: ...\\n\\nAssistant:"`` (the inverse of the plain template)."""
+    if not prompt.endswith(PLAIN_GENERATION_PROMPT):
+        raise RecordError("not a dialogue", f"prompt does not end with {PLAIN_GENERATION_PROMPT!r}")
+    body = prompt[: -len(PLAIN_GENERATION_PROMPT)]
+    markers = sorted(PLAIN_ROLE_MARKERS.items(), key=lambda item: -len(item[1]))
+    messages: list[Message] = []
+    position = 0
+    while position < len(body):
+        role, marker = next(((r, m) for r, m in markers if body.startswith(m, position)), (None, None))
+        if role is None:
+            raise RecordError("not a dialogue", "transcript must start with '\\n\\nHuman:'")
+        start = position + len(marker)
+        ends = [body.find(m, start) for _, m in markers]
+        position = min([e for e in ends if e >= 0], default=len(body))
+        messages.append({"role": role, "content": _drop_one_space(body[start:position])})
+    if not messages:
+        raise RecordError("not a dialogue", "empty dialogue before the last assistant turn")
+    return messages
+
+
+def _drop_one_space(text: str) -> str:
+    return text[1:] if text.startswith(" ") else text
+
+
+def _parse_hh(record: dict[str, Any]) -> PreferenceText:
+    chosen = _field(record, "chosen", str)
+    rejected = _field(record, "rejected", str)
+    prompt_c, response_c = split_hh_transcript(chosen)
+    prompt_r, response_r = split_hh_transcript(rejected)
+    if prompt_c != prompt_r:
+        raise RecordError("no shared prefix", "chosen and rejected differ before their last assistant turn")
+    return PreferenceText(parse_hh_dialogue(prompt_c), _drop_one_space(response_c), _drop_one_space(response_r))
+
+
+def _parse_explicit(record: dict[str, Any]) -> PreferenceText:
+    prompt = _field(record, "prompt", (str, list))
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise RecordError("empty prompt", "'prompt' is empty")
+        is_hh = prompt.startswith(PLAIN_ROLE_MARKERS["user"]) and prompt.endswith(PLAIN_GENERATION_PROMPT)
+        messages = parse_hh_dialogue(prompt) if is_hh else [{"role": "user", "content": prompt}]
+    else:
+        messages = _messages(prompt, "prompt")
+    chosen = _response(_field(record, "chosen", (str, list)), messages, "chosen")
+    rejected = _response(_field(record, "rejected", (str, list)), messages, "rejected")
+    return PreferenceText(messages, chosen, rejected)
+
+
+def _response(value: str | list, prompt: list[Message], name: str) -> str:
+    if isinstance(value, str):
+        return value
+    turns = _messages(value, name)
+    if turns[: len(prompt)] == prompt:
+        turns = turns[len(prompt) :]
+    if len(turns) != 1 or turns[0]["role"] != "assistant":
+        raise RecordError("invalid messages", f"{name} must be one assistant message after the prompt")
+    return turns[0]["content"]
+
+
+def _parse_helpsteer3(record: dict[str, Any]) -> PreferenceText:
+    context = _messages(_field(record, "context", list), "context")
+    response1 = _field(record, "response1", str)
+    response2 = _field(record, "response2", str)
+    preference = _field(record, "overall_preference", int)
+    if not -3 <= preference <= 3:
+        raise RecordError("invalid value", f"overall_preference must be in [-3, 3], got {preference}")
+    if preference == 0:
+        raise RecordError("tie", "overall_preference is 0 (no preference)")
+    chosen, rejected = (response1, response2) if preference < 0 else (response2, response1)
+    return PreferenceText(context, chosen, rejected)
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def truncate_pair(
+    prompt_ids: Sequence[int],
+    chosen_ids: Sequence[int],
+    rejected_ids: Sequence[int],
+    *,
+    max_seq_length: int,
+    max_prompt_length: int | None = None,
+) -> tuple[list[int], list[int], list[int]]:
+    """Apply the truncation rule of the module docstring; RecordError when nothing is left."""
+    prompt = list(prompt_ids)
+    if max_prompt_length is not None and len(prompt) > max_prompt_length:
+        prompt = prompt[len(prompt) - max_prompt_length :]
+    budget = max_seq_length - len(prompt)
+    if budget < 1:
+        raise RecordError(
+            "prompt too long",
+            f"prompt is {len(prompt)} tokens, leaving no room for a response in max_seq_length={max_seq_length}",
+        )
+    chosen, rejected = list(chosen_ids[:budget]), list(rejected_ids[:budget])
+    if chosen == rejected:
+        raise RecordError(
+            "identical responses", f"chosen and rejected are the same {len(chosen)} tokens after truncation"
+        )
+    return prompt, chosen, rejected
+
+
+def tokenize_preference(
+    text: PreferenceText, tokenizer: Tokenizer, *, max_seq_length: int, max_prompt_length: int | None = None
+) -> tuple[list[int], list[int], list[int]]:
+    """Token ids ``(prompt, chosen, rejected)`` of a parsed record, truncated to fit."""
+    try:
+        prompt_ids = tokenizer.apply_chat_template(text.prompt, add_generation_prompt=True, tokenize=True)
+    except ValueError as exc:
+        raise RecordError("chat template failed", str(exc)) from None
+    chosen_ids = tokenizer.encode(tokenizer.render_response(text.chosen)) + [tokenizer.eos_id]
+    rejected_ids = tokenizer.encode(tokenizer.render_response(text.rejected)) + [tokenizer.eos_id]
+    return truncate_pair(
+        prompt_ids, chosen_ids, rejected_ids, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length
+    )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def iter_preference_pairs(
+    path: PathLike, *, tokenizer: Tokenizer, config: PreferenceDataConfig, policy: SkipPolicy
+) -> Iterator[PreferencePair]:
+    """Pairs of one file in order; each bad record goes to ``policy`` (raise, or count and log)."""
+    source = os.fspath(path)
+    for line, record in iter_records(source):
+        if isinstance(record, DataError):
+            policy.handle(record)
+            continue
+        try:
+            text = parse_preference_record(record, format=config.format)
+            ids = tokenize_preference(
+                text, tokenizer, max_seq_length=config.max_seq_length, max_prompt_length=config.max_prompt_length
+            )
+        except RecordError as exc:
+            if exc.reason in ALWAYS_SKIPPED:
+                policy.skip(record_error(source, line, exc))
+            else:
+                policy.handle(record_error(source, line, exc))
+            continue
+        yield PreferencePair(*ids, source=source, line=line)
+
+
+def load_preference_pairs(
+    paths: PathLike | Sequence[PathLike], *, tokenizer: Tokenizer, config: PreferenceDataConfig | None = None
+) -> tuple[list[PreferencePair], collections.Counter[str]]:
+    """All pairs of ``paths`` (files in the given order) and the skip counts per reason."""
+    config = config or PreferenceDataConfig()
+    policy = SkipPolicy(skip_invalid=config.skip_invalid)
+    pairs: list[PreferencePair] = []
+    for path in _as_list(paths):
+        pairs.extend(iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy))
+    if policy.skipped:
+        skipped = sum(policy.skipped.values())
+        logger.warning("loaded %d preference pairs, skipped %d records: %s", len(pairs), skipped, dict(policy.skipped))
+    return pairs, policy.skipped
+
+
+def _as_list(paths: PathLike | Sequence[PathLike]) -> list[PathLike]:
+    return [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+
+
+class PreferenceDataset:
+    """Preference pairs of local files, loaded and tokenized up front.
+
+    ``skipped`` counts skipped records per reason; ``len(self) + sum(skipped.values())`` is the
+    number of input records.
+    """
+
+    def __init__(
+        self, paths: PathLike | Sequence[PathLike], *, tokenizer: Tokenizer, config: PreferenceDataConfig | None = None
+    ):
+        self.config = config or PreferenceDataConfig()
+        self.paths = [os.fspath(p) for p in _as_list(paths)]
+        self.pairs, self.skipped = load_preference_pairs(self.paths, tokenizer=tokenizer, config=self.config)
+        if not self.pairs:
+            raise ValueError(f"no usable preference pairs in {', '.join(self.paths)} (skipped: {dict(self.skipped)})")
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> PreferencePair:
+        return self.pairs[index]

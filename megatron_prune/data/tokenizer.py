@@ -1,0 +1,250 @@
+"""Tokenizers: one small interface over Hugging Face tokenizers and SentencePiece models.
+
+Everything is local: a Hugging Face tokenizer is read from a directory (never a hub name), a
+SentencePiece model from a ``.model`` file, and ``load_tokenizer("tiny")`` returns the bundled
+512-piece model of the ``--model-preset tiny`` model (built by ``tokenizer/build_tiny.py``).
+
+Chat formatting. A tokenizer with its own chat template (a Hugging Face tokenizer whose
+``chat_template`` is set) uses it. Every other tokenizer uses the *plain template*, the
+HH-RLHF transcript format::
+
+    "\\n\\nSystem: {system}"      (a system message, if any)
+    "\\n\\nHuman: {user}"
+    "\\n\\nAssistant: {assistant}"
+    ...
+    "\\n\\nAssistant:"            (the generation prompt)
+
+and an assistant response follows the generation prompt after one space
+(``render_response``), so that prompt + response is exactly an HH-RLHF transcript. An empty
+message renders as the bare marker (``"\\n\\nHuman:"``). Token ids of a rendered prompt start
+with ``bos_id`` when the plain template is used and the tokenizer has one; a model's own chat
+template decides that itself (its rendered text carries any special tokens it wants).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer")
+BUNDLED_TOKENIZERS = {"tiny": os.path.join(BUNDLED_TOKENIZER_DIR, "tiny.model")}
+"""Names that :func:`load_tokenizer` resolves to files shipped with the package."""
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A directory holding none of these is not a Hugging Face tokenizer."""
+
+PLAIN_ROLE_MARKERS = {"system": "\n\nSystem:", "user": "\n\nHuman:", "assistant": "\n\nAssistant:"}
+"""Turn markers of the plain (HH-RLHF) chat template, by message role."""
+PLAIN_GENERATION_PROMPT = PLAIN_ROLE_MARKERS["assistant"]
+
+Message = dict[str, str]
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids, special ids and chat formatting (see the module docstring)."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without any special tokens added."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included; every id is below it."""
+
+    @property
+    @abc.abstractmethod
+    def bos_id(self) -> int | None:
+        """Beginning-of-sequence id, or None when the tokenizer has none."""
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int:
+        """End-of-sequence id; every response ends with it."""
+
+    @property
+    @abc.abstractmethod
+    def pad_id(self) -> int:
+        """Padding id (the eos id when the tokenizer defines no pad token)."""
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when the tokenizer brings its own chat template (else the plain template is used)."""
+        return False
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        """Render ``messages`` as a prompt (text, or token ids with ``tokenize=True``)."""
+        validate_messages(messages)
+        text = render_plain_template(messages, add_generation_prompt=add_generation_prompt)
+        if not tokenize:
+            return text
+        prefix = [self.bos_id] if self.bos_id is not None else []
+        return prefix + self.encode(text)
+
+    def render_response(self, content: str) -> str:
+        """The text that follows the generation prompt for an assistant reply ``content``."""
+        return " " + content if content else content
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise ValueError unless ``messages`` is a non-empty list of {"role", "content"} dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list, got {type(messages).__name__}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {index} must be an object, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in PLAIN_ROLE_MARKERS:
+            raise ValueError(f"message {index} has role {role!r}; expected one of {', '.join(PLAIN_ROLE_MARKERS)}")
+        if not isinstance(content, str):
+            raise ValueError(f"message {index} content must be a string, got {type(content).__name__}")
+
+
+def render_plain_template(messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    """The plain HH-RLHF-style rendering of ``messages`` (see the module docstring)."""
+    parts = []
+    for message in messages:
+        content = message["content"]
+        parts.append(PLAIN_ROLE_MARKERS[message["role"]] + (" " + content if content else ""))
+    if add_generation_prompt:
+        parts.append(PLAIN_GENERATION_PROMPT)
+    return "".join(parts)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model`` file; chat formatting by the plain template."""
+
+    def __init__(self, model_file: str | os.PathLike):
+        import sentencepiece as spm
+
+        self.path = os.fspath(model_file)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"{self.path}: SentencePiece model file not found")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        except (RuntimeError, OSError) as exc:
+            raise ValueError(f"{self.path}: not a SentencePiece model ({exc})") from exc
+        if self._sp.eos_id() < 0:
+            raise ValueError(f"{self.path}: SentencePiece model has no eos piece; responses need one")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode(list(ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer saved in a local directory (``save_pretrained``); no hub access."""
+
+    def __init__(self, directory: str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        self.path = os.fspath(directory)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"{self.path}: tokenizer directory not found")
+        if not any(os.path.isfile(os.path.join(self.path, name)) for name in HF_TOKENIZER_FILES):
+            raise ValueError(
+                f"{self.path}: not a Hugging Face tokenizer directory (none of {', '.join(HF_TOKENIZER_FILES)})"
+            )
+        try:
+            self._tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{self.path}: not a Hugging Face tokenizer directory ({exc})") from exc
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"{self.path}: tokenizer defines no eos token; responses need one")
+        if self._tok.pad_token_id is None:
+            logger.info("%s: no pad token, padding with eos id %d", self.path, self._tok.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._tok.eos_token_id
+
+    @property
+    def pad_id(self) -> int:
+        pad = self._tok.pad_token_id
+        return pad if pad is not None else self.eos_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        if not self.has_chat_template:
+            return super().apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize
+            )
+        validate_messages(messages)
+        try:
+            text = self._tok.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja2 raises its own TemplateError (raise_exception in templates)
+            raise ValueError(f"{self.path}: the chat template rejected the messages ({exc})") from exc
+        return self.encode(text) if tokenize else text
+
+    def render_response(self, content: str) -> str:
+        return content if self.has_chat_template else super().render_response(content)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(path_or_name: str | os.PathLike) -> Tokenizer:
+    """A bundled tokenizer by name (``"tiny"``), a SentencePiece ``.model`` file or an HF directory."""
+    spec = os.fspath(path_or_name)
+    if spec in BUNDLED_TOKENIZERS:
+        return SentencePieceTokenizer(BUNDLED_TOKENIZERS[spec])
+    if os.path.isdir(spec):
+        return HFTokenizer(spec)
+    if os.path.isfile(spec):
+        return SentencePieceTokenizer(spec)
+    raise FileNotFoundError(
+        f"{spec}: tokenizer not found; give a bundled name ({', '.join(BUNDLED_TOKENIZERS)}), "
+        "a SentencePiece .model file or a local Hugging Face tokenizer directory"
+    )

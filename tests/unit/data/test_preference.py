@@ -1,0 +1,261 @@
+"""Preference records: every shape, the HH-RLHF split, the truncation rule, errors and skips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_prune.data import HH_RLHF_HELDOUT, HH_RLHF_SAMPLE
+from megatron_prune.data.preference import (
+    PreferenceDataConfig,
+    PreferenceDataset,
+    PreferenceText,
+    load_preference_pairs,
+    parse_hh_dialogue,
+    parse_preference_record,
+    split_hh_transcript,
+    truncate_pair,
+)
+from megatron_prune.data.records import DataError, RecordError
+from megatron_prune.data.tokenizer import render_plain_template
+
+from .helpers import write_jsonl
+
+USER = [{"role": "user", "content": "Hi there"}]
+
+
+def ids_text(tokenizer, pair):
+    """Decoded (prompt, chosen, rejected) of a pair; responses without their eos."""
+    strip = lambda ids: ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids  # noqa: E731
+    return tuple(tokenizer.decode(ids) for ids in (pair.prompt_ids, strip(pair.chosen_ids), strip(pair.rejected_ids)))
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def test_explicit_strings():
+    text = parse_preference_record({"prompt": "Hi there", "chosen": "Hello!", "rejected": "Go away."})
+    assert text == PreferenceText(USER, "Hello!", "Go away.")
+
+
+def test_explicit_string_prompt_in_hh_form_is_a_dialogue():
+    prompt = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Bye\n\nAssistant:"
+    text = parse_preference_record({"prompt": prompt, "chosen": " Bye!", "rejected": " No."})
+    assert [m["role"] for m in text.prompt] == ["user", "assistant", "user"]
+    assert render_plain_template(text.prompt) == prompt
+
+
+def test_explicit_message_lists():
+    system = [{"role": "system", "content": "Be kind."}] + USER
+    record = {
+        "prompt": system,
+        "chosen": system + [{"role": "assistant", "content": "Hello!"}],  # full conversation
+        "rejected": [{"role": "assistant", "content": "Go away."}],  # just the reply
+    }
+    assert parse_preference_record(record) == PreferenceText(system, "Hello!", "Go away.")
+    mixed = {"prompt": system, "chosen": "Hello!", "rejected": [{"role": "assistant", "content": "Go away."}]}
+    assert parse_preference_record(mixed) == PreferenceText(system, "Hello!", "Go away.")
+
+
+def test_explicit_response_list_must_be_one_assistant_message():
+    record = {"prompt": USER, "chosen": [{"role": "user", "content": "x"}], "rejected": "y"}
+    with pytest.raises(RecordError, match="one assistant message"):
+        parse_preference_record(record)
+
+
+def test_hh_split():
+    chosen = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Tell me a joke\n\nAssistant: Why did the chicken..."
+    rejected = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Tell me a joke\n\nAssistant: No."
+    prompt, response = split_hh_transcript(chosen)
+    assert prompt == "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Tell me a joke\n\nAssistant:"
+    assert response == " Why did the chicken..."
+    text = parse_preference_record({"chosen": chosen, "rejected": rejected})
+    assert text.prompt == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Tell me a joke"},
+    ]
+    assert (text.chosen, text.rejected) == ("Why did the chicken...", "No.")
+
+
+def test_hh_split_on_real_bundled_records(tiny_tokenizer):
+    """Prompt + response of every bundled pair reproduces the original transcript exactly."""
+    pairs, skipped = load_preference_pairs([HH_RLHF_SAMPLE, HH_RLHF_HELDOUT], tokenizer=tiny_tokenizer)
+    assert len(pairs) == 500 and not skipped
+    records = {}
+    for path in (HH_RLHF_SAMPLE, HH_RLHF_HELDOUT):
+        with open(path, encoding="utf-8") as handle:
+            records.update({(path, n): json.loads(line) for n, line in enumerate(handle, start=1)})
+    for pair in pairs:
+        record = records[(pair.source, pair.line)]
+        prompt, chosen, rejected = ids_text(tiny_tokenizer, pair)
+        assert pair.prompt_ids[0] == tiny_tokenizer.bos_id
+        assert prompt.endswith("\n\nAssistant:")
+        assert prompt + chosen == record["chosen"]
+        assert prompt + rejected == record["rejected"]
+        assert pair.chosen_ids[-1] == pair.rejected_ids[-1] == tiny_tokenizer.eos_id
+        assert render_plain_template(parse_hh_dialogue(prompt)) == prompt
+
+
+def test_hh_first_record_by_hand(tiny_tokenizer):
+    with open(HH_RLHF_SAMPLE, encoding="utf-8") as handle:
+        record = json.loads(handle.readline())
+    text = parse_preference_record(record)
+    assert text.prompt[0] == {"role": "user", "content": "what are some pranks with a pen i can do?"}
+    assert text.prompt[-1] == {"role": "user", "content": "okay some of these do not have anything to do with pens"}
+    assert text.chosen.startswith("No, sorry!")
+    assert text.rejected.startswith("There are lots of funny things")
+
+
+@pytest.mark.parametrize("preference, chosen", [(-3, "A"), (-1, "A"), (1, "B"), (3, "B")])
+def test_helpsteer3(preference, chosen):
+    record = {"context": USER, "response1": "A", "response2": "B", "overall_preference": preference, "domain": "general"}
+    text = parse_preference_record(record)
+    assert text == PreferenceText(USER, chosen, "B" if chosen == "A" else "A")
+
+
+def test_helpsteer3_tie_is_always_a_counted_skip(tmp_path, tiny_tokenizer):
+    records = [
+        {"context": USER, "response1": "A", "response2": "B", "overall_preference": 0},
+        {"context": USER, "response1": "A", "response2": "B", "overall_preference": 2},
+    ]
+    path = write_jsonl(tmp_path / "hs3.jsonl", records)
+    pairs, skipped = load_preference_pairs(path, tokenizer=tiny_tokenizer)  # skip_invalid is off
+    assert [p.line for p in pairs] == [2] and skipped == {"tie": 1}
+
+
+def test_format_override(tmp_path, tiny_tokenizer):
+    record = {"prompt": "ignored", "chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"}
+    assert parse_preference_record(record).prompt == [{"role": "user", "content": "ignored"}]
+    assert parse_preference_record(record, format="hh").prompt == [{"role": "user", "content": "a"}]
+    with pytest.raises(RecordError, match="missing field"):
+        parse_preference_record(record, format="helpsteer3")
+    with pytest.raises(ValueError, match="format"):
+        PreferenceDataConfig(format="ultrafeedback")
+
+
+def test_parquet(tmp_path, tiny_tokenizer):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"prompt": USER, "chosen": "Hello!", "rejected": "Go away."},
+        {"prompt": USER, "chosen": "Hey", "rejected": "Hey"},
+    ]
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DataError, match=f"{path}:2: identical responses"):
+        load_preference_pairs(path, tokenizer=tiny_tokenizer)
+    config = PreferenceDataConfig(skip_invalid=True)
+    pairs, skipped = load_preference_pairs(path, tokenizer=tiny_tokenizer, config=config)
+    assert [p.line for p in pairs] == [1] and skipped == {"identical responses": 1}
+    prompt, chosen, rejected = ids_text(tiny_tokenizer, pairs[0])
+    assert (prompt, chosen, rejected) == ("\n\nHuman: Hi there\n\nAssistant:", " Hello!", " Go away.")
+
+
+def test_gzip_jsonl(tmp_path, tiny_tokenizer):
+    import gzip
+
+    path = tmp_path / "pairs.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        handle.write(json.dumps({"prompt": "x", "chosen": "a", "rejected": "b"}) + "\n")
+    assert len(load_preference_pairs(path, tokenizer=tiny_tokenizer)[0]) == 1
+
+
+# --------------------------------------------------------------------------- truncation
+
+
+def test_truncation_rule():
+    prompt, chosen, rejected = list(range(10)), [100, 101, 102, 103, 104], [200, 201]
+    # No truncation needed.
+    assert truncate_pair(prompt, chosen, rejected, max_seq_length=15) == (prompt, chosen, rejected)
+    # Responses cut from the right so that prompt + each response fits.
+    assert truncate_pair(prompt, chosen, rejected, max_seq_length=13) == (prompt, [100, 101, 102], [200, 201])
+    # The prompt is cut from the left to max_prompt_length first.
+    out = truncate_pair(prompt, chosen, rejected, max_seq_length=8, max_prompt_length=4)
+    assert out == ([6, 7, 8, 9], [100, 101, 102, 103], [200, 201])
+    # A prompt leaving no room for any response token is an error.
+    with pytest.raises(RecordError, match="prompt too long"):
+        truncate_pair(prompt, chosen, rejected, max_seq_length=10)
+    # Responses that become identical after truncation carry no preference.
+    with pytest.raises(RecordError, match="identical responses"):
+        truncate_pair(prompt, [5, 6, 7], [5, 6, 8], max_seq_length=12)
+
+
+def test_truncation_on_tokenized_pairs(tiny_tokenizer):
+    config = PreferenceDataConfig(max_seq_length=64, max_prompt_length=40)
+    dataset = PreferenceDataset(HH_RLHF_HELDOUT, tokenizer=tiny_tokenizer, config=config)
+    full = PreferenceDataset(HH_RLHF_HELDOUT, tokenizer=tiny_tokenizer)
+    assert len(dataset) + sum(dataset.skipped.values()) == 100
+    full_by_line = {pair.line: pair for pair in full}
+    for short in dataset:
+        long = full_by_line[short.line]
+        assert len(short.prompt_ids) <= 40 and short.prompt_ids == long.prompt_ids[-len(short.prompt_ids) :]
+        for cut, whole in ((short.chosen_ids, long.chosen_ids), (short.rejected_ids, long.rejected_ids)):
+            assert len(short.prompt_ids) + len(cut) <= 64
+            assert cut == whole[: len(cut)]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        PreferenceDataConfig(max_seq_length=16, max_prompt_length=16)
+    with pytest.raises(ValueError, match="max_seq_length"):
+        PreferenceDataConfig(max_seq_length=1)
+
+
+# --------------------------------------------------------------------------- bad records
+
+
+BAD_LINES = [
+    (b'{"prompt": "x", "chosen": "a"', "malformed json"),
+    (b'["prompt", "chosen"]', "not an object"),
+    (b'{"prompt": "x", "chosen": "a", "rejected": "\xff"}', "invalid utf-8"),
+    (b'{"prompt": "x", "chosen": "a", "rejected": "\\ud800"}', "invalid utf-8"),
+    (b'{"prompt": "x", "chosen": "a"}', "missing field"),
+    (b'{"prompt": "x", "chosen": 3, "rejected": "b"}', "wrong type"),
+    (b'{"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}', "invalid messages"),
+    (b'{"prompt": "x", "chosen": "  ", "rejected": "b"}', "empty response"),
+    (b'{"prompt": "x", "chosen": "same", "rejected": "same"}', "identical responses"),
+    (b'{"chosen": "no turns", "rejected": "at all"}', "not a dialogue"),
+    (b'{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": "\\n\\nHuman: z\\n\\nAssistant: c"}', "no shared prefix"),
+    (b'{"context": [{"role": "user", "content": "q"}], "response1": "a", "response2": "b", "overall_preference": 7}', "invalid value"),
+    (b'{"text": "hello"}', "unknown format"),
+    (json.dumps({"prompt": "long " * 300, "chosen": "a", "rejected": "b"}).encode(), "prompt too long"),
+]
+GOOD = json.dumps({"prompt": "x", "chosen": "a", "rejected": "b"}).encode()
+
+
+@pytest.mark.parametrize("line, reason", BAD_LINES, ids=[reason for _, reason in BAD_LINES])
+def test_bad_record_raises_naming_file_and_line(tmp_path, tiny_tokenizer, line, reason):
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, line, GOOD])
+    config = PreferenceDataConfig(max_seq_length=256)
+    with pytest.raises(DataError) as info:
+        load_preference_pairs(path, tokenizer=tiny_tokenizer, config=config)
+    assert (info.value.path, info.value.line, info.value.reason) == (path, 2, reason)
+    assert str(info.value).startswith(f"{path}:2: {reason}")
+
+
+def test_bad_records_are_counted_and_logged_when_skipping(tmp_path, tiny_tokenizer, caplog):
+    lines = [GOOD] + [line for line, _ in BAD_LINES] + [b"", b"   ", GOOD]  # blank lines are not records
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    config = PreferenceDataConfig(max_seq_length=256, skip_invalid=True)
+    with caplog.at_level("WARNING"):
+        dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer, config=config)
+    assert [p.line for p in dataset] == [1, len(lines)]
+    expected = {}
+    for _, reason in BAD_LINES:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert dict(dataset.skipped) == expected
+    for number, (_, reason) in enumerate(BAD_LINES, start=2):
+        assert any(f"{path}:{number}: {reason}" in message for message in caplog.messages)
+
+
+def test_empty_dataset_and_missing_file(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "bad.jsonl", [BAD_LINES[0][0]])
+    with pytest.raises(ValueError, match="no usable preference pairs"):
+        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        PreferenceDataset(tmp_path / "missing.jsonl", tokenizer=tiny_tokenizer)
+    with pytest.raises(DataError, match="unknown file type"):
+        PreferenceDataset(write_jsonl(tmp_path / "pairs.csv", [GOOD]), tokenizer=tiny_tokenizer)

@@ -1,0 +1,208 @@
+"""Tokenizers: the bundled tiny model, SentencePiece files, local HF directories, chat templates."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_prune.data import GSM8K_SAMPLE, HH_RLHF_HELDOUT, HH_RLHF_SAMPLE
+from megatron_prune.data.preference import PreferenceDataConfig, load_preference_pairs
+from megatron_prune.data.records import DataError
+from megatron_prune.data.tokenizer import (
+    BUNDLED_TOKENIZERS,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    load_tokenizer,
+    render_plain_template,
+)
+
+from .helpers import write_jsonl
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
+def sample_texts():
+    with open(HH_RLHF_SAMPLE, encoding="utf-8") as handle:
+        for line in handle:
+            record = json.loads(line)
+            yield record["chosen"]
+            yield record["rejected"]
+    with open(GSM8K_SAMPLE, encoding="utf-8") as handle:
+        for line in handle:
+            record = json.loads(line)
+            yield record["question"]
+            yield record["answer"]
+
+
+def test_tiny_special_ids_and_vocab(tiny_tokenizer):
+    assert tiny_tokenizer.vocab_size == 512
+    assert (tiny_tokenizer.pad_id, tiny_tokenizer.bos_id, tiny_tokenizer.eos_id) == (0, 2, 3)
+    assert len({tiny_tokenizer.pad_id, tiny_tokenizer.bos_id, tiny_tokenizer.eos_id}) == 3
+
+
+def test_tiny_round_trips_the_bundled_samples(tiny_tokenizer):
+    with open(HH_RLHF_HELDOUT, encoding="utf-8") as handle:
+        heldout = [json.loads(line)["chosen"] for line in handle]
+    for text in [*sample_texts(), *heldout]:
+        ids = tiny_tokenizer.encode(text)
+        assert all(0 <= i < 512 for i in ids)
+        assert tiny_tokenizer.decode(ids) == text
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\u2581")))
+def test_tiny_encodes_any_text_by_byte_fallback(text):
+    tokenizer = load_tokenizer("tiny")
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < 512 for i in ids)
+    assert 1 not in ids  # <unk>: byte fallback covers every character
+    assert tokenizer.decode(ids) == text
+
+
+def test_build_tiny_is_deterministic():
+    path = os.path.join(os.path.dirname(BUNDLED_TOKENIZERS["tiny"]), "build_tiny.py")
+    spec = importlib.util.spec_from_file_location("build_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(BUNDLED_TOKENIZERS["tiny"], "rb") as handle:
+        assert module.train_tiny_model() == handle.read()
+
+
+def test_plain_template_is_hh_rlhf(tiny_tokenizer):
+    text = tiny_tokenizer.apply_chat_template(MESSAGES)
+    assert text == (
+        "\n\nSystem: Be brief.\n\nHuman: What is 2+2?\n\nAssistant: 4\n\nHuman: And 3+3?\n\nAssistant:"
+    )
+    assert render_plain_template(MESSAGES, add_generation_prompt=False) == text[: -len("\n\nAssistant:")]
+    ids = tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=True)
+    assert ids[0] == tiny_tokenizer.bos_id and tiny_tokenizer.decode(ids[1:]) == text
+    assert tiny_tokenizer.render_response("6") == " 6"
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], "hello", [{"role": "user"}], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 3}], ["x"]],
+)
+def test_chat_template_rejects_bad_messages(tiny_tokenizer, messages):
+    with pytest.raises(ValueError):
+        tiny_tokenizer.apply_chat_template(messages)
+
+
+def test_sentencepiece_file_path(tmp_path):
+    import sentencepiece as spm
+
+    prefix = tmp_path / "sp"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["hello world", "the quick brown fox jumps"] * 20),
+        model_prefix=str(prefix),
+        vocab_size=25,
+        model_type="unigram",
+        minloglevel=2,
+    )
+    tokenizer = load_tokenizer(f"{prefix}.model")
+    assert isinstance(tokenizer, SentencePieceTokenizer)
+    assert tokenizer.vocab_size == 25
+    assert tokenizer.pad_id == tokenizer.eos_id  # no pad piece: pad with eos
+    assert tokenizer.decode(tokenizer.encode("hello world")).strip() == "hello world"
+
+
+def _save_hf_tokenizer(directory, *, chat_template: str | None, bos: bool = True) -> str:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(["hello world", "the quick brown fox"] * 10, trainer=trainer)
+    specials = {"bos_token": "<s>", "pad_token": "<pad>"} if bos else {}
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", **specials)
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(str(directory))
+    return str(directory)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_hf_directory_with_chat_template(tmp_path):
+    tokenizer = load_tokenizer(_save_hf_tokenizer(tmp_path, chat_template=CHAT_TEMPLATE))
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 1, 2)
+    text = tokenizer.apply_chat_template(MESSAGES[1:2])
+    assert text == "<s><|user|>What is 2+2?</s><|assistant|>"
+    ids = tokenizer.apply_chat_template(MESSAGES[1:2], tokenize=True)
+    assert ids[0] == tokenizer.bos_id and ids.count(tokenizer.eos_id) == 1  # special tokens in the text
+    assert tokenizer.render_response("4") == "4"
+    sample = "héllo 🙂 world\n\nnew"
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample
+
+
+def test_hf_directory_without_chat_template_uses_plain_template(tmp_path):
+    tokenizer = load_tokenizer(_save_hf_tokenizer(tmp_path, chat_template=None, bos=False))
+    assert not tokenizer.has_chat_template
+    assert tokenizer.bos_id is None and tokenizer.pad_id == tokenizer.eos_id
+    assert tokenizer.apply_chat_template(MESSAGES) == render_plain_template(MESSAGES)
+    ids = tokenizer.apply_chat_template(MESSAGES, tokenize=True)
+    assert tokenizer.decode(ids) == render_plain_template(MESSAGES)
+    assert tokenizer.render_response("4") == " 4"
+
+
+def test_missing_or_bad_tokenizer_errors_name_the_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_tokenizer(missing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=f"{empty}: not a Hugging Face tokenizer"):
+        load_tokenizer(empty)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"{broken}: not a Hugging Face tokenizer"):
+        load_tokenizer(broken)
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match=f"{garbage}: not a SentencePiece model"):
+        load_tokenizer(garbage)
+
+
+def test_preference_pairs_through_a_chat_template(tmp_path):
+    strict = CHAT_TEMPLATE.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}",
+    )
+    tokenizer = load_tokenizer(_save_hf_tokenizer(tmp_path / "tok", chat_template=strict))
+    records = [
+        {"chosen": "\n\nHuman: hello\n\nAssistant: world", "rejected": "\n\nHuman: hello\n\nAssistant: fox"},
+        {"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}], "chosen": "a", "rejected": "b"},
+    ]
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    with pytest.raises(DataError, match=f"{path}:2: chat template failed.*no system role"):
+        load_preference_pairs(path, tokenizer=tokenizer)
+    pairs, skipped = load_preference_pairs(path, tokenizer=tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert skipped == {"chat template failed": 1}
+    pair = pairs[0]
+    assert tokenizer.decode(pair.prompt_ids) == "<s><|user|>hello</s><|assistant|>"
+    assert pair.chosen_ids == tokenizer.encode("world") + [tokenizer.eos_id]
+    assert pair.rejected_ids == tokenizer.encode("fox") + [tokenizer.eos_id]
