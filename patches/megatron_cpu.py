@@ -220,3 +220,17 @@ _cpu(
     "the shared embedding/output weight is moved with .cuda() before the embedding-group all-reduce",
     ("weight.data = weight.data.cuda()", "pass"),
 )
+
+# --- dist checkpointing ------------------------------------------------------------------------
+_cpu(
+    "FileSystemWriterAsync.preload_tensors",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync.preload_tensors",
+    "checkpoint writing synchronises CUDA after staging tensors to host memory",
+    ("torch.cuda.synchronize()", "pass"),
+)
+_cpu(
+    "save_state_dict_async_finalize",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver.save_state_dict_async_finalize",
+    "the save-failure flag is all-reduced in a tensor on the current CUDA device",
+    (_CUR, '"cpu"'),
+)
