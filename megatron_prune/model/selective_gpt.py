@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megatron_prune.ops import vocab_parallel_logprobs
@@ -30,6 +31,10 @@ class TokenSelection:
     """[n] int64: the token id whose log-prob is wanted at each selected position."""
     seq_ids: torch.Tensor
     """[n] int64: which sequence (sample/branch) each selected token belongs to."""
+    all_labels: torch.Tensor | None = None
+    """[b, s] next-token labels. When set, the head runs the unpruned baseline path instead:
+    full-vocabulary logits at every position and Megatron's vocab-parallel cross entropy, then
+    the selected positions are picked out (for Full / Full-concat comparisons)."""
 
     def __post_init__(self) -> None:
         assert self.index.shape == self.labels.shape == self.seq_ids.shape, "selection fields must align"
@@ -55,6 +60,8 @@ class SelectiveGPTModel(GPTModel):
         selection = self._selection
         if selection is None or not self.post_process:
             return super()._postprocess(hidden_states, *args, **kwargs)
+        if selection.all_labels is not None:
+            return self._full_logits_logprobs(hidden_states, selection)
         if self.config.sequence_parallel:
             # The op returns the complete (TP-summed) gradient, so the gather's backward only splits.
             hidden_states = gather_from_sequence_parallel_region(
@@ -75,3 +82,17 @@ class SelectiveGPTModel(GPTModel):
             tp_group=self.pg_collection.tp,
             vocab_size=self.true_vocab_size,
         )
+
+    def _full_logits_logprobs(self, hidden_states: torch.Tensor, selection: TokenSelection) -> torch.Tensor:
+        """Baseline head: logits for every position, vocab-parallel CE, then the selected rows."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/tp]
+        v_local = logits.shape[-1]
+        start = self.pg_collection.tp.rank() * v_local
+        if start + v_local > self.true_vocab_size:
+            # Padded vocabulary rows are not tokens: keep them out of the normalisation.
+            ids = torch.arange(start, start + v_local, device=logits.device)
+            logits = logits.masked_fill(ids >= self.true_vocab_size, torch.finfo(logits.dtype).min)
+        labels = selection.all_labels.transpose(0, 1).contiguous()  # [s, b]
+        logprobs = -vocab_parallel_cross_entropy(logits.float(), labels)  # [s, b]
+        return logprobs.reshape(-1).index_select(0, selection.index)

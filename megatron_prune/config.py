@@ -1,0 +1,185 @@
+"""Every knob of the trainers, as validated dataclasses (the single source of flags and docs).
+
+Each field's docstring is its ``--help`` text; ``metadata["flag"]`` pins the command-line name
+where it is not simply ``--field-name``. :mod:`megatron_prune.arguments` builds the argparse
+groups from these classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _flag(name: str, **extra) -> dict:
+    return {"flag": name, **extra}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Where the model comes from and how it is laid out."""
+
+    model_preset: str | None = field(default=None, metadata=_flag("--model-preset"))
+    """Tiny random-weight preset (tiny, tiny-tied) with its bundled tokenizer."""
+    hf_model: str | None = field(default=None, metadata=_flag("--hf-model"))
+    """Local HF model directory (config.json + safetensors): architecture, weights and tokenizer."""
+    tokenizer: str | None = field(default=None, metadata=_flag("--tokenizer"))
+    """Tokenizer: 'tiny', a SentencePiece .model file or an HF tokenizer directory (defaults from the model)."""
+    tensor_model_parallel_size: int = field(default=1, metadata=_flag("--tensor-model-parallel-size"))
+    """Tensor-parallel ranks."""
+    pipeline_model_parallel_size: int = field(default=1, metadata=_flag("--pipeline-model-parallel-size"))
+    """Pipeline stages."""
+    virtual_pipeline_model_parallel_size: int | None = field(
+        default=None, metadata=_flag("--virtual-pipeline-model-parallel-size")
+    )
+    """Model chunks per pipeline rank (interleaved 1F1B)."""
+    sequence_parallel: bool = field(default=False, metadata=_flag("--sequence-parallel"))
+    """Sequence parallelism in TP regions (needs TP > 1)."""
+    bf16: bool = field(default=False, metadata=_flag("--bf16"))
+    """bfloat16 parameters and activations, fp32 main weights."""
+    recompute: bool = field(default=False, metadata=_flag("--recompute-activations"))
+    """Full activation recomputation (trades compute for memory)."""
+    use_distributed_optimizer: bool = field(default=False, metadata=_flag("--use-distributed-optimizer"))
+    """Shard optimizer state over data-parallel ranks."""
+    device: str = field(default="auto", metadata=_flag("--device", choices=("auto", "cuda", "npu", "cpu")))
+    """Accelerator: auto, cuda, npu or cpu."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Schedule, batch and optimizer."""
+
+    train_iters: int = field(default=10, metadata=_flag("--train-iters"))
+    """Optimizer steps to run."""
+    global_batch_size: int = field(default=8, metadata=_flag("--global-batch-size"))
+    """Samples (DPO pairs / GRPO prompts) per optimizer step, over all DP ranks."""
+    micro_batch_size: int = field(default=1, metadata=_flag("--micro-batch-size"))
+    """Samples per microbatch per DP rank."""
+    seq_length: int = field(default=1024, metadata=_flag("--seq-length"))
+    """Maximum tokens of one sequence (prompt + response)."""
+    max_prompt_length: int | None = field(default=None, metadata=_flag("--max-prompt-length"))
+    """Prompts are cut from the left to this many tokens (default: no separate limit)."""
+    lr: float = field(default=1e-6, metadata=_flag("--lr"))
+    """Peak learning rate."""
+    min_lr: float = field(default=0.0, metadata=_flag("--min-lr"))
+    """Final learning rate of the decay."""
+    lr_warmup_iters: int = field(default=0, metadata=_flag("--lr-warmup-iters"))
+    """Linear warm-up steps."""
+    lr_decay_style: str = field(default="constant", metadata=_flag("--lr-decay-style", choices=("constant", "linear", "cosine")))
+    """Learning-rate decay after warm-up."""
+    optimizer: str = field(default="adam", metadata=_flag("--optimizer", choices=("adam", "sgd")))
+    """Optimizer."""
+    weight_decay: float = field(default=0.0, metadata=_flag("--weight-decay"))
+    """Decoupled weight decay."""
+    adam_beta1: float = field(default=0.9, metadata=_flag("--adam-beta1"))
+    """Adam beta1."""
+    adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2"))
+    """Adam beta2."""
+    clip_grad: float = field(default=1.0, metadata=_flag("--clip-grad"))
+    """Gradient-norm clip (0 = off)."""
+    seed: int = field(default=1234, metadata=_flag("--seed"))
+    """Seed of weights (presets), data order and every pruning draw."""
+    on_nonfinite: str = field(default="stop", metadata=_flag("--on-nonfinite", choices=("stop", "skip")))
+    """A NaN/Inf loss or gradient: stop the run naming the step, or skip the step."""
+    distributed_timeout_minutes: float = field(default=10.0, metadata=_flag("--distributed-timeout-minutes"))
+    """Collective timeout; a rank that waits longer ends the run with an error naming itself."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr < 0 or self.min_lr < 0:
+            raise ValueError("--lr and --min-lr must be >= 0")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: str | None = field(default=None, metadata=_flag("--save"))
+    """Directory for checkpoints (atomic; resumable at any layout)."""
+    save_interval: int | None = field(default=None, metadata=_flag("--save-interval"))
+    """Save every N steps (and at the end)."""
+    load: str | None = field(default=None, metadata=_flag("--load"))
+    """Resume from the newest complete checkpoint here (a converted model loads weights only)."""
+    finetune: bool = field(default=False, metadata=_flag("--finetune"))
+    """Load only the weights from --load (start at step 0 with a fresh optimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+        if self.save_interval is not None and self.save is None:
+            raise ValueError("--save-interval needs --save")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Metrics and console output."""
+
+    metrics_jsonl: str | None = field(default=None, metadata=_flag("--metrics-jsonl"))
+    """Write one JSON object per step here (from one rank)."""
+    tensorboard_dir: str | None = field(default=None, metadata=_flag("--tensorboard-dir"))
+    """TensorBoard event directory (when tensorboard is installed)."""
+    log_interval: int = field(default=1, metadata=_flag("--log-interval"))
+    """Console progress line every N steps."""
+
+
+@dataclass(kw_only=True)
+class PruneConfig:
+    """DPO graph pruning (see DESIGN.md §1). Each value at its 'off' setting reproduces the baseline."""
+
+    position_ratio: float = field(default=0.6, metadata=_flag("--prune-position-ratio"))
+    """alpha: fraction of response positions scored by the LM head (uniform subset); 1 = off."""
+    seq_min_ratio: float = field(default=0.5, metadata=_flag("--prune-seq-min-ratio"))
+    """rho_min: each response keeps a prefix of ratio rho ~ U(rho_min, 1); 1 = off."""
+    branch: bool = field(default=False, metadata=_flag("--prune-branch"))
+    """Branch pruning: only one of chosen/rejected keeps its backward graph, weighted 1/q."""
+    branch_chosen_prob: float = field(default=0.5, metadata=_flag("--prune-branch-chosen-prob"))
+    """q_w: probability of keeping the chosen branch (q_l = 1 - q_w)."""
+    selective_head: bool = field(default=True, metadata=_flag("--selective-head", bool_off="--no-selective-head"))
+    """Run the LM head only at scored response positions (off: full-vocabulary logits, then index)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.position_ratio <= 1.0:
+            raise ValueError(f"--prune-position-ratio must be in (0, 1], got {self.position_ratio}")
+        if not 0.0 < self.seq_min_ratio <= 1.0:
+            raise ValueError(f"--prune-seq-min-ratio must be in (0, 1], got {self.seq_min_ratio}")
+        if not 0.0 < self.branch_chosen_prob < 1.0:
+            raise ValueError(f"--prune-branch-chosen-prob must be in (0, 1), got {self.branch_chosen_prob}")
+
+    @classmethod
+    def off(cls) -> "PruneConfig":
+        return cls(position_ratio=1.0, seq_min_ratio=1.0, branch=False)
+
+
+@dataclass(kw_only=True)
+class DPOConfig:
+    """The DPO objective and its data."""
+
+    data_path: list[str] = field(default_factory=list, metadata=_flag("--data-path", nargs="+"))
+    """Preference files (JSONL/Parquet): prompt/chosen/rejected, HH-RLHF or HelpSteer3 records."""
+    eval_data_path: list[str] = field(default_factory=list, metadata=_flag("--eval-data-path", nargs="+"))
+    """Held-out preference files; reward accuracy is measured on them at --eval-interval."""
+    eval_interval: int | None = field(default=None, metadata=_flag("--eval-interval"))
+    """Evaluate every N steps (and at the end) when --eval-data-path is set."""
+    data_format: str = field(default="auto", metadata=_flag("--data-format", choices=("auto", "explicit", "hh", "helpsteer3")))
+    """Record format (auto-detected per record by default)."""
+    skip_invalid: bool = field(default=False, metadata=_flag("--skip-invalid-records"))
+    """Skip malformed records with a counted, logged warning instead of stopping."""
+    beta: float = field(default=1.0, metadata=_flag("--dpo-beta"))
+    """beta of the DPO logistic loss."""
+    loss_average: str = field(default="mean", metadata=_flag("--dpo-logp-reduction", choices=("mean", "sum")))
+    """Per-response log-ratio: length-averaged (mean, the study's choice) or summed."""
+    layout: str = field(default="concat", metadata=_flag("--dpo-layout", choices=("full", "concat")))
+    """full: chosen and rejected as padded rows; concat: both packed in one row (block-diagonal mask)."""
+    ref_mode: str = field(default="online", metadata=_flag("--ref-mode", choices=("online", "precomputed")))
+    """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk."""
+    ref_cache: str | None = field(default=None, metadata=_flag("--ref-cache"))
+    """Directory of the precomputed reference log-probs (default: <save or data dir>/ref_logps)."""
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"--dpo-beta must be > 0, got {self.beta}")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ValueError(f"--eval-interval must be >= 1, got {self.eval_interval}")

@@ -1,0 +1,254 @@
+"""One DPO step on Megatron's schedules: reference pass, pruned-branch pass, training pass.
+
+Execution order follows the prunings: sequence pruning shapes every pass (the schedule is
+called with the step's truncated ``seq_length``, so every stage and p2p buffer shrinks), branch
+pruning splits the policy into a forward-only pass over the pruned branches and a
+forward-backward pass over the kept ones, and position pruning picks the positions the
+selective head scores. Forward-only passes run under ``no_grad`` through Megatron's own
+forward-only schedule, so no pipeline stage runs a backward for them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from megatron_prune.config import DPOConfig, PruneConfig
+from megatron_prune.data.preference import PreferencePair
+from megatron_prune.dpo.batch import (
+    CHOSEN,
+    REJECTED,
+    DPOMicrobatch,
+    PlannedPair,
+    build_microbatch,
+    plan_pair,
+    round_up,
+    row_length,
+)
+from megatron_prune.dpo.loss import dpo_pair_losses, response_log_ratios
+from megatron_prune.training.step import run_schedule
+
+METRICS = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
+
+
+@dataclass(kw_only=True)
+class DPOStepSettings:
+    """Fixed settings of the DPO step."""
+
+    dpo: DPOConfig
+    """Objective, layout and reference mode."""
+    prune: PruneConfig
+    """Pruning knobs."""
+    seed: int
+    """Seed of every pruning draw."""
+    micro_batch_size: int
+    """Pairs per microbatch."""
+    pad_id: int
+    """Token id used for padding."""
+    pad_multiple: int = 8
+    """Row length is padded to a multiple of this (and of TP under sequence parallelism)."""
+
+
+def _sum_count(values: torch.Tensor) -> torch.Tensor:
+    return torch.stack([values.detach().float().sum(), torch.tensor(float(values.numel()))])
+
+
+def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool):
+    """Megatron forward step: run the model on a DPOMicrobatch; the loss sees per-token log-probs."""
+    batch: DPOMicrobatch = next(data_iterator)
+    selection = batch.selection
+    if not selective_head:
+        selection = type(selection)(selection.index, selection.labels, selection.seq_ids, all_labels=batch.labels)
+    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection)
+    return output, partial(batch.extras["loss_func"], batch)
+
+
+def collect_logps(batch: DPOMicrobatch, logps: torch.Tensor):
+    """Forward-only loss function: hand back the per-token log-probs."""
+    return torch.zeros((), device=logps.device), {"logps": logps.detach().float().cpu()}
+
+
+def split_by_response(batch: DPOMicrobatch, logps: torch.Tensor) -> list[torch.Tensor]:
+    counts = [r.num_scored for r in batch.responses]
+    return list(torch.split(logps, counts))
+
+
+class DPOStep:
+    """Builds and runs the passes of one DPO step for this data-parallel rank."""
+
+    def __init__(
+        self,
+        *,
+        settings: DPOStepSettings,
+        policy: list[torch.nn.Module],
+        reference: list[torch.nn.Module] | None,
+        ref_lookup: Callable[[int, int], torch.Tensor] | None = None,
+    ) -> None:
+        if reference is None and ref_lookup is None:
+            raise ValueError("DPO needs an online reference model or precomputed reference log-probs")
+        self.s = settings
+        self.policy = policy
+        self.reference = reference
+        self.ref_lookup = ref_lookup
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.pad_multiple = math.lcm(settings.pad_multiple, tp)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self, step: int, samples: list[tuple[int, PreferencePair]]) -> list[PlannedPair]:
+        return [plan_pair(pair, sample_id=sid, step=step, seed=self.s.seed, prune=self.s.prune) for sid, pair in samples]
+
+    def _groups(self, plans: list[PlannedPair]) -> list[list[PlannedPair]]:
+        mbs = self.s.micro_batch_size
+        return [plans[i : i + mbs] for i in range(0, len(plans), mbs)]
+
+    def _microbatches(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]]):
+        groups = self._groups(plans)
+        branches = [[branches_of(p) for p in g] for g in groups]
+        layout = self.s.dpo.layout
+        seq_length = round_up(
+            max(row_length(g, layout=layout, branches=b) for g, b in zip(groups, branches)), self.pad_multiple
+        )
+        batches = [
+            build_microbatch(g, branches=b, layout=layout, seq_length=seq_length, pad_id=self.s.pad_id)
+            for g, b in zip(groups, branches)
+        ]
+        return batches, seq_length
+
+    # -- passes -----------------------------------------------------------------------------------
+    def _forward_only(self, model, batches: list[DPOMicrobatch], seq_length: int) -> list[torch.Tensor] | None:
+        """Per-microbatch log-probs of the scored positions (last stage), or None elsewhere."""
+        for b in batches:
+            b.extras["loss_func"] = collect_logps
+        with torch.no_grad():
+            outputs = run_schedule(
+                forward_step_func=partial(policy_forward_step, selective_head=self.s.prune.selective_head),
+                data_iterator=self._iterators(model, batches),
+                model=model,
+                num_microbatches=len(batches),
+                seq_length=seq_length,
+                micro_batch_size=batches[0].tokens.shape[0],
+                forward_only=True,
+            )
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        return [o["logps"] for o in outputs]
+
+    @staticmethod
+    def _iterators(model, batches):
+        return [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
+
+    def reference_logps(self, plans: list[PlannedPair]) -> dict[tuple[int, int], torch.Tensor] | None:
+        """Reference log-probs of every scored position, keyed by (sample id, branch)."""
+        if self.reference is None:
+            return {
+                (p.sample_id, b): self.ref_lookup(p.sample_id, b)[p.scored[b]] for p in plans for b in (CHOSEN, REJECTED)
+            }
+        batches, seq_length = self._microbatches(plans, lambda p: [CHOSEN, REJECTED])
+        outputs = self._forward_only(self.reference, batches, seq_length)
+        self.counters["ref_tokens"] += sum(b.executed_tokens for b in batches)
+        self.counters["ref_padded_tokens"] += sum(b.tokens.numel() for b in batches)
+        if outputs is None:
+            return None
+        return self._by_response(plans, batches, outputs)
+
+    def _by_response(self, plans, batches, outputs) -> dict[tuple[int, int], torch.Tensor]:
+        found = {}
+        for batch, logps, group in zip(batches, outputs, self._groups(plans)):
+            for resp, values in zip(batch.responses, split_by_response(batch, logps)):
+                found[(group[resp.pair].sample_id, resp.branch)] = values
+        return found
+
+    def run(self, step: int, samples: list[tuple[int, PreferencePair]]) -> tuple[list[dict], dict[str, float]]:
+        """Accumulate this step's gradients. Returns the loss outputs and token counters."""
+        self.counters = {k: 0 for k in ("policy_tokens", "ref_tokens", "policy_padded_tokens", "ref_padded_tokens",
+                                        "scored_positions", "logits_rows")}
+        plans = self.plan(step, samples)
+        ref = self.reference_logps(plans)
+        pruned_ratio = None
+        if self.s.prune.branch:
+            pruned_batches, pruned_len = self._microbatches(plans, lambda p: [1 - p.kept_branch])
+            outputs = self._forward_only(self.policy, pruned_batches, pruned_len)
+            self._count_policy(pruned_batches)
+            if outputs is not None:
+                pruned_logps = self._by_response(plans, pruned_batches, outputs)
+                pruned_ratio = {
+                    key: response_log_ratios(
+                        val, ref[key], seq_ids=torch.zeros(len(val), dtype=torch.long),
+                        num_scored=[len(val)], lengths=[self._length(plans, key)], reduction=self.s.dpo.loss_average,
+                    )[0]
+                    for key, val in pruned_logps.items()
+                }
+        branches_of = (lambda p: [p.kept_branch]) if self.s.prune.branch else (lambda p: [CHOSEN, REJECTED])
+        batches, seq_length = self._microbatches(plans, branches_of)
+        self._count_policy(batches)
+        for batch, group in zip(batches, self._groups(plans)):
+            batch.extras["loss_func"] = partial(self._loss, group=group, ref=ref, pruned_ratio=pruned_ratio)
+        outputs = run_schedule(
+            forward_step_func=partial(policy_forward_step, selective_head=self.s.prune.selective_head),
+            data_iterator=self._iterators(self.policy, batches),
+            model=self.policy,
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=batches[0].tokens.shape[0],
+            forward_only=False,
+        )
+        return outputs, self._reduced_counters()
+
+    @staticmethod
+    def _length(plans, key) -> int:
+        for p in plans:
+            if p.sample_id == key[0]:
+                return len(p.responses[key[1]])
+        raise KeyError(key)
+
+    def _count_policy(self, batches: list[DPOMicrobatch]) -> None:
+        self.counters["policy_tokens"] += sum(b.executed_tokens for b in batches)
+        self.counters["policy_padded_tokens"] += sum(b.tokens.numel() for b in batches)
+        n = sum(len(b.selection.index) for b in batches)
+        self.counters["scored_positions"] += n
+        self.counters["logits_rows"] += n if self.s.prune.selective_head else sum(b.tokens.numel() for b in batches)
+
+    def _reduced_counters(self) -> dict[str, float]:
+        names = sorted(self.counters)
+        totals = torch.tensor([float(self.counters[n]) for n in names], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        return {n: float(v) for n, v in zip(names, totals)}
+
+    # -- loss -------------------------------------------------------------------------------------
+    def _loss(self, batch: DPOMicrobatch, logps: torch.Tensor, *, group, ref, pruned_ratio):
+        ref_logps = torch.cat(
+            [ref[(group[r.pair].sample_id, r.branch)] for r in batch.responses]
+        ).to(logps.device)
+        ratios = response_log_ratios(
+            logps, ref_logps, seq_ids=batch.selection.seq_ids.to(logps.device),
+            num_scored=[r.num_scored for r in batch.responses], lengths=[r.length for r in batch.responses],
+            reduction=self.s.dpo.loss_average,
+        )
+        chosen = [None] * len(group)
+        rejected = [None] * len(group)
+        for resp, value in zip(batch.responses, ratios):
+            (chosen if resp.branch == CHOSEN else rejected)[resp.pair] = value
+        grad_scale = None
+        if self.s.prune.branch:
+            q_w = self.s.prune.branch_chosen_prob
+            scales = []
+            for i, plan in enumerate(group):
+                pruned = 1 - plan.kept_branch
+                value = pruned_ratio[(plan.sample_id, pruned)].to(ratios.device)
+                (chosen if pruned == CHOSEN else rejected)[i] = value
+                scales.append(1.0 / (q_w if plan.kept_branch == CHOSEN else 1.0 - q_w))
+            grad_scale = torch.tensor(scales, device=ratios.device)
+        losses, stats = dpo_pair_losses(torch.stack(chosen), torch.stack(rejected), beta=self.s.dpo.beta,
+                                        grad_scale=grad_scale)
+        loss = losses.mean()
+        report = {"loss": _sum_count(losses)}
+        report.update({name: _sum_count(v) for name, v in stats.items()})
+        return loss, report

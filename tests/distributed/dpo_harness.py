@@ -1,0 +1,94 @@
+"""Shared set-up for DPO tests: a tiny policy/reference pair on bundled HH-RLHF pairs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SEED = 4321
+NUM_PAIRS = 8
+MAX_SEQ = 80
+
+
+@functools.lru_cache(maxsize=1)
+def sample_pairs():
+    from megatron_prune.data import HH_RLHF_SAMPLE
+    from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset
+    from megatron_prune.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    ds = PreferenceDataset(
+        [HH_RLHF_SAMPLE],
+        tokenizer=tok,
+        config=PreferenceDataConfig(max_seq_length=MAX_SEQ, max_prompt_length=48),
+    )
+    return [(i, ds[i]) for i in range(NUM_PAIRS)], tok.pad_id
+
+
+def dpo_grads(
+    *,
+    parallel: dict | None = None,
+    prune: dict | None = None,
+    layout: str = "concat",
+    micro_batch_size: int = 2,
+    reduction: str = "mean",
+    step: int = 0,
+    branch_pattern: tuple[int, ...] | None = None,
+    reference_seed: int = SEED + 1,
+):
+    """Loss metrics and whole gradients of one DPO step (no optimizer step)."""
+    from megatron.core import parallel_state
+
+    from megatron_prune.config import DPOConfig, PruneConfig
+    from megatron_prune.data.sampler import dp_shard
+    from megatron_prune.dpo.step import DPOStep, DPOStepSettings
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
+    from megatron_prune.training.parallel import model_parallel
+    from megatron_prune.training.step import reduce_metrics
+
+    samples, pad_id = sample_pairs()
+    par = ParallelConfig(**(parallel or {}))
+    prune_cfg = PruneConfig(**{**dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False), **(prune or {})})
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, par, seed=SEED)
+        reference = setup_model(arch, par, seed=reference_seed, trainable=False)
+        optimizer = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=0.0), bf16=False)
+        settings = DPOStepSettings(
+            dpo=DPOConfig(layout=layout, loss_average=reduction), prune=prune_cfg, seed=SEED,
+            micro_batch_size=micro_batch_size, pad_id=pad_id,
+        )
+        runner = DPOStep(settings=settings, policy=policy, reference=reference)
+        if branch_pattern is not None:
+            original = runner.plan
+
+            def forced(step_, samples_):
+                plans = original(step_, samples_)
+                for p in plans:
+                    p.kept_branch = branch_pattern[p.sample_id]
+                return plans
+
+            runner.plan = forced
+        mine = dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),
+                        dp_size=parallel_state.get_data_parallel_world_size())
+        for chunk in policy:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        outputs, counters = runner.run(step, mine)
+        metrics = reduce_metrics(outputs)
+        grads = gather_global_state(policy, source="main_grad")
+    return dict(metrics=metrics, counters=counters, grads=grads)
+
+
+def assert_same(ref: dict, got: dict, label: str, *, rtol=1e-5, atol=1e-7) -> None:
+    for name in ("loss", "margin", "reward_accuracy", "chosen_reward", "rejected_reward"):
+        torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=rtol, atol=atol,
+                                   msg=f"{label}: {name}")
+    assert set(got["grads"]) == set(ref["grads"])
+    for key, expected in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][key], expected, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{label}: grad {key}: {m}")
