@@ -1,0 +1,426 @@
+"""DPPO: unbiased two-level dynamic pruning for GRPO.
+
+* **Prompt level** (before rollout): prompt ``i`` is kept with probability ``p_i`` derived
+  from its history (:class:`PromptHistory`); a kept prompt's loss is multiplied by ``1/p_i``.
+* **Completion level** (after rewards and advantages on the *full* group): completion
+  ``ij`` is kept with probability ``q_ij`` increasing in ``|A_ij|``; a kept completion is
+  multiplied by ``1/q_ij``.
+
+Both levels use one rule (:func:`solve_keep_probs`): ``prob = clip(c * score, floor, 1)``
+with the multiplier ``c`` found by bisection so that the expected prune fraction
+``1 - mean(prob)`` equals the target rate. Keep draws are a pure function of
+``(seed, step, level, item id)`` (:func:`keep_uniform`), so every rank and every layout
+draws the same decisions without communication. The estimator and its proof of
+unbiasedness are in docs/dppo.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PROMPT_LEVEL",
+    "COMPLETION_LEVEL",
+    "DPPOConfig",
+    "KeepDecision",
+    "PromptHistory",
+    "DPPOPruner",
+    "solve_keep_probs",
+    "keep_uniform",
+    "sample_keep",
+    "prune_prompts",
+    "prune_completions",
+    "combine_weights",
+]
+
+PROMPT_LEVEL = "prompt"
+COMPLETION_LEVEL = "completion"
+_HISTORY_SCORES = ("std", "informative")
+_BISECTION_STEPS = 200
+
+
+@dataclass(kw_only=True)
+class DPPOConfig:
+    """Knobs of DPPO pruning. Both rates at 0 reproduce plain GRPO exactly."""
+
+    prompt_prune_rate: float = 0.0
+    """Target r_q: expected fraction of prompts pruned before rollout, in [0, 1)."""
+    completion_prune_rate: float = 0.0
+    """Target r_o: expected fraction of completions pruned after scoring, in [0, 1)."""
+    prompt_floor: float = 0.1
+    """Smallest prompt keep probability, in (0, 1]; bounds the importance weight by 1/floor."""
+    completion_floor: float = 0.1
+    """Smallest completion keep probability, in (0, 1]; zero-advantage completions get it."""
+    history_decay: float = 0.5
+    """EMA decay of a prompt's history score: ``s <- decay * s + (1 - decay) * observation``."""
+    history_score: str = "std"
+    """Per-group observation: ``std`` (reward std of the group) or ``informative`` (1 if std > 0)."""
+    unseen_prompt_score: float | None = None
+    """Score of a prompt with no history; None keeps it with probability 1."""
+
+    def __post_init__(self) -> None:
+        _check_rate("prompt_prune_rate", self.prompt_prune_rate)
+        _check_rate("completion_prune_rate", self.completion_prune_rate)
+        _check_floor("prompt_floor", self.prompt_floor)
+        _check_floor("completion_floor", self.completion_floor)
+        if not 0.0 <= self.history_decay < 1.0:
+            raise ValueError(f"history_decay must be in [0, 1), got {self.history_decay}")
+        if self.history_score not in _HISTORY_SCORES:
+            raise ValueError(f"history_score must be one of {_HISTORY_SCORES}, got {self.history_score!r}")
+        if self.unseen_prompt_score is not None and not self.unseen_prompt_score >= 0:
+            raise ValueError(f"unseen_prompt_score must be None or >= 0, got {self.unseen_prompt_score}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any pruning is requested."""
+        return self.prompt_prune_rate > 0 or self.completion_prune_rate > 0
+
+
+def _check_rate(name: str, rate: float) -> None:
+    if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {rate!r}")
+
+
+def _check_floor(name: str, floor: float) -> None:
+    if not (isinstance(floor, (int, float)) and 0.0 < floor <= 1.0):
+        raise ValueError(f"{name} must be in (0, 1] (a zero floor makes the estimator biased), got {floor!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# keep probabilities
+# ---------------------------------------------------------------------------------------
+
+
+def solve_keep_probs(scores: torch.Tensor, *, prune_rate: float, floor: float) -> torch.Tensor:
+    """Keep probabilities (float64, shape of ``scores``) for non-negative ``scores``.
+
+    ``prob = clip(c * score, floor, 1)``, with ``c >= 0`` found by bisection so that
+    ``mean(prob) = 1 - prune_rate``. A score of ``+inf`` means "always keep" (prob 1).
+    Monotone: a larger score never gets a smaller probability.
+
+    Two targets cannot be met by the rule alone, and are handled as follows:
+
+    * the rate is higher than the floor allows (``mean`` at ``c = 0`` is already above
+      the target): every finite score gets ``floor`` and less than ``prune_rate`` is pruned;
+    * the rate is lower than the rule can reach (``c -> inf`` gives every positive score
+      1 but zero scores still sit at the floor): positive scores get 1 and zero scores
+      share a raised floor that meets the target exactly.
+
+    ``prune_rate == 0`` returns exactly ones.
+    """
+    _check_rate("prune_rate", prune_rate)
+    _check_floor("floor", floor)
+    flat = scores.detach().to(torch.float64).flatten()
+    if torch.isnan(flat).any() or (flat < 0).any():
+        raise ValueError("keep-probability scores must be non-negative and not NaN")
+    if flat.numel() == 0 or prune_rate == 0.0:
+        return torch.ones_like(flat).reshape(scores.shape)
+    target = 1.0 - prune_rate
+    always = torch.isinf(flat)
+    finite = torch.where(always, torch.zeros_like(flat), flat)
+    positive = (finite > 0) & ~always
+
+    def probs_at(multiplier: float) -> torch.Tensor:
+        return torch.where(always, torch.ones_like(flat), (multiplier * finite).clamp(min=floor, max=1.0))
+
+    lowest = probs_at(0.0)
+    if lowest.mean().item() >= target:
+        return lowest.reshape(scores.shape)
+    highest = torch.where(positive | always, torch.ones_like(flat), torch.full_like(flat, floor))
+    if highest.mean().item() <= target:
+        zero = ~(positive | always)
+        num_zero = int(zero.sum().item())
+        if num_zero == 0:  # only when the rate rounds to 0 in float64
+            return highest.reshape(scores.shape)
+        raised = (target * flat.numel() - (flat.numel() - num_zero)) / num_zero
+        raised_probs = torch.full_like(flat, min(max(raised, floor), 1.0))
+        return torch.where(zero, raised_probs, highest).reshape(scores.shape)
+    low, high = 0.0, 1.0 / max(finite[positive].min().item(), 1e-300)  # c at which every positive score is 1
+    for _ in range(_BISECTION_STEPS):
+        middle = 0.5 * (low + high)
+        if probs_at(middle).mean().item() < target:
+            low = middle
+        else:
+            high = middle
+        if high - low <= 1e-15 * high:
+            break
+    return probs_at(high).reshape(scores.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# counter-based sampling
+# ---------------------------------------------------------------------------------------
+
+
+def _canonical_id(item_id: Hashable) -> int | str | tuple:
+    if isinstance(item_id, str):
+        return item_id
+    if isinstance(item_id, tuple):
+        return tuple(_canonical_id(part) for part in item_id)
+    try:
+        return operator.index(item_id)
+    except TypeError:
+        raise ValueError(f"item ids must be ints, strings or tuples of them, got {item_id!r}") from None
+
+
+def keep_uniform(*, seed: int, step: int, level: str, item_id: Hashable) -> float:
+    """A uniform number in [0, 1) that depends only on ``(seed, step, level, item_id)``.
+
+    Counter-based: a BLAKE2b hash of the key, so it is the same on every rank, in every
+    layout and after a resume, and different keys give (pseudo-)independent numbers.
+    """
+    key = repr((int(seed), int(step), str(level), _canonical_id(item_id))).encode()
+    digest = hashlib.blake2b(key, digest_size=8, person=b"mp.dppo").digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+
+
+def _check_ids(item_ids: Sequence[Hashable], count: int, what: str) -> list:
+    ids = [_canonical_id(item_id) for item_id in item_ids]
+    if len(ids) != count:
+        raise ValueError(f"got {len(ids)} {what} ids for {count} items")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{what} ids must be unique within a step (they seed the keep draws)")
+    return ids
+
+
+def sample_keep(
+    probs: torch.Tensor, *, seed: int, step: int, level: str, item_ids: Sequence[Hashable]
+) -> torch.Tensor:
+    """Bool tensor shaped like ``probs``: item ``k`` kept iff ``keep_uniform(..., item_ids[k]) < probs[k]``.
+
+    ``item_ids`` lists one unique id per element of ``probs`` in row-major order.
+    """
+    ids = _check_ids(item_ids, probs.numel(), level)
+    uniforms = torch.tensor(
+        [keep_uniform(seed=seed, step=step, level=level, item_id=item_id) for item_id in ids], dtype=torch.float64
+    )
+    return (uniforms < probs.detach().to(torch.float64).flatten()).reshape(probs.shape)
+
+
+@dataclass(frozen=True)
+class KeepDecision:
+    """Keep probabilities, the sampled keep mask and the importance weights of one level."""
+
+    probs: torch.Tensor
+    """Keep probability of each item (float64)."""
+    keep: torch.Tensor
+    """Bool: whether each item is kept."""
+    target_rate: float
+    """The requested prune rate."""
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Importance weight ``1/prob`` for kept items, 0 for pruned ones (float64)."""
+        return torch.where(self.keep, 1.0 / self.probs, torch.zeros_like(self.probs))
+
+    @property
+    def expected_rate(self) -> float:
+        """``1 - mean(probs)``: the prune rate the probabilities achieve in expectation."""
+        return 1.0 - self.probs.mean().item() if self.probs.numel() else 0.0
+
+    @property
+    def realized_rate(self) -> float:
+        """Fraction of items actually pruned by this draw."""
+        return 1.0 - self.keep.to(torch.float64).mean().item() if self.keep.numel() else 0.0
+
+
+def combine_weights(*, prompt_weights: torch.Tensor, completion_weights: torch.Tensor) -> torch.Tensor:
+    """Per-completion IS weight ``(1/p_i) * (1/q_ij)`` for ``[P]`` prompt and ``[P, G]`` completion weights."""
+    if prompt_weights.dim() != 1 or completion_weights.dim() != 2:
+        raise ValueError(
+            f"expected prompt weights [P] and completion weights [P, G], got {tuple(prompt_weights.shape)} "
+            f"and {tuple(completion_weights.shape)}"
+        )
+    if prompt_weights.shape[0] != completion_weights.shape[0]:
+        raise ValueError(
+            f"{prompt_weights.shape[0]} prompt weights for {completion_weights.shape[0]} groups of completions"
+        )
+    return prompt_weights[:, None] * completion_weights
+
+
+# ---------------------------------------------------------------------------------------
+# prompt history
+# ---------------------------------------------------------------------------------------
+
+
+class PromptHistory:
+    """Per-prompt exponential moving average of how informative its groups have been.
+
+    After each step, :meth:`update` records a kept prompt's full group of rewards. The
+    observation is the group's reward std (``score="std"``) or 1/0 for nonzero/zero std
+    (``score="informative"``); the score is ``decay * old + (1 - decay) * observation``,
+    or the first observation itself. Prompts whose groups keep having no reward variance
+    (all solved or all failed) drift to score 0 and are pruned most.
+    """
+
+    def __init__(self, *, decay: float = 0.5, score: str = "std") -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if score not in _HISTORY_SCORES:
+            raise ValueError(f"score must be one of {_HISTORY_SCORES}, got {score!r}")
+        self.decay = float(decay)
+        self.score_kind = score
+        self._scores: dict[int | str | tuple, float] = {}
+        self._counts: dict[int | str | tuple, int] = {}
+
+    @classmethod
+    def from_config(cls, config: DPPOConfig) -> PromptHistory:
+        return cls(decay=config.history_decay, score=config.history_score)
+
+    def __len__(self) -> int:
+        return len(self._scores)
+
+    def __contains__(self, prompt_id: Hashable) -> bool:
+        return _canonical_id(prompt_id) in self._scores
+
+    def _observation(self, rewards: torch.Tensor) -> float:
+        rewards = rewards.detach().to(torch.float64).flatten()
+        if rewards.numel() == 0:
+            raise ValueError("cannot update a prompt's history from an empty group of rewards")
+        std = rewards.std(correction=0).item()
+        return std if self.score_kind == "std" else float(std > 0)
+
+    def update(self, prompt_id: Hashable, rewards: torch.Tensor) -> float:
+        """Record one group of rewards of ``prompt_id``; return its new score."""
+        key = _canonical_id(prompt_id)
+        observation = self._observation(rewards)
+        if key in self._scores:
+            observation = self.decay * self._scores[key] + (1.0 - self.decay) * observation
+        self._scores[key] = observation
+        self._counts[key] = self._counts.get(key, 0) + 1
+        return observation
+
+    def update_batch(self, prompt_ids: Sequence[Hashable], rewards: torch.Tensor) -> None:
+        """Record rewards ``[P, G]`` of the prompts ``prompt_ids``."""
+        if rewards.dim() != 2 or rewards.shape[0] != len(prompt_ids):
+            raise ValueError(f"rewards must be [{len(prompt_ids)}, G], got {tuple(rewards.shape)}")
+        for prompt_id, group in zip(prompt_ids, rewards):
+            self.update(prompt_id, group)
+
+    def score(self, prompt_id: Hashable) -> float | None:
+        """The prompt's score, or None if it has no history."""
+        return self._scores.get(_canonical_id(prompt_id))
+
+    def count(self, prompt_id: Hashable) -> int:
+        """How many groups of the prompt were recorded."""
+        return self._counts.get(_canonical_id(prompt_id), 0)
+
+    def scores(self, prompt_ids: Sequence[Hashable], *, unseen: float | None = None) -> torch.Tensor:
+        """Float64 scores of ``prompt_ids``; a prompt with no history gets ``unseen`` (None: +inf)."""
+        fill = math.inf if unseen is None else float(unseen)
+        values = [self.score(prompt_id) for prompt_id in prompt_ids]
+        return torch.tensor([fill if value is None else value for value in values], dtype=torch.float64)
+
+    def state_dict(self) -> dict:
+        """Plain-Python state for checkpoints."""
+        keys = list(self._scores)
+        return {
+            "decay": self.decay,
+            "score": self.score_kind,
+            "ids": keys,
+            "scores": [self._scores[key] for key in keys],
+            "counts": [self._counts[key] for key in keys],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict`; the decay and score kind must match this history."""
+        missing = {"decay", "score", "ids", "scores", "counts"} - set(state)
+        if missing:
+            raise ValueError(f"PromptHistory state is missing {sorted(missing)}")
+        if state["decay"] != self.decay or state["score"] != self.score_kind:
+            raise ValueError(
+                f"PromptHistory state has decay={state['decay']}, score={state['score']!r}; this history "
+                f"has decay={self.decay}, score={self.score_kind!r}"
+            )
+        if not len(state["ids"]) == len(state["scores"]) == len(state["counts"]):
+            raise ValueError("PromptHistory state has ids, scores and counts of different lengths")
+        keys = [_canonical_id(item) for item in state["ids"]]
+        self._scores = dict(zip(keys, (float(s) for s in state["scores"])))
+        self._counts = dict(zip(keys, (int(c) for c in state["counts"])))
+
+
+# ---------------------------------------------------------------------------------------
+# the two levels
+# ---------------------------------------------------------------------------------------
+
+
+def prune_prompts(
+    *, prompt_ids: Sequence[Hashable], history: PromptHistory, config: DPPOConfig, seed: int, step: int
+) -> KeepDecision:
+    """Prompt-level decision for one step, taken before rollout.
+
+    ``prompt_ids`` must be unique and stable (e.g. dataset indices): they key both the
+    history and the keep draws.
+    """
+    scores = history.scores(prompt_ids, unseen=config.unseen_prompt_score)
+    probs = solve_keep_probs(scores, prune_rate=config.prompt_prune_rate, floor=config.prompt_floor)
+    keep = sample_keep(probs, seed=seed, step=step, level=PROMPT_LEVEL, item_ids=prompt_ids)
+    return KeepDecision(probs=probs, keep=keep, target_rate=config.prompt_prune_rate)
+
+
+def prune_completions(
+    *, advantages: torch.Tensor, prompt_ids: Sequence[Hashable], config: DPPOConfig, seed: int, step: int
+) -> KeepDecision:
+    """Completion-level decision ``[P, G]`` from advantages of the full groups of the kept prompts.
+
+    ``q_ij = clip(c * |A_ij|, floor, 1)`` with ``c`` shared by the whole batch, so groups
+    with zero advantage give up their completions first. Completion ``j`` of prompt
+    ``i`` draws with the id ``(prompt_ids[i], j)``.
+    """
+    if advantages.dim() != 2 or advantages.shape[0] != len(prompt_ids):
+        raise ValueError(f"advantages must be [{len(prompt_ids)}, G], got {tuple(advantages.shape)}")
+    probs = solve_keep_probs(
+        advantages.detach().abs(), prune_rate=config.completion_prune_rate, floor=config.completion_floor
+    )
+    item_ids = [(prompt_id, j) for prompt_id in prompt_ids for j in range(advantages.shape[1])]
+    keep = sample_keep(probs, seed=seed, step=step, level=COMPLETION_LEVEL, item_ids=item_ids)
+    return KeepDecision(probs=probs, keep=keep, target_rate=config.completion_prune_rate)
+
+
+class DPPOPruner:
+    """DPPO state for a training run: config, seed and the checkpointable prompt history.
+
+    One step::
+
+        prompts = pruner.select_prompts(step=t, prompt_ids=ids)          # before rollout
+        kept = [i for i, k in zip(ids, prompts.keep) if k]
+        # ... rollout and rewards [len(kept), G] for the kept prompts ...
+        advantages = group_advantages(rewards)                            # on full groups
+        completions = pruner.select_completions(step=t, prompt_ids=kept, advantages=advantages)
+        weights = combine_weights(prompt_weights=prompts.weights[prompts.keep],
+                                  completion_weights=completions.weights)
+        pruner.observe(prompt_ids=kept, rewards=rewards)                  # after the step
+    """
+
+    def __init__(self, *, config: DPPOConfig, seed: int) -> None:
+        self.config = config
+        self.seed = int(seed)
+        self.history = PromptHistory.from_config(config)
+
+    def select_prompts(self, *, step: int, prompt_ids: Sequence[Hashable]) -> KeepDecision:
+        return prune_prompts(prompt_ids=prompt_ids, history=self.history, config=self.config, seed=self.seed, step=step)
+
+    def select_completions(
+        self, *, step: int, prompt_ids: Sequence[Hashable], advantages: torch.Tensor
+    ) -> KeepDecision:
+        return prune_completions(
+            advantages=advantages, prompt_ids=prompt_ids, config=self.config, seed=self.seed, step=step
+        )
+
+    def observe(self, *, prompt_ids: Sequence[Hashable], rewards: torch.Tensor) -> None:
+        """Record the full-group rewards of the prompts rolled out this step."""
+        self.history.update_batch(prompt_ids, rewards)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "history": self.history.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed") != self.seed:
+            raise ValueError(f"DPPO state was saved with seed {state.get('seed')}, this run uses {self.seed}")
+        self.history.load_state_dict(state["history"])

@@ -1,0 +1,237 @@
+"""Reward extraction and normalisation (GSM8K, MATH), the registry and the toy task."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_prune.grpo.rewards import (
+    GSM8KReward,
+    MathReward,
+    RewardFn,
+    ToyReward,
+    ToyTask,
+    ToyTaskConfig,
+    available_rewards,
+    extract_boxed,
+    extract_gsm8k_answer,
+    get_reward,
+    math_answers_equal,
+    normalize_math_answer,
+    normalize_number,
+    register_reward,
+)
+
+GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+
+# --- registry -----------------------------------------------------------------------------
+
+
+def test_registry():
+    assert {"gsm8k", "math", "toy"} <= set(available_rewards())
+    for name in ("gsm8k", "math", "toy"):
+        assert isinstance(get_reward(name), RewardFn)
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        get_reward("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("gsm8k", GSM8KReward)
+
+
+# --- GSM8K --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("72", "72"),
+        ("$1,234.00", "1234"),
+        ("  - 5 apples", "-5"),
+        ("0.50", "0.5"),
+        ("12.5%", "12.5"),
+        (".5", "0.5"),
+        ("no number", None),
+    ],
+)
+def test_normalize_number(text, expected):
+    assert normalize_number(text) == expected
+
+
+@pytest.mark.parametrize(
+    "completion, reference, reward",
+    [
+        ("She sold 48 + 24 = 72 clips.\n#### 72", "#### 72", 1.0),  # correct
+        ("The answer is\n#### $72.00", "... \n#### 72", 1.0),  # $ and trailing .0
+        ("#### 1,000", "#### 1000", 1.0),  # thousands comma
+        ("#### 7 2", "#### 72", 0.0),  # space inside a number is not a number
+        ("Total: 10 then 72", "#### 72", 1.0),  # fallback: last number
+        ("Total: 72 then 10", "#### 72", 0.0),  # fallback picks the last one: wrong
+        ("#### 71", "#### 72", 0.0),  # wrong
+        ("#### ", "#### 72", 0.0),  # malformed: empty answer
+        ("I cannot solve this.", "#### 72", 0.0),  # no answer at all
+        ("#### -3", "#### -3", 1.0),
+        ("#### 5 #### 6", "#### 6", 1.0),  # the last marker wins
+    ],
+)
+def test_gsm8k_reward(completion, reference, reward):
+    assert GSM8KReward()(completion, reference) == reward
+
+
+def test_gsm8k_marker_rules():
+    assert extract_gsm8k_answer("I think #### but then 72") == "72"  # first number after the last marker
+    assert extract_gsm8k_answer("####") is None
+    assert extract_gsm8k_answer("no digits") is None
+    with pytest.raises(ValueError, match="reference has no number"):
+        GSM8KReward()("#### 1", "#### none")
+
+
+@pytest.mark.skipif(not GSM8K.exists(), reason="GSM8K data not present")
+def test_gsm8k_reference_answers_score_themselves():
+    with GSM8K.open() as handle:
+        answers = [json.loads(line)["answer"] for _, line in zip(range(300), handle)]
+    reward = GSM8KReward()
+    assert all(reward(answer, answer) == 1.0 for answer in answers)
+    assert all(extract_gsm8k_answer(answer) is not None for answer in answers)
+
+
+# --- MATH ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is $\\boxed{42}$.", "42"),
+        ("\\boxed{\\frac{1}{2}} and later \\boxed{\\sqrt{3}}", "\\sqrt{3}"),  # last box
+        ("\\boxed{\\left\\{ 1, 2 \\right\\}}", "\\left\\{ 1, 2 \\right\\}"),  # nested braces
+        ("\\fbox{7}", "7"),
+        ("$\\boxed 5$", "5"),
+        ("\\boxed{\\frac{1}{2}", None),  # unbalanced
+        ("no box here: 42", None),
+    ],
+)
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    "answer, normalized",
+    [
+        ("\\dfrac{3}{4}", "\\frac{3}{4}"),
+        ("\\tfrac12", "\\frac{1}{2}"),
+        ("3/4", "\\frac{3}{4}"),
+        ("x = 5", "5"),
+        ("\\left( 1,\\! 2 \\right)", "(1,2)"),
+        ("10\\text{ inches}", "10inches"),
+        ("5.", "5"),
+        ("90^\\circ", "90"),
+        ("50\\%", "50"),
+        ("\\$ 1,000", "1000"),
+        ("\\sqrt2", "\\sqrt{2}"),
+    ],
+)
+def test_normalize_math_answer(answer, normalized):
+    assert normalize_math_answer(answer) == normalized
+
+
+@pytest.mark.parametrize(
+    "predicted, reference, equal",
+    [
+        ("\\frac{1}{2}", "0.5", True),  # numeric comparison
+        ("\\dfrac{2}{4}", "\\frac12", True),
+        ("-\\frac{3}{4}", "-3/4", True),
+        ("x=2", "2.0", True),
+        ("\\text{(A)}", "(A)", True),
+        ("\\frac{1}{3}", "0.333", False),
+        ("2", "3", False),
+        ("", "", False),
+        ("\\frac{1}{0}", "\\frac{1}{0}", True),  # identical strings still match
+    ],
+)
+def test_math_answers_equal(predicted, reference, equal):
+    assert math_answers_equal(predicted, reference) is equal
+
+
+@pytest.mark.parametrize(
+    "completion, reference, reward",
+    [
+        ("So the answer is $\\boxed{\\dfrac{1}{2}}$.", "\\frac{1}{2}", 1.0),  # correct
+        ("$\\boxed{0.5}$", "We get ... $\\boxed{\\frac12}$.", 1.0),  # reference is a solution
+        ("$\\boxed{3}$", "4", 0.0),  # wrong
+        ("$\\boxed{\\frac{1}{2}$", "\\frac{1}{2}", 0.0),  # malformed
+        ("The answer is 1/2.", "\\frac{1}{2}", 0.0),  # no box: no answer
+    ],
+)
+def test_math_reward(completion, reference, reward):
+    assert MathReward()(completion, reference) == reward
+
+
+def test_math_reward_rejects_an_empty_reference():
+    with pytest.raises(ValueError, match="empty"):
+        MathReward()("\\boxed{1}", "  ")
+
+
+# --- toy task -----------------------------------------------------------------------------
+
+
+def test_toy_prompts_are_deterministic():
+    task = ToyTask(ToyTaskConfig(seed=3))
+    again = ToyTask(ToyTaskConfig(seed=3))
+    assert task.prompts(20) == again.prompts(20)
+    assert task.prompt(7) == task.prompts(1, start=7)[0]
+    assert task.prompts(20) != ToyTask(ToyTaskConfig(seed=4)).prompts(20)
+    prompt = task.prompt(0)
+    cfg = task.config
+    assert len(prompt.token_ids) == cfg.prompt_length
+    assert prompt.token_ids[0] == cfg.bos_token_id and prompt.token_ids[-2] == cfg.sep_token_id
+    assert task.token_class(prompt.token_ids[-1]) == prompt.target_digit
+    assert all(0 <= t < cfg.vocab_size for t in prompt.token_ids)
+    digits = {p.target_digit for p in task.prompts(200)}
+    assert digits == set(range(cfg.num_digits))
+
+
+def test_toy_scoring():
+    task = ToyTask()
+    three = [task.digit_token_id(3), task.digit_token_id(3) + 10, task.digit_token_id(3) + 500 - 500 % 10]
+    assert task.score_tokens(three, target_digit=3) == 1.0
+    assert task.score_tokens([task.digit_token_id(3), task.digit_token_id(4)], target_digit=3) == 0.5
+    assert task.score_tokens([task.digit_token_id(3), 2, task.digit_token_id(4)], target_digit=3) == 1.0  # EOS stops
+    assert task.score_tokens([2], target_digit=3) == 0.0
+    assert task.score_tokens([0, 1, 3], target_digit=3) == 0.0  # special tokens never match
+    assert task.score_text("3 3 3 x", target_digit=3) == 0.75
+    assert task.score_text("   ", target_digit=3) == 0.0
+    reward = get_reward("toy")
+    assert reward("33", task.prompt(0).reference_answer) == float(task.prompt(0).target_digit == 3)
+    assert ToyReward()("777", "7") == 1.0
+    with pytest.raises(ValueError, match="one digit"):
+        ToyReward()("7", "77")
+    with pytest.raises(ValueError, match="digit"):
+        task.score_tokens([5], target_digit=10)
+
+
+def test_toy_random_policy_has_dense_reward():
+    """A uniform policy scores ~1/num_digits with spread inside groups: advantages are nonzero."""
+    task = ToyTask()
+    g = torch.Generator().manual_seed(0)
+    completions = torch.randint(0, task.config.vocab_size, (64, 8, 8), generator=g)  # prompts x G x tokens
+    rewards = torch.tensor(
+        [[task.score_tokens(c.tolist(), target_digit=p.target_digit) for c in group]
+         for p, group in zip(task.prompts(64), completions)]
+    )
+    assert 0.05 < rewards.mean().item() < 0.15
+    assert (rewards.std(dim=1) > 0).double().mean() > 0.9
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_digits": 11}, "num_digits"),
+        ({"vocab_size": 20}, "vocab_size"),
+        ({"prompt_length": 2}, "prompt_length"),
+        ({"eos_token_id": 1}, "distinct"),
+    ],
+)
+def test_toy_config_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ToyTaskConfig(**overrides)
