@@ -1,0 +1,183 @@
+"""DPO with pruning: equivalences, unbiasedness by enumeration, layout independence (gloo)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.distributed.dpo_harness import NUM_PAIRS, assert_same, dpo_grads
+
+PRUNED = dict(position_ratio=0.6, seq_min_ratio=0.5)
+MODES = {
+    "off": {},
+    "position": dict(position_ratio=0.6),
+    "sequence": dict(seq_min_ratio=0.5),
+    "branch": dict(branch=True),
+    "all": dict(position_ratio=0.6, seq_min_ratio=0.5, branch=True),
+}
+# Branch enumeration is exponential in the pairs of a batch; 4 pairs = 16 patterns.
+ENUM_PAIRS = 4
+
+
+def single_rank_checks() -> dict:
+    out = {
+        "full": dpo_grads(layout="full"),
+        "concat": dpo_grads(layout="concat"),
+        "full_logits": dpo_grads(layout="concat", prune=dict(selective_head=False)),
+        "full_mbs1": dpo_grads(layout="full", micro_batch_size=1),
+        "sum_full": dpo_grads(layout="full", reduction="sum"),
+        "sum_concat": dpo_grads(layout="concat", reduction="sum"),
+    }
+    out["modes"] = {name: dpo_grads(prune=prune) for name, prune in MODES.items()}
+    return out
+
+
+def branch_enumeration(q_w: float) -> dict:
+    """Σ over every kept-branch pattern of P(pattern) · grad(pattern), and the unpruned grad."""
+    import tests.distributed.dpo_harness as h
+
+    h.NUM_PAIRS = ENUM_PAIRS
+    h.sample_pairs.cache_clear()
+    prune = dict(position_ratio=0.6, seq_min_ratio=0.5)  # fixed positions/prefixes are given
+    full = dpo_grads(prune=prune)
+    expected: dict[str, torch.Tensor] = {}
+    total_prob = 0.0
+    losses = []
+    for pattern in itertools.product((0, 1), repeat=ENUM_PAIRS):
+        prob = 1.0
+        for kept in pattern:
+            prob *= q_w if kept == 0 else 1.0 - q_w
+        got = dpo_grads(prune={**prune, "branch": True, "branch_chosen_prob": q_w}, branch_pattern=pattern)
+        losses.append(got["metrics"]["loss"])
+        for key, grad in got["grads"].items():
+            expected[key] = expected.get(key, 0.0) + prob * grad.double()
+        total_prob += prob
+    return dict(full=full, expectation=expected, total_prob=total_prob, losses=losses)
+
+
+def layout_checks() -> dict:
+    layouts = {
+        "dp2": dict(),
+        "tp2": dict(tensor_model_parallel_size=2),
+        "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+        "pp2": dict(pipeline_model_parallel_size=2),
+    }
+    return {
+        (layout, mode): dpo_grads(parallel=par, prune=MODES[mode])
+        for layout, par in layouts.items()
+        for mode in ("off", "all")
+    }
+
+
+def layout_checks_4() -> dict:
+    par = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    return {("tp2xpp2", mode): dpo_grads(parallel=par, prune=MODES[mode]) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return run_distributed(single_rank_checks, 1)[0]
+
+
+@pytest.mark.distributed
+def test_full_equals_full_concat(single):
+    assert_same(single["full"], single["concat"], "full vs concat")
+    assert_same(single["full"], single["full_mbs1"], "micro batch 2 vs 1")
+    assert_same(single["sum_full"], single["sum_concat"], "sum form: full vs concat")
+
+
+@pytest.mark.distributed
+def test_selective_head_equals_full_logits_path(single):
+    assert_same(single["full_logits"], single["concat"], "selective head vs full logits")
+
+
+@pytest.mark.distributed
+def test_pruning_off_is_the_baseline(single):
+    assert_same(single["concat"], single["modes"]["off"], "prune off")
+    assert single["modes"]["off"]["counters"]["scored_positions"] == single["concat"]["counters"]["scored_positions"]
+
+
+@pytest.mark.distributed
+def test_pruning_modes_cut_what_they_promise(single):
+    base = single["modes"]["off"]["counters"]
+    pos = single["modes"]["position"]["counters"]
+    seq = single["modes"]["sequence"]["counters"]
+    assert pos["scored_positions"] < 0.7 * base["scored_positions"]
+    assert pos["policy_tokens"] == base["policy_tokens"]
+    assert seq["policy_tokens"] < base["policy_tokens"] and seq["ref_tokens"] < base["ref_tokens"]
+    for name in ("position", "sequence", "branch", "all"):
+        diff = max((single["modes"][name]["grads"][k] - base_g).abs().max().item()
+                   for k, base_g in single["modes"]["off"]["grads"].items())
+        assert diff > 0, f"{name} pruning changed nothing"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("q_w", [0.5, 0.3])
+def test_branch_pruning_is_unbiased_by_enumeration(q_w):
+    res = run_distributed(branch_enumeration, 1, q_w=q_w)[0]
+    assert abs(res["total_prob"] - 1.0) < 1e-12
+    for key, grad in res["full"]["grads"].items():
+        torch.testing.assert_close(res["expectation"][key].float(), grad, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m: f"E[branch-pruned grad] != full grad for {key}: {m}")
+    # The loss value itself is not reweighted: every pattern reports the unpruned loss.
+    for loss in res["losses"]:
+        assert loss == pytest.approx(res["full"]["metrics"]["loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_layouts_match_single_rank_2_ranks(single):
+    results = run_distributed(layout_checks, 2)[0]
+    for (layout, mode), got in results.items():
+        assert_same(single["modes"][mode], got, f"{layout}/{mode}")
+
+
+@pytest.mark.distributed
+def test_layouts_match_single_rank_tp2xpp2(single):
+    results = run_distributed(layout_checks_4, 4)[0]
+    for (layout, mode), got in results.items():
+        assert_same(single["modes"][mode], got, f"{layout}/{mode}")
+
+
+def test_position_pruning_reward_estimate_is_unbiased_by_enumeration():
+    """E over uniform k-subsets of the averaged log-ratio equals the full average (exactly)."""
+    from megatron_prune.dpo.loss import response_log_ratios
+
+    gen = torch.Generator().manual_seed(0)
+    length = 7
+    policy = torch.randn(length, generator=gen, dtype=torch.float64)
+    ref = torch.randn(length, generator=gen, dtype=torch.float64)
+    for reduction in ("mean", "sum"):
+        full = response_log_ratios(policy, ref, seq_ids=torch.zeros(length, dtype=torch.long),
+                                   num_scored=[length], lengths=[length], reduction=reduction)[0]
+        for k in range(1, length + 1):
+            estimates = [
+                response_log_ratios(policy[list(s)], ref[list(s)], seq_ids=torch.zeros(k, dtype=torch.long),
+                                    num_scored=[k], lengths=[length], reduction=reduction)[0].double()
+                for s in itertools.combinations(range(length), k)
+            ]
+            torch.testing.assert_close(torch.stack(estimates).mean(), full.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_position_subset_size_and_determinism():
+    from megatron_prune.sampling import position_subset
+
+    a = position_subset(50, ratio=0.6, seed=1, step=3, sample_id=7, what="positions/chosen")
+    b = position_subset(50, ratio=0.6, seed=1, step=3, sample_id=7, what="positions/chosen")
+    c = position_subset(50, ratio=0.6, seed=1, step=4, sample_id=7, what="positions/chosen")
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert len(a) == 30 and len(set(a.tolist())) == 30 and a.min() >= 0 and a.max() < 50
+    assert torch.equal(position_subset(9, ratio=1.0, seed=1, step=0, sample_id=0, what="x"), torch.arange(9))
+
+
+def test_prefix_length_range():
+    from megatron_prune.sampling import prefix_length
+
+    lengths = [prefix_length(40, min_ratio=0.5, seed=3, step=s, sample_id=1, what="p") for s in range(200)]
+    assert min(lengths) >= 20 and max(lengths) <= 40 and len(set(lengths)) > 10
+    assert prefix_length(40, min_ratio=1.0, seed=3, step=0, sample_id=1, what="p") == 40
+
+
+assert NUM_PAIRS % 4 == 0, "pairs must split over DP=2 x micro batch 2"
