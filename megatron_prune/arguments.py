@@ -66,7 +66,8 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str) 
             if "bool_off" in f.metadata:
                 group.add_argument(f.metadata["bool_off"], dest=dest, action="store_false", help=f"Turn off {flag}.")
             continue
-        kwargs: dict[str, Any] = dict(dest=dest, type=base, default=default, help=f"{help_text} (default: {default})")
+        kwargs: dict[str, Any] = dict(dest=dest, type=base, default=default, metavar=f.name.upper(),
+                                      help=f"{help_text} (default: {default})")
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         if is_list:

@@ -175,6 +175,8 @@ class DPOConfig:
     """full: chosen and rejected as padded rows; concat: both packed in one row (block-diagonal mask)."""
     ref_mode: str = field(default="online", metadata=_flag("--ref-mode", choices=("online", "precomputed")))
     """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk."""
+    ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))
+    """Checkpoint of the reference model (default: the starting model; a resumed run uses the one it recorded)."""
     ref_cache: str | None = field(default=None, metadata=_flag("--ref-cache"))
     """Directory of the precomputed reference log-probs (default: <save or data dir>/ref_logps)."""
 

@@ -10,6 +10,7 @@ forward-only schedule, so no pipeline stage runs a backward for them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -165,8 +166,10 @@ class DPOStep:
                 found[(group[resp.pair].sample_id, resp.branch)] = values
         return found
 
-    def run(self, step: int, samples: list[tuple[int, PreferencePair]]) -> tuple[list[dict], dict[str, float]]:
-        """Accumulate this step's gradients. Returns the loss outputs and token counters."""
+    def run(
+        self, step: int, samples: list[tuple[int, PreferencePair]], *, forward_only: bool = False
+    ) -> tuple[list[dict], dict[str, float]]:
+        """Accumulate this step's gradients (or only evaluate). Returns loss outputs and token counters."""
         self.counters = {k: 0 for k in ("policy_tokens", "ref_tokens", "policy_padded_tokens", "ref_padded_tokens",
                                         "scored_positions", "logits_rows")}
         plans = self.plan(step, samples)
@@ -190,15 +193,16 @@ class DPOStep:
         self._count_policy(batches)
         for batch, group in zip(batches, self._groups(plans)):
             batch.extras["loss_func"] = partial(self._loss, group=group, ref=ref, pruned_ratio=pruned_ratio)
-        outputs = run_schedule(
-            forward_step_func=partial(policy_forward_step, selective_head=self.s.prune.selective_head),
-            data_iterator=self._iterators(self.policy, batches),
-            model=self.policy,
-            num_microbatches=len(batches),
-            seq_length=seq_length,
-            micro_batch_size=batches[0].tokens.shape[0],
-            forward_only=False,
-        )
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            outputs = run_schedule(
+                forward_step_func=partial(policy_forward_step, selective_head=self.s.prune.selective_head),
+                data_iterator=self._iterators(self.policy, batches),
+                model=self.policy,
+                num_microbatches=len(batches),
+                seq_length=seq_length,
+                micro_batch_size=batches[0].tokens.shape[0],
+                forward_only=forward_only,
+            )
         return outputs, self._reduced_counters()
 
     @staticmethod

@@ -1,0 +1,175 @@
+"""The DPO objective for the shared training loop, and the run entry point."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from megatron_prune.config import CheckpointConfig, DPOConfig, LoggingConfig, ModelConfig, PruneConfig, TrainConfig
+from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset
+from megatron_prune.data.sampler import EpochSampler, dp_shard
+from megatron_prune.data.tokenizer import load_tokenizer
+from megatron_prune.dpo.batch import CHOSEN, REJECTED
+from megatron_prune.dpo.step import DPOStep, DPOStepSettings
+from megatron_prune.training import session
+from megatron_prune.training.loop import train
+from megatron_prune.training.parallel import is_logging_rank
+from megatron_prune.training.step import reduce_metrics
+
+logger = logging.getLogger(__name__)
+
+
+class DPOObjective:
+    """Draws each step's pairs, runs the pruned DPO passes, keeps the data position."""
+
+    def __init__(
+        self,
+        *,
+        dataset: PreferenceDataset,
+        eval_dataset: PreferenceDataset | None,
+        runner: DPOStep,
+        eval_runner: DPOStep | None,
+        train_cfg: TrainConfig,
+    ) -> None:
+        self.dataset = dataset
+        self.eval_dataset = eval_dataset
+        self.runner = runner
+        self.eval_runner = eval_runner
+        self.train_cfg = train_cfg
+        self.sampler = EpochSampler(len(dataset), seed=train_cfg.seed)
+
+    def _my_samples(self, indices: list[int], dataset: PreferenceDataset) -> list:
+        mine = dp_shard(indices, dp_rank=parallel_state.get_data_parallel_rank(),
+                        dp_size=parallel_state.get_data_parallel_world_size())
+        return [(i, dataset[i]) for i in mine]
+
+    def train_step(self, step: int) -> dict[str, float]:
+        indices = self.sampler.next_indices(self.train_cfg.global_batch_size)
+        outputs, counters = self.runner.run(step, self._my_samples(indices, self.dataset))
+        return {**reduce_metrics(outputs), **counters}
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        if self.eval_dataset is None:
+            return None
+        dp = parallel_state.get_data_parallel_world_size()
+        per_step = self.train_cfg.micro_batch_size * dp
+        usable = len(self.eval_dataset) - len(self.eval_dataset) % per_step
+        indices = list(range(usable))
+        outputs, _ = self.eval_runner.run(step, self._my_samples(indices, self.eval_dataset), forward_only=True)
+        return reduce_metrics(outputs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
+
+
+def _fingerprint(paths: list[str], extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
+    for p in paths:
+        st = os.stat(p)
+        h.update(f"{os.path.abspath(p)}|{st.st_size}|{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cache_dir: str,
+                         fingerprint: str, batch: int) -> dict[tuple[int, int], torch.Tensor]:
+    """Reference log-probs of every response token of ``dataset``, cached on disk and reused.
+
+    Computed with the starting policy (which is the reference) before training; every rank
+    receives the whole table, because a pair may land on any DP rank in a later step.
+    """
+    path = os.path.join(cache_dir, f"ref_logps_{fingerprint}.pt")
+    if os.path.isfile(path):
+        table = torch.load(path)
+        if is_logging_rank():
+            print(f"[megatron-prune] reusing reference log-probs {path}", flush=True)
+        return table
+    table: dict[tuple[int, int], torch.Tensor] = {}
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    indices = list(range(len(dataset)))
+    for start in range(0, len(indices), batch * dp):
+        chunk = indices[start : start + batch * dp]
+        mine = chunk[dp_rank::dp]
+        plans = runner_off.plan(0, [(i, dataset[i]) for i in mine])
+        if not plans:
+            continue
+        found = runner_off.reference_logps(plans)
+        if found:
+            table.update(found)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, table)
+    for part in gathered:
+        table.update(part)
+    missing = [(i, b) for i in indices for b in (CHOSEN, REJECTED) if (i, b) not in table]
+    assert not missing, f"reference log-probs missing for {missing[:3]}"
+    if dist.get_rank() == 0:
+        os.makedirs(cache_dir, exist_ok=True)
+        torch.save(table, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        print(f"[megatron-prune] stored reference log-probs for {len(dataset)} pairs in {path}", flush=True)
+    dist.barrier()
+    return table
+
+
+def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
+    model_cfg: ModelConfig = configs["ModelConfig"]
+    train_cfg: TrainConfig = configs["TrainConfig"]
+    ckpt_cfg: CheckpointConfig = configs["CheckpointConfig"]
+    log_cfg: LoggingConfig = configs["LoggingConfig"]
+    prune: PruneConfig = configs["PruneConfig"]
+    dpo: DPOConfig = configs["DPOConfig"]
+    if not dpo.data_path:
+        raise session.UsageError("--data-path is required")
+    arch = session.resolve_arch(model_cfg, ckpt_cfg)
+    tokenizer = load_tokenizer(session.resolve_tokenizer(model_cfg, ckpt_cfg))
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
+    data_cfg = PreferenceDataConfig(max_seq_length=train_cfg.seq_length, max_prompt_length=train_cfg.max_prompt_length,
+                                    format=dpo.data_format, skip_invalid=dpo.skip_invalid)
+    dataset = PreferenceDataset(dpo.data_path, tokenizer=tokenizer, config=data_cfg)
+    eval_dataset = PreferenceDataset(dpo.eval_data_path, tokenizer=tokenizer, config=data_cfg) if dpo.eval_data_path else None
+    for name, ds in (("training", dataset), ("held-out", eval_dataset)):
+        if ds is not None and sum(ds.skipped.values()) and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
+
+    parallel = session.start(model_cfg, train_cfg)
+    parts = session.build_parts(arch, parallel, model_cfg, train_cfg)
+    ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load)
+    parts.extra_meta = {"reference_load": ref_source}
+    settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
+                               pad_id=tokenizer.pad_id)
+    off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,
+                          micro_batch_size=train_cfg.micro_batch_size, pad_id=tokenizer.pad_id)
+    if dpo.ref_mode == "online":
+        reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+        runner = DPOStep(settings=settings, policy=parts.model, reference=reference)
+        eval_runner = DPOStep(settings=off, policy=parts.model, reference=reference)
+    else:
+        reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+        cache_dir = dpo.ref_cache or os.path.join(ckpt_cfg.save or os.path.dirname(os.path.abspath(dpo.data_path[0])),
+                                                  "ref_logps")
+        fp = _fingerprint(dpo.data_path, f"{arch.to_dict()}|{ref_source}|{train_cfg.seed}|{train_cfg.seq_length}|"
+                                         f"{train_cfg.max_prompt_length}")
+        precompute_off = DPOStep(settings=off, policy=parts.model, reference=reference)
+        table = precompute_reference(runner_off=precompute_off, dataset=dataset, cache_dir=cache_dir,
+                                     fingerprint=fp, batch=train_cfg.micro_batch_size)
+        eval_runner = precompute_off if eval_dataset is not None else None
+        if eval_dataset is None:
+            del reference
+        runner = DPOStep(settings=settings, policy=parts.model, reference=None,
+                         ref_lookup=lambda sid, branch: table[(sid, branch)])
+    objective = DPOObjective(dataset=dataset, eval_dataset=eval_dataset, runner=runner, eval_runner=eval_runner,
+                             train_cfg=train_cfg)
+    return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg,
+                 eval_interval=dpo.eval_interval or (train_cfg.train_iters if eval_dataset is not None else None))

@@ -1,0 +1,242 @@
+"""The one training loop shared by DPO and GRPO.
+
+An :class:`Objective` accumulates one step's gradients (through Megatron's schedules) and
+reports metrics; the loop owns everything around it: optimizer and LR schedule, non-finite
+checks on all ranks together, timing and peak memory, metrics (JSON lines, TensorBoard,
+console), and atomic checkpoints with exact resume (model, optimizer, scheduler, RNG, data
+position and the objective's own sampler state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_prune.accelerator import get_accelerator
+from megatron_prune.config import CheckpointConfig, LoggingConfig, TrainConfig
+from megatron_prune.model.arch import ModelArch
+from megatron_prune.training import checkpoint as ckpt_io
+from megatron_prune.training.parallel import is_logging_rank
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss or gradient with --on-nonfinite stop."""
+
+
+class Objective(Protocol):
+    """What the loop needs from DPO or GRPO."""
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Accumulate gradients of ``step`` into the model's grad buffers; return metrics
+        (identical on every rank, including ``loss``)."""
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """Held-out metrics, or None when there is nothing to evaluate."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Data position and sampler state, for exact resume."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainingParts:
+    """Model, optimizer and schedule of a run."""
+
+    model: list[torch.nn.Module]
+    """DDP-wrapped policy chunks."""
+    optimizer: Any
+    """Megatron optimizer."""
+    scheduler: OptimizerParamScheduler
+    """Learning-rate schedule."""
+    arch: ModelArch
+    """Architecture (recorded in checkpoints)."""
+    extra_meta: dict = field(default_factory=dict)
+    """Recorded in every checkpoint's meta.json (e.g. which reference model the run uses)."""
+
+
+def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
+    decay_steps = max(train.train_iters, train.lr_warmup_iters + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if train.lr_warmup_iters else train.lr,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_iters,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=train.lr_decay_style,
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+
+
+def grads_are_finite(model: list[torch.nn.Module]) -> bool:
+    """True on every rank iff every rank's gradients are finite (one all-reduce)."""
+    bad = torch.zeros(1)
+    for chunk in model:
+        for p in chunk.parameters():
+            grad = getattr(p, "main_grad", None)
+            if grad is not None and not torch.isfinite(grad).all():
+                bad.fill_(1.0)
+                break
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
+class MetricsWriter:
+    """JSON lines (and TensorBoard when installed) from the logging rank only."""
+
+    def __init__(self, cfg: LoggingConfig) -> None:
+        self.cfg = cfg
+        self.active = is_logging_rank()
+        self.jsonl = None
+        self.tb = None
+        if not self.active:
+            return
+        if cfg.metrics_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_jsonl)), exist_ok=True)
+            self.jsonl = open(cfg.metrics_jsonl, "a", encoding="utf-8")
+        if cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(cfg.tensorboard_dir)
+            except ImportError:
+                logger.warning("--tensorboard-dir given but tensorboard is not installed; skipping it")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -> int:
+    """Load ``--load`` if given; return the first step to run."""
+    if not ckpt.load:
+        return 0
+    meta = ckpt_io.read_meta(ckpt.load)
+    weights_only = ckpt.finetune or not meta.get("has_optimizer")
+    loaded = ckpt_io.load_checkpoint(
+        ckpt.load, model=parts.model, arch=parts.arch,
+        optimizer=None if weights_only else parts.optimizer, restore_rng=not weights_only,
+    )
+    if is_logging_rank():
+        print(f"[megatron-prune] loaded {loaded['path']} (iteration {loaded['iteration']}"
+              f"{', weights only' if weights_only else ''})", flush=True)
+    if weights_only:
+        return 0
+    if loaded.get("scheduler"):
+        parts.scheduler.load_state_dict(loaded["scheduler"])
+    objective.load_state_dict(loaded.get("trainer", {}).get("objective", {}))
+    return int(loaded["iteration"])
+
+
+def save(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, step: int) -> None:
+    path = ckpt_io.save_checkpoint(
+        ckpt.save, iteration=step, model=parts.model, arch=parts.arch, optimizer=parts.optimizer,
+        scheduler_state=parts.scheduler.state_dict(), trainer_state={"objective": objective.state_dict()},
+        extra_meta=parts.extra_meta,
+    )
+    if is_logging_rank():
+        print(f"[megatron-prune] saved {path}", flush=True)
+
+
+def train(
+    *,
+    objective: Objective,
+    parts: TrainingParts,
+    train_cfg: TrainConfig,
+    ckpt: CheckpointConfig,
+    log_cfg: LoggingConfig,
+    eval_interval: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run steps from the resumed position to ``train_iters``; return the per-step records."""
+    acc = get_accelerator()
+    start = resume(parts, objective, ckpt)
+    writer = MetricsWriter(log_cfg)
+    records = []
+    try:
+        for step in range(start, train_cfg.train_iters):
+            acc.synchronize()
+            acc.reset_peak_memory()
+            t0 = time.perf_counter()
+            for chunk in parts.model:
+                chunk.zero_grad_buffer()
+            parts.optimizer.zero_grad()
+            metrics = objective.train_step(step)
+            finite = math.isfinite(metrics.get("loss", 0.0)) and grads_are_finite(parts.model)
+            if not finite and train_cfg.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"step {step}: non-finite loss or gradient (loss={metrics.get('loss')}); "
+                    "rerun with --on-nonfinite skip to skip such steps"
+                )
+            grad_norm = None
+            if finite:
+                success, grad_norm, _ = parts.optimizer.step()
+                finite = bool(success)
+            if finite:
+                parts.scheduler.step(1)
+            elif is_logging_rank():
+                logger.warning("step %d skipped: non-finite loss or gradient", step)
+            acc.synchronize()
+            record = {
+                "step": step,
+                **metrics,
+                "grad_norm": grad_norm,
+                "lr": parts.optimizer.param_groups[0]["lr"],
+                "skipped": not finite,
+                "step_time_s": time.perf_counter() - t0,
+                "peak_mem_bytes": acc.peak_memory_bytes(),
+            }
+            if eval_interval and ((step + 1) % eval_interval == 0 or step + 1 == train_cfg.train_iters):
+                held_out = objective.evaluate(step)
+                if held_out:
+                    record.update({f"eval_{k}": v for k, v in held_out.items()})
+            records.append(record)
+            writer.write(record)
+            if is_logging_rank() and (step % log_cfg.log_interval == 0 or step + 1 == train_cfg.train_iters):
+                print(_progress_line(record, train_cfg.train_iters), flush=True)
+            done = step + 1
+            if ckpt.save and ((ckpt.save_interval and done % ckpt.save_interval == 0) or done == train_cfg.train_iters):
+                save(parts, objective, ckpt, done)
+    finally:
+        writer.close()
+    return records
+
+
+def _progress_line(record: dict[str, Any], total: int) -> str:
+    shown = [f"step {record['step'] + 1}/{total}"]
+    for key in ("loss", "reward_accuracy", "margin", "reward_mean", "eval_reward_accuracy", "grad_norm", "step_time_s"):
+        value = record.get(key)
+        if isinstance(value, (int, float)):
+            shown.append(f"{key} {value:.4g}")
+    if record.get("skipped"):
+        shown.append("SKIPPED")
+    return "[megatron-prune] " + " | ".join(shown)

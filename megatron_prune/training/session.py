@@ -1,0 +1,163 @@
+"""Start-up shared by the trainers: validate, start the process groups, build model and optimizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from megatron_prune.accelerator import set_accelerator
+from megatron_prune.config import CheckpointConfig, ModelConfig, TrainConfig
+from megatron_prune.model.arch import ModelArch, get_preset
+from megatron_prune.model.provider import ParallelConfig
+from megatron_prune.training.loop import TrainingParts, build_scheduler
+from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
+
+logger = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """A flag or layout problem found before any rank does work."""
+
+
+def parallel_config(model: ModelConfig) -> ParallelConfig:
+    return ParallelConfig(
+        tensor_model_parallel_size=model.tensor_model_parallel_size,
+        pipeline_model_parallel_size=model.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=model.virtual_pipeline_model_parallel_size,
+        sequence_parallel=model.sequence_parallel,
+        bf16=model.bf16,
+        recompute=model.recompute,
+    )
+
+
+def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, world_size: int) -> int:
+    """Check flags and layout against the world size; return the data-parallel size."""
+    from megatron_prune.training.parallel import validate_layout
+
+    sources = [s for s in (model.model_preset, model.hf_model) if s]
+    if len(sources) > 1:
+        raise UsageError("give one of --model-preset and --hf-model, not both")
+    if not sources and not ckpt.load:
+        raise UsageError("no model: give --model-preset, --hf-model or --load")
+    dp = validate_layout(parallel_config(model), world_size)
+    if train.global_batch_size % (train.micro_batch_size * dp):
+        raise UsageError(
+            f"--global-batch-size {train.global_batch_size} is not divisible by --micro-batch-size "
+            f"{train.micro_batch_size} x data-parallel size {dp}"
+        )
+    if model.hf_model and not os.path.isdir(model.hf_model):
+        raise UsageError(f"--hf-model {model.hf_model}: not a directory")
+    return dp
+
+
+def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:
+    if model.model_preset:
+        arch = get_preset(model.model_preset)
+    elif model.hf_model:
+        arch = ModelArch.from_hf_dir(model.hf_model)
+    else:
+        from megatron_prune.training.checkpoint import read_arch
+
+        return read_arch(ckpt.load)
+    if ckpt.load:
+        from megatron_prune.training.checkpoint import read_arch
+
+        found = read_arch(ckpt.load)
+        if found != arch:
+            raise UsageError(
+                f"--load {ckpt.load} holds a different architecture ({found.model_type}, "
+                f"{found.num_layers} layers, hidden {found.hidden_size}) than the model asked for; "
+                "drop --model-preset/--hf-model to use the checkpoint's own"
+            )
+    return arch
+
+
+def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
+    if model.tokenizer:
+        return model.tokenizer
+    if model.model_preset:
+        return "tiny"
+    if model.hf_model:
+        return model.hf_model
+    assets = os.path.join(ckpt.load or "", "hf_assets")
+    if os.path.isdir(assets):
+        return assets
+    raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
+
+
+def fail_usage(exc: Exception) -> None:
+    """One clear message from rank 0, exit code 2, before any collective."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megatron-prune: error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
+    """Choose the device, start torch.distributed and Megatron's parallel state."""
+    from megatron_prune.training.parallel import initialize_distributed, initialize_model_parallel
+
+    kind = set_accelerator(model.device).kind
+    if kind == "npu":
+        from megatron_prune.adapters import mindspeed
+
+        mindspeed.prepare_ascend()
+    initialize_distributed(timeout_minutes=train.distributed_timeout_minutes)
+    parallel = parallel_config(model)
+    initialize_model_parallel(parallel, seed=train.seed)
+    return parallel
+
+
+def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> TrainingParts:
+    policy = setup_model(arch, parallel, seed=train.seed, use_distributed_optimizer=model.use_distributed_optimizer)
+    if model.hf_model:
+        load_hf_weights(policy, model.hf_model, arch)
+    optimizer = build_optimizer(
+        policy,
+        OptimConfig(
+            optimizer=train.optimizer, lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, clip_grad=train.clip_grad,
+            use_distributed_optimizer=model.use_distributed_optimizer,
+        ),
+        bf16=model.bf16,
+    )
+    return TrainingParts(model=policy, optimizer=optimizer, scheduler=build_scheduler(optimizer, train), arch=arch)
+
+
+def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str | None) -> str | None:
+    """Checkpoint the reference model loads from; None = the starting preset/HF weights.
+
+    A training checkpoint records the reference it was trained against (``reference_load`` in
+    its metadata), so a resumed run keeps comparing against the original model.
+    """
+    if ref_load:
+        return ref_load
+    if model.model_preset or model.hf_model or not ckpt.load:
+        return None
+    from megatron_prune.training.checkpoint import read_meta
+
+    meta = read_meta(ckpt.load)
+    if not meta.get("has_optimizer"):
+        return ckpt.load  # a converted model: it is the starting point
+    if "reference_load" not in meta:
+        raise UsageError(f"--load {ckpt.load} does not record its reference model; pass --ref-load")
+    return meta["reference_load"]
+
+
+def build_reference(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig,
+                    source: str | None):
+    """A frozen reference model in the same layout (the starting policy unless ``source``)."""
+    reference = setup_model(arch, parallel, seed=train.seed, trainable=False)
+    if source:
+        from megatron_prune.training.checkpoint import load_checkpoint
+
+        load_checkpoint(source, model=reference, arch=arch)
+    elif model.hf_model:
+        load_hf_weights(reference, model.hf_model, arch)
+    return reference
+
+
+def load_hf_weights(chunks, hf_dir: str, arch: ModelArch) -> None:
+    from megatron_prune.model import hf_convert
+
+    hf_convert.load_hf_into_model(chunks, hf_dir=hf_dir, arch=arch)
