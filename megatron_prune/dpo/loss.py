@@ -54,7 +54,8 @@ def dpo_pair_losses(
         loss = loss.detach() + (loss - loss.detach()) * grad_scale
     stats = {
         "margin": margin.detach(),
-        "reward_accuracy": (margin.detach() > 0).float(),
+        # A tie (e.g. policy == reference at the start) counts as half right, so chance is 0.5.
+        "reward_accuracy": (margin.detach() > 0).float() + 0.5 * (margin.detach() == 0).float(),
         "chosen_reward": beta * chosen.detach(),
         "rejected_reward": beta * rejected.detach(),
     }
