@@ -1,4 +1,4 @@
-"""Fused, chunked, vocab-parallel ops."""
+"""Fused, chunked, vocab-parallel ops (pure PyTorch: CUDA, Ascend NPU and CPU)."""
 
 from megatron_prune.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
 
