@@ -1,0 +1,147 @@
+"""Helpers to launch the real CLI through torchrun as a subprocess, always with a timeout.
+
+Every launch runs in its own session; a timeout (or a deliberate SIGKILL) kills the agent and
+all its ranks together (each rank is in a session of its own, so the whole process tree is
+collected first) and cannot leave stray processes behind for the next test.
+Each launch costs ~15-40 s on a small CPU machine (importing Megatron dominates): tests are
+designed around few launches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = str(REPO / "megatron_prune" / "data" / "samples" / "hh_rlhf_sample.jsonl")
+
+# A tiny DPO run with every pruning on (α = 0.6 and ρ_min = 0.5 are the defaults).
+TINY_DPO = [
+    "--model-preset", "tiny", "--data-path", SAMPLE,
+    "--seq-length", "128", "--max-prompt-length", "64",
+    "--global-batch-size", "8", "--micro-batch-size", "2",
+    "--lr", "1e-3", "--prune-branch",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(target: list[str], *, nproc: int = 2, rdzv: list[str] | None = None) -> list[str]:
+    """``torchrun`` (as ``python -m torch.distributed.run``) of ``target`` (``-m pkg ...`` or a script)."""
+    rdzv = rdzv if rdzv is not None else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                                          "--nnodes", "1"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *rdzv, *target]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+
+    def check_ok(self) -> "Run":
+        assert self.returncode == 0, f"exit code {self.returncode}; output tail:\n{self.output[-6000:]}"
+        return self
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the launch and every descendant: torchrun starts each rank in a new session, so
+    killing the agent's process group alone would leave the ranks running."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=30)
+    proc.wait()
+
+
+def run_cmd(cmd: list[str], *, log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> Run:
+    """Run ``cmd`` to completion in its own process group; kill the group and fail on timeout."""
+    t0 = time.monotonic()
+    proc = _start(cmd, env or launch_env(), log)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{log.read_text()[-6000:]}")
+    return Run(proc.returncode, log.read_text(), time.monotonic() - t0)
+
+
+def run_dpo(args: list[str], *, log: Path, nproc: int = 2, timeout: float = 300) -> Run:
+    """``torchrun --nproc-per-node N -m megatron_prune.dpo ARGS``."""
+    return run_cmd(torchrun_cmd(["-m", "megatron_prune.dpo", *args], nproc=nproc), log=log, timeout=timeout)
+
+
+def run_dpo_until(args: list[str], *, log: Path, metrics: Path, lines: int, nproc: int = 2,
+                  timeout: float = 300) -> Run:
+    """Start a DPO run and SIGKILL its whole process group once ``metrics`` has ``lines`` lines."""
+    t0 = time.monotonic()
+    proc = _start(torchrun_cmd(["-m", "megatron_prune.dpo", *args], nproc=nproc), launch_env(), log)
+    try:
+        while time.monotonic() - t0 < timeout:
+            if metrics.exists() and len(read_jsonl(metrics)) >= lines:
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"run ended (exit {proc.returncode}) before {lines} steps:\n{log.read_text()[-6000:]}")
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"no {lines} steps within {timeout}s:\n{log.read_text()[-6000:]}")
+    finally:
+        _kill_group(proc)
+    return Run(proc.returncode, log.read_text(), time.monotonic() - t0)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Complete lines only (a line being written is ignored)."""
+    text = path.read_text()
+    return [json.loads(line) for line in text.split("\n")[: text.count("\n")] if line.strip()]
+
+
+def last_per_step(records: list[dict]) -> dict[int, dict]:
+    """The last record of each step (a resumed run appends the steps it replays)."""
+    return {r["step"]: r for r in records}
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    """In-process tests must not see a torchrun environment of the outer shell."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)

@@ -1,0 +1,96 @@
+"""Bad flags and layouts end in one clear message naming the flag, exit code 2, before any rank
+does work (no process group is started).
+
+Most cases call the CLI's ``main`` in-process with torchrun's ``WORLD_SIZE`` faked: validation
+happens before ``torch.distributed`` starts, so this is exactly what each rank would do. One case
+is a real 2-rank torchrun launch, to show only rank 0 speaks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_prune.model.arch import get_preset
+from tests.e2e.conftest import TINY_DPO, run_dpo
+
+pytestmark = pytest.mark.e2e
+
+
+def _main(argv, monkeypatch, capsys, *, world=1):
+    from megatron_prune.dpo.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    return exc.value.code, err
+
+
+def _no_process_group():
+    import torch.distributed as dist
+
+    return not dist.is_initialized()
+
+
+BAD = [
+    pytest.param(["--prune-position-ratio", "0"], 1, "--prune-position-ratio must be in (0, 1], got 0.0", id="alpha=0"),
+    pytest.param(["--prune-position-ratio", "1.5"], 1, "--prune-position-ratio", id="alpha>1"),
+    pytest.param(["--prune-seq-min-ratio", "0"], 1, "--prune-seq-min-ratio must be in (0, 1]", id="rho_min=0"),
+    pytest.param(["--prune-seq-min-ratio", "1.01"], 1, "--prune-seq-min-ratio", id="rho_min>1"),
+    pytest.param(["--prune-branch-chosen-prob", "0"], 1, "--prune-branch-chosen-prob must be in (0, 1)", id="q=0"),
+    pytest.param(["--prune-branch-chosen-prob", "1"], 1, "--prune-branch-chosen-prob", id="q=1"),
+    pytest.param(["--tensor-model-parallel-size", "2"], 3,
+                 "world size 3 is not divisible by tensor-model-parallel-size", id="world%tp"),
+    pytest.param(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
+                 "pipeline-model-parallel-size = 2 x 2", id="world%tpxpp"),
+    pytest.param(["--global-batch-size", "6"], 2,
+                 "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2", id="gbs%mbxdp"),
+    pytest.param(["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1", id="sp-without-tp"),
+]
+
+
+@pytest.mark.parametrize("extra, world, message", BAD)
+def test_bad_flag_rejected_before_any_work(extra, world, message, monkeypatch, capsys):
+    code, err = _main([*TINY_DPO, *extra], monkeypatch, capsys, world=world)
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err
+    assert _no_process_group()
+
+
+def test_valid_flags_pass_validation(monkeypatch, capsys):
+    """The checks are not too strict: TP=2 x DP=2 with the same batch passes (dry run)."""
+    from megatron_prune.dpo.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main([*TINY_DPO, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--dry-run"]) == 0
+    assert "data-parallel 2" in capsys.readouterr().out
+    assert _no_process_group()
+
+
+def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, capsys):
+    other = get_preset("tiny-tied")
+    assert other != get_preset("tiny")
+    ckpt = tmp_path / "ckpt" / "iter_0000002"
+    (ckpt / "dist").mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps(
+        {"format": "megatron-prune/1", "iteration": 2, "arch": other.to_dict(), "has_optimizer": True}))
+    code, err = _main([*TINY_DPO, "--load", str(tmp_path / "ckpt")], monkeypatch, capsys)
+    assert code == 2
+    assert f"--load {tmp_path / 'ckpt'} holds a different architecture" in err, err
+    assert "Traceback" not in err
+    assert _no_process_group()
+
+
+def test_two_ranks_print_one_message(tmp_path):
+    """A real torchrun launch: both ranks exit 2 before starting the process group; one message."""
+    run = run_dpo([*TINY_DPO, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                  log=tmp_path / "log.txt", timeout=240)
+    assert run.returncode != 0
+    message = "megatron-prune: error: world size 2 is not divisible by tensor-model-parallel-size"
+    assert run.output.count(message) == 1, run.output[-4000:]
+    assert "exitcode  : 2" in run.output or "exitcode: 2" in run.output, run.output[-4000:]
+    assert "Traceback" not in run.output and "[megatron-prune] step" not in run.output
