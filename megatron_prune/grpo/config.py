@@ -1,0 +1,127 @@
+"""Flags of the GRPO trainer: the objective and rollout (``GRPOConfig``) and DPPO (``DPPOArgs``).
+
+Each field's docstring is its ``--help`` text (:mod:`megatron_prune.arguments`). The classes
+translate into the component configs of :mod:`megatron_prune.grpo` (``AdvantageConfig``,
+``GRPOLossConfig``, ``DPPOConfig``), which validate the values again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_prune.grpo.advantages import AdvantageConfig
+from megatron_prune.grpo.dppo import DPPOConfig
+from megatron_prune.grpo.loss import GRPOLossConfig
+
+TASKS = ("toy", "gsm8k", "math")
+NORMALISATIONS = ("constant", "sequence")
+
+
+def _flag(name: str, **extra) -> dict:
+    return {"flag": name, **extra}
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """The GRPO objective, its prompts and its rollout."""
+
+    task: str = field(default="toy", metadata=_flag("--task", choices=TASKS))
+    """Prompts and verifiable reward: toy (learnable by a tiny model on CPU), gsm8k or math."""
+    data_path: list[str] = field(default_factory=list, metadata=_flag("--data-path", nargs="+"))
+    """GSM8K / MATH problem files (JSONL or Parquet); needed for --task gsm8k|math."""
+    toy_num_prompts: int = field(default=256, metadata=_flag("--toy-num-prompts"))
+    """Size of the toy task's prompt set (prompts 0..N-1 of its deterministic stream)."""
+    group_size: int = field(default=8, metadata=_flag("--group-size"))
+    """G: completions sampled per prompt."""
+    max_new_tokens: int = field(default=16, metadata=_flag("--max-new-tokens"))
+    """Most tokens generated per completion (EOS ends a completion earlier)."""
+    temperature: float = field(default=1.0, metadata=_flag("--temperature"))
+    """Sampling temperature; 0 = greedy. Training log-probs are the policy's own (temperature 1)."""
+    top_p: float = field(default=1.0, metadata=_flag("--top-p"))
+    """Nucleus sampling: sample from the smallest token set with this much probability; 1 = off."""
+    rollout_micro_batch_size: int | None = field(default=None, metadata=_flag("--rollout-micro-batch-size"))
+    """Sequences per generation microbatch (default: all of a rank's sequences in one)."""
+    clip_eps_low: float = field(default=0.2, metadata=_flag("--clip-eps-low"))
+    """Lower clip of the PPO ratio: 1 - eps_low."""
+    clip_eps_high: float = field(default=0.2, metadata=_flag("--clip-eps-high"))
+    """Upper clip of the PPO ratio: 1 + eps_high (DAPO's clip-higher uses e.g. 0.28)."""
+    kl_beta: float = field(default=0.0, metadata=_flag("--kl-beta"))
+    """Coefficient of the k3 KL to a frozen reference model (online); 0 = no reference model."""
+    normalize_std: bool = field(default=True, metadata=_flag("--std-normalization", bool_off="--no-std-normalization"))
+    """Divide group-relative advantages by the group's reward std (off: Dr. GRPO's r - mean)."""
+    loss_normalization: str = field(default="constant", metadata=_flag("--loss-normalization", choices=NORMALISATIONS))
+    """Token-loss normaliser from the unpruned batch: constant (prompts x G x max-new-tokens) or sequence (per-sequence mean over prompts x G)."""
+    ppo_epochs: int = field(default=1, metadata=_flag("--ppo-epochs"))
+    """Passes over each rollout batch; every pass is --minibatches optimizer steps."""
+    minibatches: int = field(default=1, metadata=_flag("--minibatches"))
+    """Optimizer steps per pass over a rollout batch (its prompts split into this many parts)."""
+    ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))
+    """Checkpoint of the reference model for --kl-beta (default: the starting model)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        for name in ("toy_num_prompts", "group_size", "max_new_tokens", "ppo_epochs", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.rollout_micro_batch_size is not None and self.rollout_micro_batch_size < 1:
+            raise ValueError(f"--rollout-micro-batch-size must be >= 1, got {self.rollout_micro_batch_size}")
+        if self.loss_normalization not in NORMALISATIONS:
+            raise ValueError(f"--loss-normalization must be one of {NORMALISATIONS}, got {self.loss_normalization!r}")
+        self.loss_config()  # validates the clip and KL values
+        self.advantage_config()
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimizer steps that reuse one rollout batch."""
+        return self.ppo_epochs * self.minibatches
+
+    def loss_config(self) -> GRPOLossConfig:
+        try:
+            return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high, kl_beta=self.kl_beta)
+        except ValueError as exc:
+            raise ValueError(f"--clip-eps-low/--clip-eps-high/--kl-beta: {exc}") from None
+
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(normalize_std=self.normalize_std)
+
+
+@dataclass(kw_only=True)
+class DPPOArgs:
+    """DPPO: unbiased prompt- and completion-level pruning, and dense packing (docs/dppo.md)."""
+
+    prompt_prune_rate: float = field(default=0.0, metadata=_flag("--dppo-prompt-prune-rate"))
+    """r_q: expected fraction of prompts pruned before rollout (they cost no rollout); 0 = off."""
+    completion_prune_rate: float = field(default=0.0, metadata=_flag("--dppo-completion-prune-rate"))
+    """r_o: expected fraction of completions pruned after rewards (no training forward/backward); 0 = off."""
+    prompt_floor: float = field(default=0.1, metadata=_flag("--dppo-prompt-floor"))
+    """Smallest prompt keep probability (> 0; the importance weight is at most its inverse)."""
+    completion_floor: float = field(default=0.1, metadata=_flag("--dppo-completion-floor"))
+    """Smallest completion keep probability (> 0)."""
+    history_decay: float = field(default=0.5, metadata=_flag("--dppo-history-decay"))
+    """EMA decay of each prompt's reward-spread history."""
+    history_score: str = field(default="std", metadata=_flag("--dppo-history-score", choices=("std", "informative")))
+    """Per-group observation feeding the prompt history: reward std, or 1 if the std is nonzero."""
+    dense_packing: bool = field(default=False, metadata=_flag("--dense-packing"))
+    """Pack the surviving sequences into rows of --seq-length tokens (block-diagonal masks)."""
+    pack_window: int = field(default=64, metadata=_flag("--pack-window"))
+    """Sequences sorted together by the window-based first-fit-decreasing packer."""
+
+    def __post_init__(self) -> None:
+        if self.pack_window < 1:
+            raise ValueError(f"--pack-window must be >= 1, got {self.pack_window}")
+        self.dppo_config()
+
+    def dppo_config(self) -> DPPOConfig:
+        try:
+            return DPPOConfig(
+                prompt_prune_rate=self.prompt_prune_rate, completion_prune_rate=self.completion_prune_rate,
+                prompt_floor=self.prompt_floor, completion_floor=self.completion_floor,
+                history_decay=self.history_decay, history_score=self.history_score,
+            )
+        except ValueError as exc:
+            raise ValueError(f"--dppo-*: {exc}") from None

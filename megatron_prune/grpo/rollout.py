@@ -1,0 +1,216 @@
+"""Rollout: sample G completions per prompt with the policy in its training layout.
+
+A full-recompute sampler: for every new token the active sequences (right-padded, causal)
+run forward-only through Megatron's own schedule, so any TP / PP / VPP layout works (the
+schedule does the p2p). On the last pipeline stage the logits at each sequence's last
+position are gathered over TP, the padded vocabulary columns are dropped, and a token is
+drawn with a per-completion ``torch.Generator`` seeded by ``(seed, step, prompt id,
+completion index)`` (one float64 uniform per token, inverse CDF over float64
+probabilities), so the draws do not depend on rank or layout. The tokens are broadcast
+from the last stage to the other stages of the pipeline group; TP ranks compute identical
+draws from identical gathered logits.
+
+No KV cache: each step recomputes the whole prefix (cost ~ (prompt + new)^2 per token for
+attention, linear for the rest). That is the simple, layout-agnostic baseline; a
+KV-cached path (Megatron's ``StaticInferenceContext``) is a drop-in replacement of
+:func:`next_token_logits`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from megatron_prune.training.step import run_schedule
+
+__all__ = ["SamplingSettings", "Completion", "generate", "sample_from_logits", "completion_seed"]
+
+
+@dataclass(kw_only=True)
+class SamplingSettings:
+    """How completions are sampled."""
+
+    max_new_tokens: int
+    """Most tokens generated per completion."""
+    eos_id: int
+    """Token that ends a completion (it is part of the completion)."""
+    pad_id: int
+    """Padding token of the right-padded rows."""
+    vocab_size: int
+    """True vocabulary size; logits of the padded columns beyond it are never sampled."""
+    seed: int
+    """Seed of every draw."""
+    temperature: float = 1.0
+    """Temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus mass; 1 = off."""
+    micro_batch_size: int | None = None
+    """Sequences per forward microbatch (None: all active sequences in one)."""
+    pad_multiple: int = 8
+    """Row length is padded to a multiple of this (and of TP)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Completion:
+    """One sampled completion."""
+
+    prompt_id: Hashable
+    """Id of its prompt."""
+    index: int
+    """j: its index within the prompt's group."""
+    tokens: list[int]
+    """Sampled token ids (ending with EOS when it stopped early)."""
+    sample_logprobs: list[float] = field(default_factory=list)
+    """Log-prob of each token under the sampling distribution (temperature, top-p)."""
+
+
+def completion_seed(*, seed: int, step: int, prompt_id: Hashable, index: int) -> int:
+    """63-bit seed of completion ``index`` of ``prompt_id`` at rollout ``step``."""
+    key = repr((int(seed), int(step), prompt_id, int(index))).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"mp.rollout").digest(), "little") >> 1
+
+
+def sample_from_logits(
+    logits: torch.Tensor, generators: Sequence[torch.Generator], *, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits [n, V]``; return ``(tokens [n], sampling log-probs [n])``."""
+    logits = logits.detach().to(torch.float64)
+    if temperature == 0.0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.zeros(len(tokens), dtype=torch.float32)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    tokens, logprobs = [], []
+    for row, generator in zip(logp, generators):
+        probs = row.exp()
+        order = None
+        if top_p < 1.0:
+            probs, order = probs.sort(descending=True, stable=True)
+            keep = probs.cumsum(0) - probs < top_p  # the first token is always kept
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+        cdf = probs.cumsum(0)
+        u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+        pick = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
+        while probs[pick] == 0:  # guard against u landing on a zero-width bin at the end
+            pick -= 1
+        logprobs.append(math.log(probs[pick].item() / cdf[-1].item()))
+        tokens.append(int(order[pick]) if order is not None else pick)
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _logits_forward_step(data_iterator, model, *, vocab_size: int):
+    tokens, position_ids, last = next(data_iterator)
+    output = model(tokens, position_ids, None)
+    return output, partial(_last_position_logits, last=last, vocab_size=vocab_size)
+
+
+def _last_position_logits(output: torch.Tensor, *, last: torch.Tensor, vocab_size: int):
+    """Loss function of the logits pass: full-vocabulary logits at each row's last position."""
+    rows = output[torch.arange(output.shape[0], device=output.device), last.to(output.device)]  # [b, V/tp]
+    full = gather_from_tensor_model_parallel_region(rows.contiguous())
+    return torch.zeros((), device=output.device), {"logits": full[:, :vocab_size].float().cpu()}
+
+
+def next_token_logits(
+    model: list[torch.nn.Module], sequences: Sequence[Sequence[int]], *, settings: SamplingSettings
+) -> torch.Tensor | None:
+    """Logits ``[n, vocab]`` of the next token of each sequence (last stage), None on other stages."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    length = _round_up(max(len(s) for s in sequences), math.lcm(settings.pad_multiple, tp))
+    mbs = settings.micro_batch_size or len(sequences)
+    mbs = min(mbs, len(sequences))
+    num_micro = -(-len(sequences) // mbs)
+    batches = []
+    for m in range(num_micro):
+        chunk = list(sequences[m * mbs : (m + 1) * mbs])
+        real = len(chunk)
+        chunk += [[settings.pad_id]] * (mbs - real)  # dummy rows keep every microbatch the same shape
+        tokens = torch.full((mbs, length), settings.pad_id, dtype=torch.long)
+        for row, seq in enumerate(chunk):
+            tokens[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        last = torch.tensor([len(seq) - 1 for seq in chunk], dtype=torch.long)
+        position_ids = torch.arange(length, dtype=torch.long).expand(mbs, length).contiguous()
+        batches.append((tokens, position_ids, last))
+    iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
+    with torch.no_grad():
+        outputs = run_schedule(
+            forward_step_func=partial(_logits_forward_step, vocab_size=settings.vocab_size),
+            data_iterator=iterators, model=model, num_microbatches=num_micro, seq_length=length,
+            micro_batch_size=mbs, forward_only=True,
+        )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([o["logits"] for o in outputs])[: len(sequences)]
+
+
+def _broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's ``values`` on every stage (shape and dtype known everywhere)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return values
+
+
+def generate(
+    *,
+    model: list[torch.nn.Module],
+    prompts: Sequence[tuple[Hashable, Sequence[int]]],
+    group_size: int,
+    settings: SamplingSettings,
+    step: int,
+) -> list[list[Completion]]:
+    """``group_size`` completions of each ``(prompt_id, prompt tokens)``; identical on every rank of
+    the model-parallel group. Collective over that group: every rank must call it with the same
+    prompts."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    for prompt_id, tokens in prompts:
+        if not tokens:
+            raise ValueError(f"prompt {prompt_id!r} is empty; the first completion token has no context")
+    completions = [
+        Completion(prompt_id=pid, index=j, tokens=[]) for pid, _ in prompts for j in range(group_size)
+    ]
+    contexts = [list(tokens) for _, tokens in prompts for _ in range(group_size)]
+    generators = [
+        torch.Generator().manual_seed(completion_seed(seed=settings.seed, step=step, prompt_id=c.prompt_id, index=c.index))
+        for c in completions
+    ]
+    active = list(range(len(completions)))
+    for _ in range(settings.max_new_tokens):
+        if not active:
+            break
+        logits = next_token_logits(model, [contexts[i] + completions[i].tokens for i in active], settings=settings)
+        tokens = torch.zeros(len(active), dtype=torch.long)
+        logprobs = torch.zeros(len(active), dtype=torch.float32)
+        if logits is not None:
+            tokens, logprobs = sample_from_logits(
+                logits, [generators[i] for i in active], temperature=settings.temperature, top_p=settings.top_p
+            )
+        tokens = _broadcast_from_last_stage(tokens)
+        logprobs = _broadcast_from_last_stage(logprobs)
+        for i, token, logprob in zip(active, tokens.tolist(), logprobs.tolist()):
+            completions[i].tokens.append(token)
+            completions[i].sample_logprobs.append(logprob)
+        active = [i for i in active if completions[i].tokens[-1] != settings.eos_id]
+    return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]

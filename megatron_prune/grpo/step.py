@@ -1,0 +1,319 @@
+"""The GRPO training passes on Megatron's schedules: layout, old / reference log-probs, update.
+
+The surviving completions of a rollout (:class:`TrainItem`) are laid out as rows — one
+padded sequence per row, or densely packed (window-based first-fit-decreasing, block-diagonal
+causal masks, restarting position ids) — and run through the selective head, which scores
+exactly the completion tokens. Forward-only passes (old policy, reference) run under
+``no_grad`` through Megatron's forward-only schedule; the update runs forward-backward with
+the GRPO token loss (:func:`megatron_prune.grpo.loss.grpo_loss`) on the last stage.
+
+Scaling: the loss of a microbatch is ``sum over its tokens (w * term) / Z`` with ``Z`` fixed
+by the caller from the unpruned batch. Megatron divides each microbatch loss by the number of
+microbatches and DDP averages over data-parallel ranks, so the loss handed to the schedule is
+multiplied by ``num_microbatches * dp``: the accumulated gradient is then the gradient of the
+plain sum over every microbatch of every rank, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from megatron_prune.data.packing import pack_sequences, pack_tensors
+from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss
+from megatron_prune.model.selective_gpt import TokenSelection
+from megatron_prune.training.step import run_schedule
+
+__all__ = ["TrainItem", "GRPOStepSettings", "GRPOMicrobatch", "GRPOStep", "layout_items", "sum_metrics"]
+
+SUMMED = ("loss", "policy_loss", "kl_loss")
+"""Metrics summed over microbatches and ranks (parts of the global loss)."""
+AVERAGED = ("clip_fraction", "ratio_mean", "kl")
+"""Metrics averaged over the trained tokens."""
+
+
+@dataclass
+class TrainItem:
+    """One kept completion, ready to train on."""
+
+    prompt_id: Hashable
+    """Id of its prompt."""
+    index: int
+    """j: its index in the prompt's group."""
+    prompt: list[int]
+    """Prompt tokens."""
+    completion: list[int]
+    """Completion tokens (the scored ones)."""
+    advantage: float
+    """Group-relative advantage, computed on the full group."""
+    weight: float = 1.0
+    """DPPO importance weight ``1/(p_i q_ij)`` (1 without pruning)."""
+    old_logprobs: torch.Tensor | None = None
+    """Log-probs under the rollout policy (None: the current policy's, detached)."""
+    ref_logprobs: torch.Tensor | None = None
+    """Reference log-probs (for the KL term)."""
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+
+@dataclass(kw_only=True)
+class GRPOStepSettings:
+    """Fixed settings of the GRPO passes."""
+
+    loss: GRPOLossConfig
+    """Clipping and KL."""
+    micro_batch_size: int
+    """Rows per microbatch."""
+    pad_id: int
+    """Padding token."""
+    normalization: str = "constant"
+    """constant: token sum / Z; sequence: per-sequence mean, / Z (Z then counts sequences)."""
+    dense_packing: bool = False
+    """Pack sequences into rows of ``pack_capacity`` tokens."""
+    pack_capacity: int = 1024
+    """Row length of packed rows."""
+    pack_window: int = 64
+    """Window of the first-fit-decreasing packer."""
+    pad_multiple: int = 8
+    """Row lengths are padded to a multiple of this (and of TP)."""
+
+    def __post_init__(self) -> None:
+        if self.normalization not in ("constant", "sequence"):
+            raise ValueError(f"normalization must be constant or sequence, got {self.normalization!r}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+
+@dataclass
+class GRPOMicrobatch:
+    """Tensors of one forward pass and the items it scores (in ``seq_ids`` order)."""
+
+    tokens: torch.Tensor
+    """[b, s]."""
+    position_ids: torch.Tensor
+    """[b, s]."""
+    attention_mask: torch.Tensor | None
+    """[b, 1, s, s] True = masked (packed rows); None = plain causal."""
+    selection: TokenSelection
+    """Completion-token positions."""
+    items: list[TrainItem]
+    """Items scored by this microbatch; empty for a placeholder."""
+    extras: dict = field(default_factory=dict)
+
+
+@dataclass
+class Layout:
+    """Microbatches of one pass and what they cost."""
+
+    batches: list[GRPOMicrobatch]
+    seq_length: int
+    valid_tokens: int
+    """Real tokens run through the model."""
+    row_tokens: int
+    """All token slots run (padding and placeholder rows included)."""
+
+    @property
+    def density(self) -> float:
+        return self.valid_tokens / self.row_tokens if self.row_tokens else 1.0
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _causal_mask(length: int) -> torch.Tensor:
+    return ~torch.ones(length, length, dtype=torch.bool).tril()
+
+
+def _selection(placements: list[tuple[int, int, TrainItem]], num_rows: int) -> TokenSelection:
+    """Scored positions of items placed at ``(row, offset)``: completion token k is predicted at
+    ``offset + len(prompt) + k - 1``."""
+    if not placements:  # a placeholder scores one padding position with weight 0
+        zero = torch.zeros(1, dtype=torch.long)
+        return TokenSelection(index=zero, labels=zero.clone(), seq_ids=zero.clone())
+    index, labels, seq_ids = [], [], []
+    for k, (row, offset, item) in enumerate(placements):
+        positions = offset + len(item.prompt) - 1 + torch.arange(len(item.completion))
+        index.append(positions * num_rows + row)
+        labels.append(torch.tensor(item.completion, dtype=torch.long))
+        seq_ids.append(torch.full((len(item.completion),), k, dtype=torch.long))
+    return TokenSelection(index=torch.cat(index), labels=torch.cat(labels), seq_ids=torch.cat(seq_ids))
+
+
+def _padded_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int) -> Layout:
+    mbs = settings.micro_batch_size
+    length = _round_up(max((it.length for it in items), default=1), multiple)
+    batches = []
+    for start in range(0, max(len(items), 1), mbs):
+        chunk = items[start : start + mbs]
+        tokens = torch.full((mbs, length), settings.pad_id, dtype=torch.long)
+        for row, item in enumerate(chunk):
+            tokens[row, : item.length] = torch.tensor(item.prompt + item.completion, dtype=torch.long)
+        position_ids = torch.arange(length).expand(mbs, length).contiguous()
+        selection = _selection([(row, 0, item) for row, item in enumerate(chunk)], mbs)
+        batches.append(GRPOMicrobatch(tokens, position_ids, None, selection, chunk))
+    return Layout(batches, length, sum(it.length for it in items), len(batches) * mbs * length)
+
+
+def _packed_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int) -> Layout:
+    mbs = settings.micro_batch_size
+    capacity = _round_up(settings.pack_capacity, multiple)
+    longest = max((it.length for it in items), default=1)
+    if longest > capacity:
+        raise ValueError(f"a prompt + completion of {longest} tokens does not fit the packing capacity {capacity}; "
+                         "raise --seq-length")
+    if not items:
+        return _padded_rows(items, settings=settings, multiple=multiple)
+    plan = pack_sequences([it.length for it in items], capacity=capacity, window=settings.pack_window)
+    packed = pack_tensors(plan, [torch.tensor(it.prompt + it.completion) for it in items], pad_id=settings.pad_id)
+    batches = []
+    for start in range(0, plan.num_rows, mbs):
+        rows = plan.rows[start : start + mbs]
+        real = len(rows)
+        tokens = torch.full((mbs, capacity), settings.pad_id, dtype=torch.long)
+        position_ids = torch.arange(capacity).expand(mbs, capacity).clone()
+        mask = _causal_mask(capacity).expand(mbs, 1, capacity, capacity).clone()
+        tokens[:real] = packed.tokens[start : start + real]
+        position_ids[:real] = packed.position_ids[start : start + real]
+        mask[:real] = packed.attention_mask[start : start + real]
+        placements = [
+            (r, offset, items[index])
+            for r, row in enumerate(rows)
+            for index, offset in zip(row.sequence_indices, row.offsets)
+        ]
+        selection = _selection(placements, mbs)
+        batches.append(GRPOMicrobatch(tokens, position_ids, mask, selection, [p[2] for p in placements]))
+    return Layout(batches, capacity, plan.total_tokens, len(batches) * mbs * capacity)
+
+
+def layout_items(items: list[TrainItem], *, settings: GRPOStepSettings, tp: int = 1) -> Layout:
+    """Rows and microbatches of ``items`` (at least one microbatch, a placeholder when empty)."""
+    multiple = math.lcm(settings.pad_multiple, tp)
+    build = _packed_rows if settings.dense_packing else _padded_rows
+    return build(items, settings=settings, multiple=multiple)
+
+
+def _forward_step(data_iterator, model):
+    batch: GRPOMicrobatch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection)
+    return output, partial(batch.extras["loss_func"], batch)
+
+
+def _collect_logps(batch: GRPOMicrobatch, logps: torch.Tensor):
+    return torch.zeros((), device=logps.device), {"logps": logps.detach().float().cpu()}
+
+
+def _split(logps: torch.Tensor, items: Sequence[TrainItem]) -> list[torch.Tensor]:
+    return list(torch.split(logps, [len(it.completion) for it in items]))
+
+
+def _sum_count(value: torch.Tensor, count: float) -> torch.Tensor:
+    return torch.stack([value.detach().double().cpu().reshape(()) * count, torch.tensor(float(count), dtype=torch.float64)])
+
+
+def sum_metrics(outputs: list[dict], names: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """``name -> (sum, count)`` over microbatches and data-parallel ranks, known on every rank."""
+    totals = torch.zeros(len(names), 2, dtype=torch.float64)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    if last:
+        for out in outputs:
+            for i, name in enumerate(names):
+                if name in out:
+                    totals[i] += torch.as_tensor(out[name], dtype=torch.float64).reshape(2)
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return {name: (float(totals[i, 0]), float(totals[i, 1])) for i, name in enumerate(names)}
+
+
+class GRPOStep:
+    """Runs the forward-only and forward-backward passes of GRPO for this data-parallel rank."""
+
+    def __init__(
+        self, *, settings: GRPOStepSettings, policy: list[torch.nn.Module], reference: list[torch.nn.Module] | None = None
+    ) -> None:
+        if settings.loss.kl_beta > 0 and reference is None:
+            raise ValueError("kl_beta > 0 needs a reference model")
+        self.s = settings
+        self.policy = policy
+        self.reference = reference
+
+    def layout(self, items: list[TrainItem]) -> Layout:
+        return layout_items(items, settings=self.s, tp=parallel_state.get_tensor_model_parallel_world_size())
+
+    def _run(self, model, layout: Layout, *, forward_only: bool) -> list[dict]:
+        iterators = [iter(layout.batches) for _ in model] if len(model) > 1 else iter(layout.batches)
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            return run_schedule(
+                forward_step_func=_forward_step, data_iterator=iterators, model=model,
+                num_microbatches=len(layout.batches), seq_length=layout.seq_length,
+                micro_batch_size=self.s.micro_batch_size, forward_only=forward_only,
+            )
+
+    def score(self, items: list[TrainItem], *, which: str) -> Layout:
+        """Store ``old_logprobs`` (policy) or ``ref_logprobs`` (reference) on ``items`` (last stage)."""
+        model = {"old": self.policy, "ref": self.reference}[which]
+        if model is None:
+            raise ValueError(f"no model for {which} log-probs")
+        layout = self.layout(items)
+        for batch in layout.batches:
+            batch.extras["loss_func"] = _collect_logps
+        outputs = self._run(model, layout, forward_only=True)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            for batch, out in zip(layout.batches, outputs):
+                for item, values in zip(batch.items, _split(out["logps"], batch.items)):
+                    setattr(item, f"{which}_logprobs", values)
+        return layout
+
+    def train(self, items: list[TrainItem], *, normaliser: float) -> tuple[dict[str, float], Layout]:
+        """Accumulate the gradient of ``sum over items / normaliser`` (all DP ranks together)."""
+        layout = self.layout(items)
+        dp = parallel_state.get_data_parallel_world_size()
+        scale = len(layout.batches) * dp
+        for batch in layout.batches:
+            batch.extras["loss_func"] = partial(self._loss, scale=scale, normaliser=normaliser)
+        outputs = self._run(self.policy, layout, forward_only=False)
+        sums = sum_metrics(outputs, SUMMED + AVERAGED)
+        metrics = {name: sums[name][0] for name in SUMMED}
+        metrics.update({name: sums[name][0] / sums[name][1] for name in AVERAGED if sums[name][1] > 0})
+        return metrics, layout
+
+    def _loss(self, batch: GRPOMicrobatch, logps: torch.Tensor, *, scale: float, normaliser: float):
+        items = batch.items
+        if not items:
+            return logps.sum() * 0.0, {}
+        device = logps.device
+        counts = torch.tensor([len(it.completion) for it in items], device=device)
+        per_token = partial(torch.repeat_interleave, repeats=counts)
+        advantages = per_token(torch.tensor([it.advantage for it in items], dtype=torch.float32, device=device))
+        seq_weights = [it.weight / (len(it.completion) if self.s.normalization == "sequence" else 1.0) for it in items]
+        weights = per_token(torch.tensor(seq_weights, dtype=torch.float32, device=device))
+        old = torch.cat([
+            it.old_logprobs.to(device) if it.old_logprobs is not None else values.detach()
+            for it, values in zip(items, _split(logps, items))
+        ])
+        ref = None
+        if self.s.loss.kl_beta > 0:
+            ref = torch.cat([it.ref_logprobs for it in items]).to(device)[None]
+        loss, stats = grpo_loss(
+            logprobs=logps[None], old_logprobs=old[None], advantages=advantages[None],
+            mask=torch.ones_like(logps, dtype=torch.bool)[None], normaliser=normaliser, ref_logprobs=ref,
+            weights=weights[None], config=self.s.loss,
+        )
+        n = float(logps.numel())
+        report = {"loss": _sum_count(loss, 1.0)}
+        report.update({name: _sum_count(stats[name], 1.0) for name in ("policy_loss", "kl_loss")})
+        report.update({name: _sum_count(stats[name], n) for name in AVERAGED if name in stats})
+        return loss * scale, report

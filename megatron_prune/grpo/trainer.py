@@ -1,0 +1,344 @@
+"""The GRPO (+DPPO) objective for the shared training loop, and the run entry point.
+
+One rollout feeds ``ppo_epochs x minibatches`` consecutive optimizer steps; the rollout
+buffer lives in the objective and a rollout happens only when the buffer is used up. A
+rollout, for the global batch of prompts (identical on every rank):
+
+1. DPPO prompt pruning (before rollout: pruned prompts cost no generation);
+2. generation of G completions per kept prompt, each DP rank its share, then gathered;
+3. rewards, and group advantages on the full groups;
+4. DPPO completion pruning (pruned completions cost no training forward/backward) and the
+   importance weights ``1/(p q)``;
+5. old log-probs (forward-only, once per rollout, only when a rollout feeds more than one
+   update) and reference log-probs (``--kl-beta > 0``).
+
+Every update step trains one minibatch: the kept completions of a fixed slice of the global
+prompt list, sharded over DP. Its normaliser comes from the *unpruned* slice
+(``prompts x G x max_new_tokens``, or ``prompts x G`` with per-sequence means), so DPPO's
+estimator stays unbiased (docs/dppo.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
+from megatron_prune.data.sampler import EpochSampler
+from megatron_prune.grpo.advantages import group_advantages
+from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+from megatron_prune.grpo.dppo import DPPOPruner, combine_weights
+from megatron_prune.grpo.rollout import Completion, SamplingSettings, generate
+from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
+from megatron_prune.training import session
+from megatron_prune.training.loop import train
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------
+# prompts and rewards
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the task."""
+
+    prompt_id: int
+    tokens: tuple[int, ...]
+    answer: str
+
+
+class PromptSource:
+    """Indexable prompts of a task plus its reward on completion token ids."""
+
+    def __init__(self, *, size: int, get: Callable[[int], Prompt], score: Callable[[Prompt, list[int]], float],
+                 eos_id: int, pad_id: int) -> None:
+        self.size = size
+        self.get = get
+        self.score = score
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def toy_source(*, vocab_size: int, num_prompts: int, seed: int) -> PromptSource:
+    from megatron_prune.grpo.rewards import ToyTask, ToyTaskConfig
+
+    task = ToyTask(ToyTaskConfig(vocab_size=vocab_size, seed=seed))
+
+    def get(i: int) -> Prompt:
+        p = task.prompt(i)
+        return Prompt(i, p.token_ids, p.reference_answer)
+
+    def score(prompt: Prompt, completion: list[int]) -> float:
+        return task.score_tokens(completion, target_digit=int(prompt.answer))
+
+    return PromptSource(size=num_prompts, get=get, score=score, eos_id=task.config.eos_token_id,
+                        pad_id=task.config.pad_token_id)
+
+
+def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: int | None) -> PromptSource:
+    from megatron_prune.data.math import MathDataConfig, MathDataset
+    from megatron_prune.grpo.rewards import get_reward
+
+    dataset = MathDataset(paths, config=MathDataConfig(format=task))
+    reward = get_reward(task)
+
+    def get(i: int) -> Prompt:
+        problem = dataset[i]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text}], tokenize=True)
+        if max_prompt_length:
+            ids = ids[-max_prompt_length:]
+        return Prompt(i, tuple(ids), problem.answer)
+
+    def score(prompt: Prompt, completion: list[int]) -> float:
+        if completion and completion[-1] == tokenizer.eos_id:
+            completion = completion[:-1]
+        return float(reward(tokenizer.decode(completion), prompt.answer))
+
+    return PromptSource(size=len(dataset), get=get, score=score, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+
+
+# ---------------------------------------------------------------------------------------
+# the objective
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutBuffer:
+    """One rollout's training items, split into minibatches, and its metrics."""
+
+    index: int
+    """Rollout number (keys every draw of the rollout)."""
+    minibatches: list[list[TrainItem]]
+    """Kept completions of each minibatch (global, in a fixed order)."""
+    normalisers: list[float]
+    """Normaliser of each minibatch, from its unpruned prompts."""
+    metrics: dict[str, float]
+    """Reward and pruning metrics of the rollout."""
+
+
+def _dp() -> tuple[int, int]:
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def _gather_over_dp(local: list) -> list:
+    """Concatenation of every DP rank's ``local`` list, in DP-rank order."""
+    _, size = _dp()
+    if size == 1:
+        return list(local)
+    parts: list = [None] * size
+    dist.all_gather_object(parts, local, group=parallel_state.get_data_parallel_group())
+    return [x for part in parts for x in part]
+
+
+class GRPOObjective:
+    """Rollout, rewards, DPPO pruning and the GRPO updates of each step."""
+
+    def __init__(
+        self,
+        *,
+        source: PromptSource,
+        runner: GRPOStep,
+        grpo: GRPOConfig,
+        dppo: DPPOArgs,
+        sampling: SamplingSettings,
+        train_cfg: TrainConfig,
+    ) -> None:
+        if train_cfg.global_batch_size % grpo.minibatches:
+            raise ValueError(f"--global-batch-size {train_cfg.global_batch_size} does not split into "
+                             f"--minibatches {grpo.minibatches}")
+        self.source = source
+        self.runner = runner
+        self.grpo = grpo
+        self.dppo_args = dppo
+        self.sampling = sampling
+        self.train_cfg = train_cfg
+        self.sampler = EpochSampler(len(source), seed=train_cfg.seed)
+        self.pruner = DPPOPruner(config=dppo.dppo_config(), seed=train_cfg.seed)
+        self.buffer: RolloutBuffer | None = None
+
+    # -- rollout ----------------------------------------------------------------------------------
+    def _generate(self, prompts: list[Prompt], rollout: int) -> dict[Hashable, list[Completion]]:
+        dp_rank, dp_size = _dp()
+        mine = prompts[dp_rank::dp_size]
+        groups = generate(model=self.runner.policy, prompts=[(p.prompt_id, p.tokens) for p in mine],
+                          group_size=self.grpo.group_size, settings=self.sampling, step=rollout) if mine else []
+        local = [(p.prompt_id, [c.tokens for c in group]) for p, group in zip(mine, groups)]
+        return dict(_gather_over_dp(local))
+
+    def _rollout(self, rollout: int) -> RolloutBuffer:
+        timer = time.perf_counter()
+        G = self.grpo.group_size
+        ids = self.sampler.next_indices(self.train_cfg.global_batch_size)
+        prompts = {i: self.source.get(i) for i in ids}
+        prompt_decision = self.pruner.select_prompts(step=rollout, prompt_ids=ids)
+        kept_ids = [i for i, keep in zip(ids, prompt_decision.keep.tolist()) if keep]
+        completions = self._generate([prompts[i] for i in kept_ids], rollout)
+        rollout_time = time.perf_counter() - timer
+
+        rewards = torch.tensor(
+            [[self.source.score(prompts[i], tokens) for tokens in completions[i]] for i in kept_ids], dtype=torch.float32
+        ).reshape(len(kept_ids), G)
+        advantages = group_advantages(rewards, config=self.grpo.advantage_config())
+        completion_decision = self.pruner.select_completions(step=rollout, prompt_ids=kept_ids, advantages=advantages)
+        weights = combine_weights(prompt_weights=prompt_decision.weights[prompt_decision.keep],
+                                  completion_weights=completion_decision.weights)
+        self.pruner.observe(prompt_ids=kept_ids, rewards=rewards)
+
+        per_minibatch = len(ids) // self.grpo.minibatches
+        slot = {i: position // per_minibatch for position, i in enumerate(ids)}
+        minibatches: list[list[TrainItem]] = [[] for _ in range(self.grpo.minibatches)]
+        for k, i in enumerate(kept_ids):
+            for j in range(G):
+                if completion_decision.keep[k, j]:
+                    minibatches[slot[i]].append(TrainItem(
+                        prompt_id=i, index=j, prompt=list(prompts[i].tokens), completion=list(completions[i][j]),
+                        advantage=float(advantages[k, j]), weight=float(weights[k, j]),
+                    ))
+        tokens_per = G * (self.grpo.max_new_tokens if self.grpo.loss_normalization == "constant" else 1)
+        normalisers = [float(per_minibatch * tokens_per)] * self.grpo.minibatches
+        metrics = self._rollout_metrics(rewards=rewards, num_prompts=len(ids), kept_prompts=len(kept_ids),
+                                        minibatches=minibatches, completions=completions)
+        metrics["rollout_time_s"] = rollout_time
+
+        timer = time.perf_counter()
+        if self.grpo.kl_beta > 0:
+            for items in minibatches:
+                self.runner.score(self._mine(items), which="ref")
+        metrics["reference_time_s"] = time.perf_counter() - timer
+        timer = time.perf_counter()
+        if self.grpo.updates_per_rollout > 1:
+            for items in minibatches:
+                self.runner.score(self._mine(items), which="old")
+        metrics["old_logprob_time_s"] = time.perf_counter() - timer
+        return RolloutBuffer(rollout, minibatches, normalisers, metrics)
+
+    def _rollout_metrics(self, *, rewards, num_prompts, kept_prompts, minibatches, completions) -> dict[str, float]:
+        G = self.grpo.group_size
+        kept_completions = sum(len(items) for items in minibatches)
+        lengths = [len(t) for group in completions.values() for t in group]
+        return {
+            "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+            "accuracy": float((rewards == 1.0).float().mean()) if rewards.numel() else 0.0,
+            "kept_prompt_fraction": kept_prompts / num_prompts,
+            "kept_completion_fraction": kept_completions / max(kept_prompts * G, 1),
+            "zero_variance_groups": float((rewards.std(dim=1, correction=0) == 0).float().mean()) if kept_prompts else 0.0,
+            "completion_length": sum(lengths) / max(len(lengths), 1),
+            "rollout_tokens": float(sum(lengths)),
+        }
+
+    def _mine(self, items: list[TrainItem]) -> list[TrainItem]:
+        dp_rank, dp_size = _dp()
+        return items[dp_rank::dp_size]
+
+    # -- the loop's interface ---------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, float]:
+        updates = self.grpo.updates_per_rollout
+        rollout, update = divmod(step, updates)
+        fresh = self.buffer is None or self.buffer.index != rollout
+        if fresh:
+            if update and self.buffer is None and parallel_state.get_data_parallel_rank() == 0:
+                logger.warning("resumed inside rollout %d: rolling out again with the current policy", rollout)
+            self.buffer = self._rollout(rollout)
+        minibatch = update % self.grpo.minibatches
+        timer = time.perf_counter()
+        metrics, layout = self.runner.train(self._mine(self.buffer.minibatches[minibatch]),
+                                            normaliser=self.buffer.normalisers[minibatch])
+        train_time = time.perf_counter() - timer
+        counts = torch.tensor([layout.valid_tokens, layout.row_tokens], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        rollout_metrics = dict(self.buffer.metrics)
+        if not fresh:  # phases that ran at an earlier step cost nothing now
+            for key in ("rollout_time_s", "reference_time_s", "old_logprob_time_s"):
+                rollout_metrics[key] = 0.0
+        return {
+            **metrics, **rollout_metrics,
+            "train_time_s": train_time + rollout_metrics["old_logprob_time_s"],
+            "policy_tokens": float(counts[0]),
+            "density": float(counts[0] / counts[1]) if counts[1] else 1.0,
+            "fresh_rollout": float(fresh),
+        }
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "dppo": self.pruner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
+        if "dppo" in state:
+            self.pruner.load_state_dict(state["dppo"])
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------
+
+
+def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: CheckpointConfig,
+                 train_cfg: TrainConfig) -> PromptSource:
+    if grpo.task == "toy":
+        return toy_source(vocab_size=arch.vocab_size, num_prompts=grpo.toy_num_prompts, seed=train_cfg.seed)
+    if not grpo.data_path:
+        raise session.UsageError(f"--task {grpo.task} needs --data-path")
+    from megatron_prune.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(session.resolve_tokenizer(model_cfg, ckpt_cfg))
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
+    return math_source(task=grpo.task, paths=grpo.data_path, tokenizer=tokenizer,
+                       max_prompt_length=train_cfg.max_prompt_length)
+
+
+def build_objective(*, configs: dict[str, Any], arch, policy, reference, source: PromptSource) -> GRPOObjective:
+    """The objective from the parsed configs (also used by tests and the benchmark)."""
+    train_cfg: TrainConfig = configs["TrainConfig"]
+    grpo: GRPOConfig = configs["GRPOConfig"]
+    dppo: DPPOArgs = configs["DPPOArgs"]
+    settings = GRPOStepSettings(
+        loss=grpo.loss_config(), micro_batch_size=train_cfg.micro_batch_size, pad_id=source.pad_id,
+        normalization=grpo.loss_normalization, dense_packing=dppo.dense_packing,
+        pack_capacity=train_cfg.seq_length, pack_window=dppo.pack_window,
+    )
+    sampling = SamplingSettings(
+        max_new_tokens=grpo.max_new_tokens, eos_id=source.eos_id, pad_id=source.pad_id, vocab_size=arch.vocab_size,
+        seed=train_cfg.seed, temperature=grpo.temperature, top_p=grpo.top_p,
+        micro_batch_size=grpo.rollout_micro_batch_size,
+    )
+    runner = GRPOStep(settings=settings, policy=policy, reference=reference)
+    return GRPOObjective(source=source, runner=runner, grpo=grpo, dppo=dppo, sampling=sampling, train_cfg=train_cfg)
+
+
+def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
+    model_cfg: ModelConfig = configs["ModelConfig"]
+    train_cfg: TrainConfig = configs["TrainConfig"]
+    ckpt_cfg: CheckpointConfig = configs["CheckpointConfig"]
+    log_cfg: LoggingConfig = configs["LoggingConfig"]
+    grpo: GRPOConfig = configs["GRPOConfig"]
+    arch = session.resolve_arch(model_cfg, ckpt_cfg)
+    source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg)
+    parallel = session.start(model_cfg, train_cfg)
+    parts = session.build_parts(arch, parallel, model_cfg, train_cfg)
+    reference = None
+    if grpo.kl_beta > 0:
+        ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load)
+        parts.extra_meta = {"reference_load": ref_source}
+        reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+    objective = build_objective(configs=configs, arch=arch, policy=parts.model, reference=reference, source=source)
+    return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg)

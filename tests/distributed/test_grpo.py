@@ -1,0 +1,123 @@
+"""GRPO step (generation included) is layout independent; DPPO off is plain GRPO; packing changes nothing.
+
+Two launches: one rank for the reference results, four ranks for TP=2 (DP=2), PP=2 (DP=2)
+and TP=2 x PP=2, each compared with the single-rank step of the same seed: sampled tokens,
+loss and whole gradients (relative to each tensor's scale, as in dpo_harness.assert_same).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+
+SEED = 4321
+LAYOUTS = {
+    "tp2": dict(tensor_model_parallel_size=2),
+    "pp2": dict(pipeline_model_parallel_size=2),
+    "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+}
+CASES = {
+    "plain": dict(),
+    "dppo_packed_kl": dict(dppo=dict(completion_prune_rate=0.5, dense_packing=True), kl_beta=0.1),
+}
+
+
+def grpo_step(*, parallel: dict | None = None, dppo: dict | None = None, kl_beta: float = 0.0,
+              no_pruner: bool = False) -> dict:
+    """Metrics, sampled completions and whole gradients of one GRPO step (no optimizer step)."""
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+    from megatron_prune.grpo.dppo import KeepDecision
+    from megatron_prune.grpo.trainer import build_objective, toy_source
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig(**(parallel or {}))
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, par, seed=SEED)
+        reference = setup_model(arch, par, seed=SEED + 1, trainable=False) if kl_beta else None
+        configs = {
+            "TrainConfig": TrainConfig(global_batch_size=4, micro_batch_size=4, seq_length=48, seed=SEED),
+            "GRPOConfig": GRPOConfig(group_size=4, max_new_tokens=6, kl_beta=kl_beta),
+            "DPPOArgs": DPPOArgs(**(dppo or {})),
+        }
+        source = toy_source(vocab_size=arch.vocab_size, num_prompts=16, seed=SEED)
+        objective = build_objective(configs=configs, arch=arch, policy=policy, reference=reference, source=source)
+        if no_pruner:  # plain GRPO: keep everything, no weights drawn at all
+            def keep_all(*, step, prompt_ids, advantages=None):
+                shape = (len(prompt_ids),) if advantages is None else tuple(advantages.shape)
+                return KeepDecision(probs=torch.ones(shape, dtype=torch.float64),
+                                    keep=torch.ones(shape, dtype=torch.bool), target_rate=0.0)
+
+            objective.pruner.select_prompts = keep_all
+            objective.pruner.select_completions = keep_all
+        for chunk in policy:
+            chunk.zero_grad_buffer()
+        metrics = objective.train_step(0)
+        grads = gather_global_state(policy, source="main_grad")
+        items = [(it.prompt_id, it.index, tuple(it.completion), it.weight)
+                 for mb in objective.buffer.minibatches for it in mb]
+    return dict(metrics=metrics, grads=grads, items=items)
+
+
+def _single_rank_all() -> dict:
+    out = {name: grpo_step(**case) for name, case in CASES.items()}
+    out["plain_no_pruner"] = grpo_step(no_pruner=True)
+    out["dppo_unpacked_kl"] = grpo_step(dppo=dict(completion_prune_rate=0.5), kl_beta=0.1)
+    return out
+
+
+def _layouts_all() -> dict:
+    return {(layout, name): grpo_step(parallel=par, **case) for layout, par in LAYOUTS.items()
+            for name, case in CASES.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def single_rank() -> dict:
+    return run_distributed(_single_rank_all, 1)[0]
+
+
+def assert_same(ref: dict, got: dict, label: str, *, rtol=1e-5, atol=1e-7) -> None:
+    assert [i[:3] for i in got["items"]] == [i[:3] for i in ref["items"]], f"{label}: sampled completions differ"
+    for name in ("loss", "policy_loss", "kl_loss", "reward_mean", "kept_completion_fraction", "policy_tokens"):
+        torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=rtol, atol=atol,
+                                   msg=f"{label}: {name}")
+    assert set(got["grads"]) == set(ref["grads"])
+    for key, expected in ref["grads"].items():
+        scale_atol = max(atol, rtol * float(expected.abs().max()))
+        torch.testing.assert_close(got["grads"][key], expected, rtol=rtol, atol=scale_atol,
+                                   msg=lambda m: f"{label}: grad {key}: {m}")
+
+
+def test_dppo_off_is_plain_grpo():
+    ref = single_rank()
+    plain, off = ref["plain_no_pruner"], ref["plain"]
+    assert off["items"] == plain["items"]
+    assert all(w == 1.0 for *_, w in off["items"]) and len(off["items"]) == 4 * 4
+    assert off["metrics"]["loss"] == plain["metrics"]["loss"]
+    for key, grad in plain["grads"].items():
+        assert torch.equal(off["grads"][key], grad), key
+
+
+def test_packed_equals_unpacked():
+    ref = single_rank()
+    packed, unpacked = ref["dppo_packed_kl"], ref["dppo_unpacked_kl"]
+    assert packed["metrics"]["kept_completion_fraction"] < 1.0  # pruning really happened
+    assert 0.0 < packed["metrics"]["density"] <= 1.0
+    assert_same(unpacked, packed, "packed vs unpacked")
+
+
+def test_layouts_equal_single_rank():
+    ref = single_rank()
+    got = run_distributed(_layouts_all, 4)
+    # every rank returns the same metrics; gathered grads are complete on every rank
+    for (layout, name), result in got[0].items():
+        assert_same(ref[name], result, f"{layout}/{name}")
