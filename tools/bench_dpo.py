@@ -1,0 +1,473 @@
+"""DPO pruning modes side by side: step time, peak memory and tokens, against the FLOP model.
+
+Every mode runs in a fresh process (``torchrun --nproc-per-node TP*PP`` when TP*PP > 1) on the
+same model and the same preference pairs: a few warm-up steps, then timed steps of the DPO step
+(reference forward, pruned-branch forward, policy forward-backward) plus the optimizer step.
+
+Modes (all ratios are against ``concat``):
+
+=================  =======  =========  ==========================================
+mode               layout   head       pruning
+=================  =======  =========  ==========================================
+full               full     all rows   none (Full: chosen/rejected as padded rows)
+concat             concat   all rows   none (Full-concat)
+selective          concat   selective  none
+position           concat   selective  position, alpha = 0.6
+sequence           concat   selective  sequence, rho_min = 0.5
+branch             concat   selective  branch, q_w = 0.5
+position_branch    concat   selective  position + branch
+all                concat   selective  position + sequence + branch
+=================  =======  =========  ==========================================
+
+Peak memory is the step's own: on CPU the peak RSS (VmHWM, reset through /proc/self/clear_refs)
+above the RSS before the step; on GPU the allocator peak above the memory allocated before the
+step (weights, gradients and optimizer state are in that baseline after warm-up).
+
+Lengths come from the bundled HH-RLHF sample tokenized with the tiny tokenizer (or
+``--data-path``); token ids are mapped into the model's vocabulary.
+
+    python tools/bench_dpo.py --preset cpu-small --json /tmp/bench.json --plot /tmp/bench.png
+    python tools/bench_dpo.py --preset cpu-small --modes concat branch --steps 3
+    python tools/bench_dpo.py --preset gpu-qwen3-0.6b --json out/qwen3-0.6b.json
+    python tools/bench_dpo.py --preset cpu-small --tensor-model-parallel-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flop_model  # noqa: E402
+
+MODES: dict[str, dict] = {
+    "full": dict(layout="full", selective_head=False, position_ratio=1.0, seq_min_ratio=1.0, branch=False),
+    "concat": dict(layout="concat", selective_head=False, position_ratio=1.0, seq_min_ratio=1.0, branch=False),
+    "selective": dict(layout="concat", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=False),
+    "position": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=1.0, branch=False),
+    "sequence": dict(layout="concat", selective_head=True, position_ratio=1.0, seq_min_ratio=0.5, branch=False),
+    "branch": dict(layout="concat", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=True),
+    "position_branch": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=1.0, branch=True),
+    "all": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5, branch=True),
+}
+
+_QWEN3 = dict(model_type="qwen3", qk_norm=True, rope_theta=1000000.0, max_position_embeddings=4096)
+
+PRESETS: dict[str, dict] = {
+    # Head share of forward FLOPs ~10% at 512 tokens (Qwen3-4B: 9.5%); a step takes seconds on 2 cores.
+    "cpu-small": dict(
+        arch=dict(_QWEN3, vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        pairs=4, micro_batch_size=2, max_seq_length=384, max_prompt_length=192, warmup=1, steps=3,
+        device="cpu", bf16=False),
+    # Same body, a 32k vocabulary: the head dominates output memory.
+    "cpu-head-heavy": dict(
+        arch=dict(_QWEN3, vocab_size=32768, hidden_size=256, intermediate_size=1024, num_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        pairs=4, micro_batch_size=2, max_seq_length=384, max_prompt_length=192, warmup=1, steps=3,
+        device="cpu", bf16=False),
+    # Qwen3-0.6B's shape (tied embeddings), random weights.
+    "gpu-qwen3-0.6b": dict(
+        arch=dict(_QWEN3, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+        pairs=32, micro_batch_size=4, max_seq_length=1024, max_prompt_length=512, warmup=2, steps=5,
+        device="cuda", bf16=True),
+    # Qwen3-4B's widths with 8 of its 36 layers.
+    "gpu-qwen3-4b-slice": dict(
+        arch=dict(_QWEN3, vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=8,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+        pairs=32, micro_batch_size=4, max_seq_length=1024, max_prompt_length=512, warmup=2, steps=4,
+        device="cuda", bf16=True),
+}
+
+SEED = 1234
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small")
+    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
+                   help="modes to run (concat is always added: ratios are against it)")
+    p.add_argument("--data-path", nargs="+", default=None, help="preference files (default: bundled HH-RLHF sample)")
+    p.add_argument("--pairs", type=int, help="pairs per step (default: preset)")
+    p.add_argument("--micro-batch-size", type=int, help="pairs per microbatch (default: preset)")
+    p.add_argument("--max-seq-length", type=int, help="longest prompt+response (default: preset)")
+    p.add_argument("--warmup", type=int, help="untimed steps (default: preset)")
+    p.add_argument("--steps", type=int, help="timed steps (default: preset)")
+    p.add_argument("--recompute-activations", action="store_true", help="full activation recompute")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="default: preset")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every mode)")
+    p.add_argument("--plot", metavar="PATH", help="PNG bar chart of speedup and memory ratio vs the model")
+    p.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table of one step per mode")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per mode before it is killed")
+    p.add_argument("--worker", choices=tuple(MODES), help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    preset = PRESETS[args.preset]
+    for key in ("pairs", "micro_batch_size", "max_seq_length", "warmup", "steps", "device"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.pairs % args.micro_batch_size:
+        p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
+    if "concat" not in args.modes:
+        args.modes = ["concat"] + list(args.modes)
+    return args
+
+
+def build_arch(args):
+    from megatron_prune.model.arch import ModelArch
+
+    return ModelArch(**PRESETS[args.preset]["arch"])
+
+
+def load_pairs(args, vocab_size: int):
+    """``args.pairs`` pairs drawn (seeded) from the data; ids mapped into ``vocab_size``."""
+    import random
+
+    from megatron_prune.data import HH_RLHF_SAMPLE
+    from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset
+    from megatron_prune.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    preset = PRESETS[args.preset]
+    ds = PreferenceDataset(args.data_path or [HH_RLHF_SAMPLE], tokenizer=tok,
+                           config=PreferenceDataConfig(max_seq_length=args.max_seq_length,
+                                                       max_prompt_length=preset["max_prompt_length"]))
+    if len(ds) < args.pairs:
+        raise SystemExit(f"the data has {len(ds)} pairs, fewer than --pairs {args.pairs}")
+    ids = random.Random(SEED).sample(range(len(ds)), args.pairs)
+
+    def remap(seq):  # spread the tiny tokenizer's ids over the model vocabulary; keep pad fixed
+        return [t if t == tok.pad_id else (t * 7919) % vocab_size or 1 for t in seq]
+
+    out = []
+    for i in ids:
+        pr = ds[i]
+        out.append((i, dataclasses.replace(pr, prompt_ids=remap(pr.prompt_ids), chosen_ids=remap(pr.chosen_ids),
+                                           rejected_ids=remap(pr.rejected_ids))))
+    return out, tok.pad_id
+
+
+# --------------------------------------------------------------------------------------- worker
+def run_worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    import megatron_prune.dpo.step as step_mod
+    from megatron_prune.accelerator import get_accelerator, set_accelerator
+    from megatron_prune.config import DPOConfig, PruneConfig
+    from megatron_prune.dpo.batch import row_length
+    from megatron_prune.dpo.step import DPOStep, DPOStepSettings
+    from megatron_prune.model.provider import ParallelConfig, padded_vocab_size
+    from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
+    from megatron_prune.training.parallel import initialize_distributed, is_logging_rank, model_parallel
+
+    mode = MODES[args.worker]
+    set_accelerator(args.device)
+    acc = get_accelerator()
+    initialize_distributed()
+    arch = build_arch(args)
+    samples, pad_id = load_pairs(args, arch.vocab_size)
+    par = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                         bf16=PRESETS[args.preset]["bf16"], recompute=args.recompute_activations)
+    with model_parallel(par, seed=SEED):
+        policy = setup_model(arch, par, seed=SEED)
+        reference = setup_model(arch, par, seed=SEED, trainable=False)
+        optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=1e-6), bf16=par.bf16)
+        prune = PruneConfig(position_ratio=mode["position_ratio"], seq_min_ratio=mode["seq_min_ratio"],
+                            branch=mode["branch"], selective_head=mode["selective_head"])
+        settings = DPOStepSettings(dpo=DPOConfig(layout=mode["layout"]), prune=prune, seed=SEED,
+                                   micro_batch_size=args.micro_batch_size, pad_id=pad_id)
+        runner = DPOStep(settings=settings, policy=policy, reference=reference)
+
+        # Record the shapes of every pass (for the FLOP model) and time every schedule call.
+        passes: list[dict] = []
+        original_mb = runner._microbatches
+
+        def recording_microbatches(plans, branches_of):
+            batches, seq_length = original_mb(plans, branches_of)
+            groups = runner._groups(plans)
+            mbs = []
+            for g, b in zip(groups, batches):
+                rows = []
+                for p in g:
+                    lens = [len(p.prompt) + len(p.responses[br]) for br in branches_of(p)]
+                    rows.extend([lens] if mode["layout"] == "concat" else [[n] for n in lens])
+                mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),
+                                selective=mode["selective_head"]))
+                assert row_length(g, layout=mode["layout"], branches=[branches_of(p) for p in g]) <= seq_length
+            passes.append({"kind": "forward", "microbatches": mbs})
+            return batches, seq_length
+
+        runner._microbatches = recording_microbatches
+        schedule_times: list[tuple[str, float]] = []
+        original_schedule = step_mod.run_schedule
+
+        def timed_schedule(**kw):
+            acc.synchronize()
+            t = time.perf_counter()
+            out = original_schedule(**kw)
+            acc.synchronize()
+            schedule_times.append(("forward" if kw.get("forward_only") else "train", time.perf_counter() - t))
+            return out
+
+        step_mod.run_schedule = timed_schedule
+
+        records = []
+        total = args.warmup + args.steps
+        for step in range(total):
+            passes.clear()
+            schedule_times.clear()
+            profiling = args.profile and step == total - 1
+            prof = None
+            if profiling:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if acc.kind == "cuda" else []))
+                prof.__enter__()
+            acc.synchronize()
+            base = acc.current_memory_bytes()
+            acc.reset_peak_memory()
+            t0 = time.perf_counter()
+            for chunk in policy:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            _, counters = runner.run(step, samples)
+            t_opt = time.perf_counter()
+            optimizer.step()
+            acc.synchronize()
+            t1 = time.perf_counter()
+            peak = acc.peak_memory_bytes()
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                os.makedirs(args.profile, exist_ok=True)
+                if is_logging_rank():
+                    key = "self_cuda_time_total" if acc.kind == "cuda" else "self_cpu_time_total"
+                    with open(os.path.join(args.profile, f"{args.worker}.txt"), "w") as f:
+                        f.write(prof.key_averages().table(sort_by=key, row_limit=25))
+            # the last call of _microbatches is the training pass
+            passes[-1]["kind"] = "train"
+            splits = {}
+            names = (["reference"] + (["pruned_branch"] if mode["branch"] else []) + ["train"])
+            for name, (_, dt) in zip(names, schedule_times):
+                splits[name] = dt
+            splits["optimizer"] = t1 - t_opt
+            splits["other"] = (t1 - t0) - sum(splits.values())
+            peak_step = max(0, peak - base)
+            if dist.is_initialized():
+                box = torch.tensor([float(peak_step)], dtype=torch.float64, device=acc.device)
+                dist.all_reduce(box, op=dist.ReduceOp.MAX)
+                peak_step = int(box.item())
+            if step >= args.warmup:
+                records.append(dict(step=step, step_time_s=t1 - t0, peak_mem_bytes=peak_step,
+                                    peak_mem_raw_bytes=peak, base_mem_bytes=base, counters=counters,
+                                    splits=splits, passes=[dict(p) for p in passes]))
+        step_mod.run_schedule = original_schedule
+        if is_logging_rank():
+            result = dict(mode=args.worker, records=records, padded_vocab=padded_vocab_size(arch.vocab_size),
+                          world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                          device=acc.kind, torch=torch.__version__,
+                          device_name=torch.cuda.get_device_name() if acc.kind == "cuda" else platform.processor())
+            with open(args.worker_out, "w") as f:
+                json.dump(result, f)
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------- parent
+def launch(args, mode: str, out_path: str) -> None:
+    here = os.path.abspath(__file__)
+    worker = [here, "--worker", mode, "--worker-out", out_path, "--preset", args.preset,
+              "--pairs", str(args.pairs), "--micro-batch-size", str(args.micro_batch_size),
+              "--max-seq-length", str(args.max_seq_length), "--warmup", str(args.warmup),
+              "--steps", str(args.steps), "--device", args.device,
+              "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
+              "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]
+    if args.data_path:
+        worker += ["--data-path", *args.data_path]
+    if args.recompute_activations:
+        worker.append("--recompute-activations")
+    if args.profile:
+        worker += ["--profile", args.profile]
+    nproc = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *worker]
+    else:
+        cmd = [sys.executable, *worker]
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    print(f"[bench_dpo] {mode}: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
+
+
+def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool, bytes_per_elem: int) -> dict:
+    recs = raw["records"]
+    times = [r["step_time_s"] for r in recs]
+    mems = [r["peak_mem_bytes"] for r in recs]
+    n = len(recs)
+    counters = {k: sum(r["counters"][k] for r in recs) / n for k in recs[0]["counters"]}
+    flops = {"ideal": 0.0, "padded": 0.0}
+    model_mem = []
+    for r in recs:
+        passes = flop_model.passes_from_dict(r["passes"])
+        for view in flops:
+            flops[view] += flop_model.step_flops(shape, passes, recompute=recompute, view=view)["total"] / n
+        model_mem.append(flop_model.step_peak_bytes(shape, passes, recompute=recompute, bytes_per_elem=bytes_per_elem))
+    splits = {k: statistics.median(r["splits"].get(k, 0.0) for r in recs) for k in recs[0]["splits"]}
+    q = statistics.quantiles(times, n=4) if n >= 2 else [times[0]] * 3
+    return {
+        "step_time_s": statistics.median(times),
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "step_time_iqr_s": [q[0], q[2]],
+        "step_times_s": times,
+        "peak_mem_bytes": statistics.median(mems),
+        "peak_mem_max_bytes": max(mems),
+        **counters,
+        "logits_elements": counters["logits_rows"] * shape.vocab,
+        "flops_ideal": flops["ideal"],
+        "flops_padded": flops["padded"],
+        "model_peak_mem_bytes": statistics.median(model_mem),
+        "time_split_s": splits,
+    }
+
+
+def add_ratios(modes: dict) -> None:
+    base = modes["concat"]
+    for m in modes.values():
+        m["speedup_vs_concat"] = base["step_time_s"] / m["step_time_s"]
+        m["ideal_speedup_vs_concat"] = base["flops_ideal"] / m["flops_ideal"]
+        m["padded_model_speedup_vs_concat"] = base["flops_padded"] / m["flops_padded"]
+        m["fraction_of_ideal_speedup"] = m["speedup_vs_concat"] / m["ideal_speedup_vs_concat"]
+        m["mem_ratio_vs_concat"] = m["peak_mem_bytes"] / base["peak_mem_bytes"] if base["peak_mem_bytes"] else None
+        m["model_mem_ratio_vs_concat"] = m["model_peak_mem_bytes"] / base["model_peak_mem_bytes"]
+        m["token_ratio_vs_concat"] = (m["policy_tokens"] + m["ref_tokens"]) / (base["policy_tokens"] + base["ref_tokens"])
+
+
+def table(modes: dict) -> str:
+    head = (f"{'mode':<16}{'time s (min-max)':>22}{'speedup':>9}{'ideal':>7}{'frac':>6}{'padded':>8}"
+            f"{'peak MB':>9}{'mem':>6}{'model':>7}{'pol tok':>9}{'ref tok':>9}{'pad tok':>9}{'logits':>11}")
+    lines = [head, "-" * len(head)]
+    for name, m in modes.items():
+        mem = m["mem_ratio_vs_concat"]
+        lines.append(
+            f"{name:<16}{m['step_time_s']:>8.3f} ({m['step_time_min_s']:.3f}-{m['step_time_max_s']:.3f})"
+            f"{m['speedup_vs_concat']:>9.3f}{m['ideal_speedup_vs_concat']:>7.3f}{m['fraction_of_ideal_speedup']:>6.2f}"
+            f"{m['padded_model_speedup_vs_concat']:>8.3f}{m['peak_mem_bytes'] / 2**20:>9.1f}"
+            f"{(mem if mem is not None else float('nan')):>6.2f}{m['model_mem_ratio_vs_concat']:>7.2f}"
+            f"{m['policy_tokens']:>9.0f}{m['ref_tokens']:>9.0f}{m['policy_padded_tokens']:>9.0f}"
+            f"{m['logits_elements']:>11.3g}")
+    lines.append("speedup/mem: measured vs concat; ideal/padded/model: FLOP (ideal, padded shapes) and memory "
+                 "model vs concat; frac = speedup / ideal; tokens are per step (mean)")
+    return "\n".join(lines)
+
+
+def plot(modes: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(modes)
+    x = range(len(names))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    w = 0.38
+    ax = axes[0]
+    ax.bar([i - w / 2 for i in x], [modes[n]["speedup_vs_concat"] for n in names], w, label="measured")
+    ax.bar([i + w / 2 for i in x], [modes[n]["ideal_speedup_vs_concat"] for n in names], w, label="FLOP ideal")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_title("speedup vs concat")
+    ax2 = axes[1]
+    ax2.bar([i - w / 2 for i in x], [modes[n]["mem_ratio_vs_concat"] or 0 for n in names], w, label="measured")
+    ax2.bar([i + w / 2 for i in x], [modes[n]["model_mem_ratio_vs_concat"] for n in names], w, label="memory model")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_title("peak step memory / concat (lower is better)")
+    for a in axes:
+        a.set_xticks(list(x))
+        a.set_xticklabels(names, rotation=30, ha="right")
+        a.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return {}
+    from megatron_prune.model.arch import ModelArch
+    from megatron_prune.model.provider import padded_vocab_size
+
+    arch = ModelArch(**PRESETS[args.preset]["arch"])
+    shape = flop_model.Shape.from_arch(arch, vocab=padded_vocab_size(arch.vocab_size))
+    bytes_per_elem = 2 if PRESETS[args.preset]["bf16"] else 4
+    order = [m for m in MODES if m in args.modes]
+    config = {
+        "preset": args.preset, "arch": arch.to_dict(), "padded_vocab": shape.vocab,
+        "pairs": args.pairs, "micro_batch_size": args.micro_batch_size, "max_seq_length": args.max_seq_length,
+        "max_prompt_length": PRESETS[args.preset]["max_prompt_length"], "warmup": args.warmup,
+        "steps": args.steps, "recompute": args.recompute_activations, "device": args.device,
+        "bf16": PRESETS[args.preset]["bf16"], "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "data": args.data_path or ["bundled HH-RLHF sample (tiny tokenizer lengths)"],
+        "head_share_fwd_flops_at_512": flop_model.head_share(shape, 512),
+        "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python", "tools/bench_dpo.py", *(argv or sys.argv[1:])]),
+    }
+    raw_modes: dict = {}
+    result = {"modes": {}, "config": config}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in order:
+            out = os.path.join(tmp, f"{mode}.json")
+            t = time.perf_counter()
+            launch(args, mode, out)
+            with open(out) as f:
+                raw_modes[mode] = json.load(f)
+            config["device_name"] = raw_modes[mode].get("device_name")
+            print(f"[bench_dpo] {mode}: done in {time.perf_counter() - t:.0f}s, "
+                  f"median step {statistics.median(r['step_time_s'] for r in raw_modes[mode]['records']):.3f}s",
+                  flush=True)
+            if "concat" in raw_modes:
+                done = {m: summarise(m, raw_modes[m], shape=shape, recompute=args.recompute_activations,
+                                     bytes_per_elem=bytes_per_elem) for m in order if m in raw_modes}
+                add_ratios(done)
+                result["modes"] = done
+                if args.json:
+                    _write_json(args.json, result)
+    print(table(result["modes"]))
+    if args.json:
+        _write_json(args.json, result)
+        print(f"[bench_dpo] wrote {args.json}")
+    if args.plot:
+        plot(result["modes"], args.plot, f"DPO pruning, {args.preset} ({config.get('device_name') or args.device})")
+        print(f"[bench_dpo] wrote {args.plot}")
+    return result
+
+
+def _write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()

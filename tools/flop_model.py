@@ -1,0 +1,195 @@
+"""FLOP and activation-memory model of one DPO step, for holding measured speedups against their limit.
+
+A step is a list of :class:`Pass` es (reference forward, pruned-branch forward, training
+forward-backward), each a list of :class:`Microbatch` es whose rows hold one or more sequences.
+Costs, in matmul FLOPs (2 per multiply-add):
+
+- forward  = body (q/k/v/o projections, SwiGLU MLP: ``2 * params`` per token, plus the attention
+  core ``QK^T`` and ``AV``: ``4 * heads * head_dim`` per attended (query, key) pair, causal) +
+  head (``2 * hidden * vocab`` per row the LM head projects);
+- a training pass costs forward + backward = 3 x forward; full recompute adds one more body
+  forward; the reference and a pruned branch are forward only.
+
+Two views of the same step:
+
+- ``ideal``: only real tokens are executed (no padding), attention is causal within each
+  sequence, the head projects the scored rows (selective) or every real token (baseline). This is
+  the physical limit a perfect kernel would reach.
+- ``padded``: the shapes the schedule actually runs: every row padded to the step's
+  ``seq_length``, causal attention over the whole row (the block-diagonal concat mask still
+  computes the full row), the baseline head over every padded position, and the selective head's
+  backward recomputing its logits (one more head forward). Measured / padded shows the
+  efficiency of the executed work; padded / ideal shows what padding and recompute cost.
+
+Memory (``padded`` view only, rough): a training microbatch stores per token and layer about
+``6h + 3q + 4kv + 5ffn`` activations plus ``2 * heads * seq_length`` attention scores/probs (the
+unfused local attention keeps them), or only the layer input under full recompute plus one layer's
+working set; a forward-only microbatch keeps one layer's working set; the baseline head holds about
+three ``rows x vocab`` tensors (logits, softmax, gradient), the fused selective head one chunk.
+Step peak = the largest microbatch (microbatches run one after another at PP = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """Widths of a decoder-only transformer (RMSNorm, SwiGLU, GQA)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    """Vocabulary the head projects onto (the padded embedding size)."""
+
+    @classmethod
+    def from_arch(cls, arch, *, vocab: int | None = None) -> "Shape":
+        """From a :class:`megatron_prune.model.arch.ModelArch` (or a dict of its fields)."""
+        get = (lambda k: arch[k]) if isinstance(arch, dict) else (lambda k: getattr(arch, k))
+        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+        return cls(hidden=get("hidden_size"), layers=get("num_layers"), heads=get("num_attention_heads"),
+                   kv_heads=get("num_key_value_heads"), head_dim=head_dim, ffn=get("intermediate_size"),
+                   vocab=vocab or get("vocab_size"))
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Matmul parameters of one transformer layer."""
+        attn = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
+        return attn + 3 * self.hidden * self.ffn
+
+    def body_flops_per_token(self) -> float:
+        return 2.0 * self.layer_params() * self.layers
+
+    def attention_flops(self, attended_pairs: float) -> float:
+        """Attention core (QK^T and AV) over ``attended_pairs`` (query, key) pairs, all layers."""
+        return 4.0 * self.q_width * self.layers * attended_pairs
+
+    def head_flops(self, rows: float) -> float:
+        return 2.0 * self.hidden * self.vocab * rows
+
+
+@dataclass(kw_only=True)
+class Microbatch:
+    """One microbatch: rows of packed sequences, padded to ``seq_length``."""
+
+    rows: list[list[int]]
+    """Sequence lengths (prompt + response) packed in each row."""
+    seq_length: int
+    """Padded row length the schedule runs."""
+    scored: int
+    """Positions the selective head scores (response positions after position pruning)."""
+    selective: bool = True
+    """False: the baseline head projects every position onto the vocabulary."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(sum(r) for r in self.rows)
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.rows) * self.seq_length
+
+
+@dataclass(kw_only=True)
+class Pass:
+    """One schedule call: ``train`` (forward + backward) or ``forward`` (no_grad)."""
+
+    kind: str
+    microbatches: list[Microbatch] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("train", "forward"):
+            raise ValueError(f"pass kind must be 'train' or 'forward', got {self.kind!r}")
+
+
+def _causal_pairs(n: int) -> float:
+    return n * (n + 1) / 2.0
+
+
+def forward_flops(shape: Shape, mb: Microbatch, *, view: str = "ideal") -> dict[str, float]:
+    """Body and head forward FLOPs of one microbatch in ``view`` (ideal or padded)."""
+    if view == "ideal":
+        tokens = mb.tokens
+        pairs = sum(_causal_pairs(n) for r in mb.rows for n in r)
+    elif view == "padded":
+        tokens = mb.padded_tokens
+        pairs = len(mb.rows) * _causal_pairs(mb.seq_length)
+    else:
+        raise ValueError(f"view must be 'ideal' or 'padded', got {view!r}")
+    head_rows = mb.scored if mb.selective else tokens
+    return {"body": shape.body_flops_per_token() * tokens + shape.attention_flops(pairs),
+            "head": shape.head_flops(head_rows)}
+
+
+def step_flops(shape: Shape, passes: list[Pass], *, recompute: bool = False, view: str = "ideal") -> dict[str, float]:
+    """FLOPs of a step split by pass kind and part; ``total`` is their sum."""
+    out = {"train_body": 0.0, "train_head": 0.0, "forward_body": 0.0, "forward_head": 0.0}
+    for p in passes:
+        for mb in p.microbatches:
+            f = forward_flops(shape, mb, view=view)
+            if p.kind == "forward":
+                out["forward_body"] += f["body"]
+                out["forward_head"] += f["head"]
+                continue
+            out["train_body"] += f["body"] * (4.0 if recompute else 3.0)
+            # The fused selective op recomputes its logits in backward (padded view only).
+            head_factor = 4.0 if (view == "padded" and mb.selective) else 3.0
+            out["train_head"] += f["head"] * head_factor
+    out["total"] = sum(out.values())
+    return out
+
+
+def activation_elements_per_token_layer(shape: Shape, seq_length: int) -> float:
+    """Stored activations of one token in one layer (no recompute), unfused local attention."""
+    return (6 * shape.hidden + 3 * shape.q_width + 4 * shape.kv_width + 5 * shape.ffn
+            + 2 * shape.heads * seq_length)
+
+
+def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False, bytes_per_elem: int = 4,
+                    head_chunk: int = 4096) -> float:
+    """Rough peak of the step's own memory (activations and logits; weights/grads/optimizer excluded)."""
+    peak = 0.0
+    for p in passes:
+        for mb in p.microbatches:
+            per_layer = activation_elements_per_token_layer(shape, mb.seq_length) * mb.padded_tokens
+            if p.kind == "train":
+                acts = (shape.layers * shape.hidden * mb.padded_tokens + per_layer) if recompute \
+                    else shape.layers * per_layer
+            else:
+                acts = per_layer
+            if mb.selective:
+                head = mb.scored * (min(head_chunk, shape.vocab) * 2 + shape.hidden * 2)
+            else:
+                head = mb.padded_tokens * shape.vocab * (3 if p.kind == "train" else 2)
+            peak = max(peak, (acts + head) * bytes_per_elem)
+    return peak
+
+
+def head_share(shape: Shape, seq_length: int) -> float:
+    """Share of the head in the forward FLOPs of one full causal row of ``seq_length`` tokens."""
+    mb = Microbatch(rows=[[seq_length]], seq_length=seq_length, scored=seq_length)
+    f = forward_flops(shape, mb, view="ideal")
+    return f["head"] / (f["head"] + f["body"])
+
+
+def passes_from_dict(data: list[dict]) -> list[Pass]:
+    """Inverse of :func:`passes_to_dict` (the benchmark's JSON records)."""
+    return [Pass(kind=p["kind"], microbatches=[Microbatch(**mb) for mb in p["microbatches"]]) for p in data]
+
+
+def passes_to_dict(passes: list[Pass]) -> list[dict]:
+    return [{"kind": p.kind, "microbatches": [dict(rows=mb.rows, seq_length=mb.seq_length, scored=mb.scored,
+                                                    selective=mb.selective) for mb in p.microbatches]}
+            for p in passes]
