@@ -1,0 +1,166 @@
+"""The FLOP/memory model behind tools/bench_dpo.py, and the benchmark's JSON schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+sys.path.insert(0, os.path.abspath(TOOLS))
+
+import bench_dpo  # noqa: E402
+import flop_model as fm  # noqa: E402
+
+# Body-dominated: a one-word vocabulary makes the head negligible.
+BODY = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=1)
+QWEN3_4B = fm.Shape(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=9728, vocab=151936)
+PROMPT, RESP = 100, 50
+SEQ = PROMPT + RESP
+
+
+def _mb(rows, scored, selective=True, seq_length=None):
+    return fm.Microbatch(rows=rows, seq_length=seq_length or max(sum(r) for r in rows), scored=scored,
+                         selective=selective)
+
+
+def concat_step(*, scored=RESP):
+    """One pair, both branches in one row: reference forward + policy forward-backward."""
+    both = _mb([[SEQ, SEQ]], 2 * scored)
+    return [fm.Pass(kind="forward", microbatches=[both]), fm.Pass(kind="train", microbatches=[both])]
+
+
+def branch_step(*, scored=RESP):
+    one = _mb([[SEQ]], scored)
+    return [fm.Pass(kind="forward", microbatches=[_mb([[SEQ, SEQ]], 2 * scored)]),
+            fm.Pass(kind="forward", microbatches=[one]), fm.Pass(kind="train", microbatches=[one])]
+
+
+def ratio(shape, a, b, **kw):
+    return fm.step_flops(shape, a, **kw)["total"] / fm.step_flops(shape, b, **kw)["total"]
+
+
+def test_branch_ideal_without_recompute_is_8_over_6():
+    # full = policy fwd+bwd of both branches (3F each) + reference fwd of both (F each) = 8F;
+    # branch = kept 3F + pruned F + reference 2F = 6F.
+    assert ratio(BODY, concat_step(), branch_step()) == pytest.approx(8 / 6, rel=1e-3)
+
+
+def test_branch_ideal_with_full_recompute_is_10_over_7():
+    assert ratio(BODY, concat_step(), branch_step(), recompute=True) == pytest.approx(10 / 7, rel=1e-3)
+
+
+def test_forward_is_params_times_two_plus_causal_attention():
+    mb = _mb([[SEQ]], RESP)
+    f = fm.forward_flops(BODY, mb)
+    params = BODY.layer_params() * BODY.layers
+    assert f["body"] == pytest.approx(2 * params * SEQ + 4 * BODY.q_width * BODY.layers * SEQ * (SEQ + 1) / 2)
+    assert f["head"] == pytest.approx(2 * BODY.hidden * BODY.vocab * RESP)
+
+
+def test_position_pruning_shrinks_only_head_rows():
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=32768)
+    full = fm.step_flops(shape, concat_step())
+    pruned = fm.step_flops(shape, concat_step(scored=int(0.6 * RESP)))
+    assert pruned["train_body"] == full["train_body"] and pruned["forward_body"] == full["forward_body"]
+    assert pruned["train_head"] == pytest.approx(0.6 * full["train_head"])
+
+
+def test_selective_head_vs_all_positions():
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=32768)
+    rows = [[SEQ, SEQ]]
+    sel = fm.forward_flops(shape, _mb(rows, 2 * RESP))["head"]
+    base = fm.forward_flops(shape, _mb(rows, 2 * RESP, selective=False))["head"]
+    assert base / sel == pytest.approx(SEQ / RESP)
+
+
+def test_padded_view_counts_padding_and_the_whole_row():
+    mb = _mb([[SEQ, SEQ // 2]], RESP, seq_length=2 * SEQ)
+    ideal = fm.forward_flops(BODY, mb, view="ideal")["body"]
+    padded = fm.forward_flops(BODY, mb, view="padded")["body"]
+    assert padded > ideal * (2 * SEQ) / (1.5 * SEQ)  # more tokens and a quadratic over the whole row
+    with pytest.raises(ValueError, match="view"):
+        fm.forward_flops(BODY, mb, view="nope")
+
+
+def test_sequence_pruning_shrinks_tokens_and_attention():
+    short = [fm.Pass(kind=p.kind, microbatches=[_mb([[PROMPT + RESP // 2] * 2], RESP)]) for p in concat_step()]
+    r = ratio(BODY, concat_step(), short)
+    assert 1.0 < r < SEQ / (PROMPT + RESP // 2) + 0.05
+
+
+def test_qwen3_4b_head_share_is_about_a_tenth():
+    assert 0.09 < fm.head_share(QWEN3_4B, 512) < 0.10
+
+
+def test_cpu_small_preset_head_share_resembles_qwen3_4b():
+    from megatron_prune.model.arch import ModelArch
+    from megatron_prune.model.provider import padded_vocab_size
+
+    arch = ModelArch(**bench_dpo.PRESETS["cpu-small"]["arch"])
+    shape = fm.Shape.from_arch(arch, vocab=padded_vocab_size(arch.vocab_size))
+    assert abs(fm.head_share(shape, 512) - fm.head_share(QWEN3_4B, 512)) < 0.02
+
+
+def test_memory_model_logits_dominate_without_selective_head():
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=151936)
+    rows = [[SEQ, SEQ]]
+    base = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP, selective=False)])])
+    sel = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP)])])
+    assert base > 2 * sel
+    rec = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP)])], recompute=True)
+    assert rec < sel
+
+
+def test_pass_kind_is_validated_and_dicts_round_trip():
+    with pytest.raises(ValueError, match="kind"):
+        fm.Pass(kind="backward")
+    passes = branch_step()
+    again = fm.passes_from_dict(json.loads(json.dumps(fm.passes_to_dict(passes))))
+    assert fm.step_flops(BODY, again) == fm.step_flops(BODY, passes)
+
+
+def _fake_worker(mode: str, seconds: float) -> dict:
+    spec = bench_dpo.MODES[mode]
+    passes = branch_step() if spec["branch"] else concat_step()
+    for p in passes:
+        for mb in p.microbatches:
+            mb.selective = spec["selective_head"]
+    counters = dict(policy_tokens=2 * SEQ, ref_tokens=2 * SEQ, policy_padded_tokens=2 * SEQ,
+                    ref_padded_tokens=2 * SEQ, scored_positions=2 * RESP, logits_rows=2 * RESP)
+    rec = dict(step_time_s=seconds, peak_mem_bytes=1000, counters=counters,
+               splits={"reference": 0.1, "train": seconds / 2, "optimizer": 0.01, "other": 0.0},
+               passes=fm.passes_to_dict(passes))
+    return {"records": [rec, dict(rec, step_time_s=seconds * 1.1)]}
+
+
+def test_summary_has_the_documented_schema():
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=2048)
+    modes = {m: bench_dpo.summarise(m, _fake_worker(m, 2.0 if m in ("full", "concat") else 1.5), shape=shape,
+                                    recompute=False, bytes_per_elem=4) for m in bench_dpo.MODES}
+    bench_dpo.add_ratios(modes)
+    assert list(modes) == ["full", "concat", "selective", "position", "sequence", "branch", "position_branch", "all"]
+    for m in modes.values():
+        for key in ("step_time_s", "peak_mem_bytes", "policy_tokens", "speedup_vs_concat",
+                    "ideal_speedup_vs_concat", "mem_ratio_vs_concat", "logits_elements", "ref_tokens"):
+            assert key in m
+    assert modes["concat"]["speedup_vs_concat"] == 1.0
+    assert modes["branch"]["ideal_speedup_vs_concat"] > 1.2
+    assert "branch" in bench_dpo.table(modes)
+
+
+@pytest.mark.benchmark
+def test_bench_dpo_json_smoke(tmp_path):
+    """Runs every mode in its own process for one step (minutes on a loaded 2-core machine)."""
+    out = tmp_path / "bench.json"
+    bench_dpo.main(["--preset", "cpu-small", "--pairs", "2", "--warmup", "0", "--steps", "1",
+                    "--max-seq-length", "128", "--json", str(out), "--plot", str(tmp_path / "bench.png")])
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == set(bench_dpo.MODES)
+    assert data["config"]["preset"] == "cpu-small"
+    for m in data["modes"].values():
+        assert m["step_time_s"] > 0 and m["policy_tokens"] > 0
+        assert {"speedup_vs_concat", "ideal_speedup_vs_concat", "mem_ratio_vs_concat"} <= set(m)
+    assert (tmp_path / "bench.png").stat().st_size > 0
