@@ -68,7 +68,7 @@ PRESETS: dict[str, dict] = {
     "cpu-small": dict(
         arch=dict(_QWEN3, vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-        pairs=4, micro_batch_size=2, max_seq_length=384, max_prompt_length=192, warmup=1, steps=3,
+        pairs=4, micro_batch_size=2, max_seq_length=256, max_prompt_length=160, warmup=1, steps=2,
         device="cpu", bf16=False),
     # Same body, a 32k vocabulary: the head dominates output memory.
     "cpu-head-heavy": dict(
@@ -438,7 +438,12 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in order:
             out = os.path.join(tmp, f"{mode}.json")
             t = time.perf_counter()
-            launch(args, mode, out)
+            try:
+                launch(args, mode, out)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+                print(f"[bench_dpo] {mode}: FAILED ({exc}); continuing", flush=True)
+                result.setdefault("failed", {})[mode] = str(exc)
+                continue
             with open(out) as f:
                 raw_modes[mode] = json.load(f)
             config["device_name"] = raw_modes[mode].get("device_name")
