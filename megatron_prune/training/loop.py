@@ -26,7 +26,7 @@ from megatron_prune.accelerator import get_accelerator
 from megatron_prune.config import CheckpointConfig, LoggingConfig, TrainConfig
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import checkpoint as ckpt_io
-from megatron_prune.training.parallel import is_logging_rank
+from megatron_prune.training.parallel import collective_failure, guard_collectives, is_logging_rank
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,8 @@ def train(
 ) -> list[dict[str, Any]]:
     """Run steps from the resumed position to ``train_iters``; return the per-step records."""
     acc = get_accelerator()
-    start = resume(parts, objective, ckpt)
+    with guard_collectives(f"loading --load {ckpt.load}"):
+        start = resume(parts, objective, ckpt)
     writer = MetricsWriter(log_cfg)
     records = []
     try:
@@ -226,6 +227,11 @@ def train(
             done = step + 1
             if ckpt.save and ((ckpt.save_interval and done % ckpt.save_interval == 0) or done == train_cfg.train_iters):
                 save(parts, objective, ckpt, done)
+    except RuntimeError as exc:  # a timed-out collective: say which rank and step
+        failure = collective_failure(exc, during=f"step {step}")
+        if failure is None:
+            raise
+        raise failure from exc
     finally:
         writer.close()
     return records

@@ -16,6 +16,13 @@ from megatron_prune.model.provider import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
+_timeout_minutes: float | None = None
+"""The collective timeout initialize_distributed started the process group with."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective timed out or lost a peer; the message names this rank and the call."""
+
 
 def validate_layout(parallel: ParallelConfig, world_size: int) -> int:
     """Check the layout against the world size; return the data-parallel size."""
@@ -48,6 +55,8 @@ def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
     acc.set_device()
     if dist.is_initialized():
         return
+    global _timeout_minutes
+    _timeout_minutes = timeout_minutes
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group(
@@ -56,6 +65,39 @@ def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         timeout=datetime.timedelta(minutes=timeout_minutes),
     )
+
+
+def collective_failure(exc: BaseException, *, during: str) -> CollectiveTimeout | None:
+    """A :class:`CollectiveTimeout` naming this rank and ``during`` if ``exc`` is a backend error
+    from a timed-out collective or a vanished peer (gloo and NCCL raise a bare RuntimeError /
+    DistBackendError that names neither); None for any other error."""
+    if isinstance(exc, CollectiveTimeout) or not isinstance(exc, RuntimeError) or not dist.is_initialized():
+        return None
+    text = str(exc).lower()
+    where = f"rank {dist.get_rank()} of {dist.get_world_size()}"
+    if "timed out" in text or "timeout" in text:
+        limit = f"the {_timeout_minutes:g}-minute timeout" if _timeout_minutes is not None else "its timeout"
+        what = f"a collective did not complete within {limit} during {during}"
+    elif "connection reset" in text or "connection closed" in text or "broken pipe" in text:
+        what = f"a collective lost its connection to another rank during {during}"
+    else:
+        return None
+    return CollectiveTimeout(
+        f"{where}: {what}; another rank died, hung or is in a different call -- see its log "
+        f"(--distributed-timeout-minutes sets the limit). Backend said: {exc}"
+    )
+
+
+@contextlib.contextmanager
+def guard_collectives(during: str) -> Iterator[None]:
+    """Re-raise a collective timeout / lost peer inside the block as :class:`CollectiveTimeout`."""
+    try:
+        yield
+    except RuntimeError as exc:
+        failure = collective_failure(exc, during=during)
+        if failure is None:
+            raise
+        raise failure from exc
 
 
 def _free_port() -> int:
@@ -130,9 +172,12 @@ def broadcast_object(obj, src: int = 0):
 
 
 __all__ = [
+    "CollectiveTimeout",
     "barrier",
+    "collective_failure",
     "broadcast_object",
     "destroy_model_parallel",
+    "guard_collectives",
     "initialize_distributed",
     "initialize_model_parallel",
     "is_logging_rank",
