@@ -100,6 +100,11 @@ class DPOStep:
         self.ref_lookup = ref_lookup
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.pad_multiple = math.lcm(settings.pad_multiple, tp)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.counters = {k: 0 for k in ("policy_tokens", "ref_tokens", "policy_padded_tokens", "ref_padded_tokens",
+                                        "scored_positions", "logits_rows")}
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, step: int, samples: list[tuple[int, PreferencePair]]) -> list[PlannedPair]:
@@ -170,8 +175,7 @@ class DPOStep:
         self, step: int, samples: list[tuple[int, PreferencePair]], *, forward_only: bool = False
     ) -> tuple[list[dict], dict[str, float]]:
         """Accumulate this step's gradients (or only evaluate). Returns loss outputs and token counters."""
-        self.counters = {k: 0 for k in ("policy_tokens", "ref_tokens", "policy_padded_tokens", "ref_padded_tokens",
-                                        "scored_positions", "logits_rows")}
+        self.reset_counters()
         plans = self.plan(step, samples)
         ref = self.reference_logps(plans)
         pruned_ratio = None
