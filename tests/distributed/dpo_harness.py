@@ -36,6 +36,7 @@ def dpo_grads(
     step: int = 0,
     branch_pattern: tuple[int, ...] | None = None,
     reference_seed: int = SEED + 1,
+    preset: str = "tiny",
 ):
     """Loss metrics and whole gradients of one DPO step (no optimizer step)."""
     from megatron.core import parallel_state
@@ -54,7 +55,7 @@ def dpo_grads(
     par = ParallelConfig(**(parallel or {}))
     prune_cfg = PruneConfig(**{**dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False), **(prune or {})})
     with model_parallel(par, seed=SEED):
-        arch = get_preset("tiny")
+        arch = get_preset(preset)
         policy = setup_model(arch, par, seed=SEED)
         reference = setup_model(arch, par, seed=reference_seed, trainable=False)
         optimizer = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=0.0), bf16=False)

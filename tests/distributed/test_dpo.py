@@ -32,6 +32,7 @@ def single_rank_checks() -> dict:
         "sum_concat": dpo_grads(layout="concat", reduction="sum"),
     }
     out["modes"] = {name: dpo_grads(prune=prune) for name, prune in MODES.items()}
+    out["tied_all"] = dpo_grads(prune=MODES["all"], preset="tiny-tied")
     return out
 
 
@@ -65,11 +66,14 @@ def layout_checks() -> dict:
         "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
         "pp2": dict(pipeline_model_parallel_size=2),
     }
-    return {
+    out = {
         (layout, mode): dpo_grads(parallel=par, prune=MODES[mode])
         for layout, par in layouts.items()
         for mode in ("off", "all")
     }
+    # Tied embeddings: first and last stage share the weight the selective head reads.
+    out[("pp2-tied", "tied_all")] = dpo_grads(parallel=layouts["pp2"], prune=MODES["all"], preset="tiny-tied")
+    return out
 
 
 def layout_checks_4() -> dict:
@@ -131,7 +135,8 @@ def test_branch_pruning_is_unbiased_by_enumeration(q_w):
 def test_layouts_match_single_rank_2_ranks(single):
     results = run_distributed(layout_checks, 2)[0]
     for (layout, mode), got in results.items():
-        assert_same(single["modes"][mode], got, f"{layout}/{mode}")
+        ref = single[mode] if mode == "tied_all" else single["modes"][mode]
+        assert_same(ref, got, f"{layout}/{mode}")
 
 
 @pytest.mark.distributed
