@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GRPO + DPPO on Qwen3-4B / MATH-style data, one or more 8-GPU nodes.
+# Overrides: GPUS=8 NODES=1 NODE_RANK=0 MASTER_ADDR=localhost MASTER_PORT=29500 TP=2 PP=1
+#   HF_MODEL=/models/Qwen3-4B DATA=../shared/data/gsm8k/train.jsonl TASK=gsm8k ITERS=500
+#   PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 OUT=runs/grpo_qwen3_4b DRY_RUN=1 (print the command only)
+set -euo pipefail
+GPUS=${GPUS:-8}; NODES=${NODES:-1}; NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}; MASTER_PORT=${MASTER_PORT:-29500}
+TP=${TP:-2}; PP=${PP:-1}; ITERS=${ITERS:-500}
+HF_MODEL=${HF_MODEL:-/models/Qwen3-4B}; TASK=${TASK:-gsm8k}; DATA=${DATA:-../shared/data/gsm8k/train.jsonl}
+PRUNE_PROMPTS=${PRUNE_PROMPTS:-0.3}; PRUNE_COMPLETIONS=${PRUNE_COMPLETIONS:-0.3}
+OUT=${OUT:-runs/grpo_qwen3_4b}
+cmd=(torchrun --nnodes "$NODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS"
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m megatron_prune.grpo
+  --hf-model "$HF_MODEL" --bf16 --task "$TASK" --data-path "$DATA"
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --use-distributed-optimizer
+  --train-iters "$ITERS" --global-batch-size 64 --micro-batch-size 8 --seq-length 2048 --max-prompt-length 512
+  --group-size 8 --max-new-tokens 1024 --temperature 1.0 --top-p 1.0 --rollout-micro-batch-size 64
+  --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --clip-eps-low 0.2 --clip-eps-high 0.28 --kl-beta 0.0
+  --ppo-epochs 1 --minibatches 2
+  --dppo-prompt-prune-rate "$PRUNE_PROMPTS" --dppo-completion-prune-rate "$PRUNE_COMPLETIONS" --dense-packing
+  --save "$OUT/ckpt" --save-interval 50 --metrics-jsonl "$OUT/metrics.jsonl")
+if [[ "${DRY_RUN:-0}" == 1 ]]; then echo "${cmd[*]}"; exit 0; fi
+mkdir -p "$OUT"
+exec "${cmd[@]}"
