@@ -1,0 +1,123 @@
+"""The patch registry: replaced, idempotent, off unless asked, reversible, helpful errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import types
+
+import pytest
+
+from megatron_prune.patches import registry
+from megatron_prune.patches.registry import Patch, PatchTargetError, rewrite_source
+
+
+SCRATCH = '''
+def make(n):
+    """Doc."""
+    return ["cuda"] * n
+
+
+class K:
+    def m(self):
+        return "cuda"
+'''
+
+
+@pytest.fixture
+def scratch(monkeypatch, tmp_path):
+    """A throwaway module `megatron._mp_scratch` (a real file, so its source is readable) plus
+    an alias module that imported its function by name."""
+    path = tmp_path / "mp_scratch.py"
+    path.write_text(SCRATCH)
+    spec = importlib.util.spec_from_file_location("megatron._mp_scratch", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "megatron._mp_scratch", mod)
+    spec.loader.exec_module(mod)
+    alias = types.ModuleType("megatron._mp_alias")
+    alias.make = mod.make
+    monkeypatch.setitem(sys.modules, "megatron._mp_alias", alias)
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_BY_TARGET", {})
+    monkeypatch.setattr(registry, "_APPLIED", {})
+    monkeypatch.setattr(registry, "_import_patch_modules", lambda: None)
+    return mod, alias
+
+
+def _wrap(original):
+    def make(n):
+        return ["cpu"] * n
+
+    return make
+
+
+def test_apply_replaces_target_and_aliases_then_reverts(scratch):
+    mod, alias = scratch
+    original = mod.make
+    registry.register(Patch(name="t.make", target="megatron._mp_scratch.make", reason="test", build=_wrap, group="t"))
+    assert mod.make(1) == ["cuda"], "nothing may change before an explicit apply"
+    assert registry.apply_patches("t") == ["t.make"]
+    assert mod.make(2) == ["cpu", "cpu"] and alias.make(1) == ["cpu"]
+    assert mod.make.__wrapped__ is original and registry.is_applied("t.make")
+    assert registry.apply_patches("t") == [], "applying twice is a no-op"
+    assert registry.revert_patches("t") == ["t.make"]
+    assert mod.make is original and alias.make is original
+
+
+def test_other_groups_are_not_applied(scratch):
+    mod, _ = scratch
+    registry.register(Patch(name="t.make", target="megatron._mp_scratch.make", reason="x", build=_wrap, group="t"))
+    registry.apply_patches("other")
+    assert mod.make(1) == ["cuda"]
+
+
+def test_registering_a_target_twice_is_an_error(scratch):
+    registry.register(Patch(name="a", target="megatron._mp_scratch.make", reason="x", build=_wrap, group="t"))
+    with pytest.raises(ValueError, match="already patched by 'a'"):
+        registry.register(Patch(name="b", target="megatron._mp_scratch.make", reason="x", build=_wrap, group="t"))
+
+
+def test_moved_target_names_symbol_and_version(scratch):
+    registry.register(Patch(name="gone", target="megatron._mp_scratch.vanished", reason="x", build=_wrap,
+                            group="t", checked_versions=("0.16.1",)))
+    with pytest.raises(PatchTargetError, match=r"megatron\._mp_scratch\.vanished.*megatron-core"):
+        registry.apply_patches("t")
+
+
+def test_rewrite_source_function_and_method(scratch):
+    mod, _ = scratch
+    new = rewrite_source(('"cuda"', '"cpu"'))(mod.make)
+    assert new(2) == ["cpu", "cpu"] and new.__doc__ == "Doc."
+    method = rewrite_source(('"cuda"', '"cpu"'))(mod.K.__dict__["m"])
+    assert method(mod.K()) == "cpu"
+
+
+def test_rewrite_source_refuses_changed_text(scratch):
+    mod, _ = scratch
+    with pytest.raises(PatchTargetError, match="expected text .*not found"):
+        rewrite_source(("device='cuda'", "device='cpu'"))(mod.make)
+
+
+def test_every_cpu_patch_builds_against_installed_megatron():
+    """Each registered CPU patch resolves its target and its textual replacements still match."""
+    from megatron_prune.patches import registered
+
+    registry._import_patch_modules()
+    patches = registered("cpu")
+    assert len(patches) >= 20
+    for patch in patches:
+        _, _, original = registry._resolve(patch)
+        patch.build(original)  # raises PatchTargetError naming the symbol if Megatron moved
+        assert patch.reason and patch.checked_versions
+
+
+def test_importing_the_plugin_patches_nothing():
+    code = (
+        "import megatron_prune, megatron_prune.patches as p, megatron_prune.model.provider;"
+        "from megatron.core.transformer import utils;"
+        "assert not hasattr(utils.get_default_causal_mask, '__megatron_prune_patch__');"
+        "assert not p.registry._APPLIED; print('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
