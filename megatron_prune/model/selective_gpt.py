@@ -31,6 +31,9 @@ class TokenSelection:
     """[n] int64: the token id whose log-prob is wanted at each selected position."""
     seq_ids: torch.Tensor
     """[n] int64: which sequence (sample/branch) each selected token belongs to."""
+    temperature: float | torch.Tensor | None = None
+    """Sampling temperature (scalar or [n]) dividing the logits, so training log-probs match the
+    rollout's sampling distribution (GRPO)."""
     all_labels: torch.Tensor | None = None
     """[b, s] next-token labels. When set, the head runs the unpruned baseline path instead:
     full-vocabulary logits at every position and Megatron's vocab-parallel cross entropy, then
@@ -81,6 +84,7 @@ class SelectiveGPTModel(GPTModel):
             chunk_size=self.logprob_chunk_size,
             tp_group=self.pg_collection.tp,
             vocab_size=self.true_vocab_size,
+            temperature=selection.temperature,
         )
 
     def _full_logits_logprobs(self, hidden_states: torch.Tensor, selection: TokenSelection) -> torch.Tensor:
