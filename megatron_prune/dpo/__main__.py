@@ -8,13 +8,10 @@ Launch with torchrun for several ranks, e.g.::
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-import warnings
 
-from megatron_prune.arguments import parse_configs
 from megatron_prune.config import CheckpointConfig, DPOConfig, LoggingConfig, ModelConfig, PruneConfig, TrainConfig
+from megatron_prune.training.cli import run_cli
 
 GROUPS = {
     "model and parallelism": ModelConfig,
@@ -26,33 +23,15 @@ GROUPS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Megatron warns at import about Apex/TE fallbacks that are expected on the local spec.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    args, configs = parse_configs("megatron-prune-dpo", GROUPS, "DPO with position/sequence/branch pruning", argv)
-    from megatron_prune.training import session
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        dp = session.validate(configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"],
-                              world_size=world)
-    except ValueError as exc:
-        session.fail_usage(exc)
-    if args.dry_run:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}; configs:")
-            for name, cfg in configs.items():
-                print(f"  {name}: {cfg}")
-        return 0
-    from megatron_prune.data.records import DataError
+def _run(configs):
     from megatron_prune.dpo.trainer import run_dpo
 
-    try:
-        run_dpo(configs)
-    except (session.UsageError, DataError, FileNotFoundError) as exc:
-        session.fail_usage(exc)
-    return 0
+    return run_dpo(configs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(prog="megatron-prune-dpo", description="DPO with position/sequence/branch pruning",
+                   groups=GROUPS, run=_run, argv=argv)
 
 
 if __name__ == "__main__":

@@ -172,21 +172,9 @@ PRESETS: dict[str, ModelArch] = {
         tie_word_embeddings=False,
         qk_norm=True,
     ),
-    # Same shape with tied embeddings, for the tied-weight paths under PP.
-    "tiny-tied": ModelArch(
-        model_type="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        qk_norm=True,
-    ),
 }
+# Same shape with tied embeddings, for the tied-weight paths under PP.
+PRESETS["tiny-tied"] = dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=True)
 
 
 def get_preset(name: str) -> ModelArch:

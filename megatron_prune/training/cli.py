@@ -1,0 +1,49 @@
+"""The command-line driver shared by ``python -m megatron_prune.dpo`` and ``...grpo``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any, Callable
+
+from megatron_prune.arguments import parse_configs
+
+
+def run_cli(
+    *,
+    prog: str,
+    description: str,
+    groups: dict[str, type],
+    run: Callable[[dict[str, Any]], Any],
+    argv: list[str] | None = None,
+    extra_checks: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    """Parse flags into configs, validate them against the world size before any rank does work
+    (one message from rank 0, exit code 2), honour ``--dry-run``, then ``run(configs)``."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Megatron warns at import about Apex/TE fallbacks that are expected on the local spec.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    args, configs = parse_configs(prog, groups, description, argv)
+    from megatron_prune.data.records import DataError
+    from megatron_prune.training import session
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        dp = session.validate(configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"],
+                              world_size=world)
+        if extra_checks is not None:
+            extra_checks(configs)
+    except ValueError as exc:
+        session.fail_usage(exc)
+    if args.dry_run:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}; configs:")
+            for name, cfg in configs.items():
+                print(f"  {name}: {cfg}")
+        return 0
+    try:
+        run(configs)
+    except (session.UsageError, DataError, FileNotFoundError) as exc:
+        session.fail_usage(exc)
+    return 0
