@@ -87,9 +87,17 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
 
 
 def fail_usage(exc: Exception) -> None:
-    """One clear message from rank 0, exit code 2, before any collective."""
+    """One clear message from rank 0, exit code 2, before any collective.
+
+    Every rank finds the same error, but torchrun stops all ranks as soon as one exits: the
+    other ranks wait (up to 20 s) so that rank 0 is not killed before it has printed.
+    """
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"megatron-prune: error: {exc}", file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(20.0)
     sys.exit(2)
 
 
