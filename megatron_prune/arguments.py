@@ -11,6 +11,8 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
+import sys
 import textwrap
 import types
 import typing
@@ -102,5 +104,9 @@ def parse_configs(
     try:
         return args, configs_from_args(args, groups)
     except ValueError as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+        from megatron_prune.training.session import fail_usage
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            parser.print_usage(sys.stderr)
+        fail_usage(exc)  # one message from rank 0, exit code 2
+        raise  # unreachable

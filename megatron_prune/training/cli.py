@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -42,8 +43,13 @@ def run_cli(
             for name, cfg in configs.items():
                 print(f"  {name}: {cfg}")
         return 0
+    from megatron_prune.training.loop import NonFiniteError
+
     try:
         run(configs)
     except (session.UsageError, DataError, FileNotFoundError) as exc:
         session.fail_usage(exc)
+    except NonFiniteError as exc:
+        print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
