@@ -31,12 +31,16 @@ class GRPOConfig:
     """GSM8K / MATH problem files (JSONL or Parquet); needed for --task gsm8k|math."""
     toy_num_prompts: int = field(default=256, metadata=_flag("--toy-num-prompts"))
     """Size of the toy task's prompt set (prompts 0..N-1 of its deterministic stream)."""
+    toy_num_digits: int = field(default=10, metadata=_flag("--toy-num-digits"))
+    """Digit classes of the toy task (2..10); a random policy scores about 1/N."""
+    toy_prompt_length: int = field(default=8, metadata=_flag("--toy-prompt-length"))
+    """Toy prompt tokens: BOS, random filler, SEP, the digit token (>= 3; 3 = no filler)."""
     group_size: int = field(default=8, metadata=_flag("--group-size"))
     """G: completions sampled per prompt."""
     max_new_tokens: int = field(default=16, metadata=_flag("--max-new-tokens"))
     """Most tokens generated per completion (EOS ends a completion earlier)."""
     temperature: float = field(default=1.0, metadata=_flag("--temperature"))
-    """Sampling temperature; 0 = greedy. Training log-probs are the policy's own (temperature 1)."""
+    """Sampling temperature; 0 = greedy. Training log-probs are taken at the same temperature (greedy: 1)."""
     top_p: float = field(default=1.0, metadata=_flag("--top-p"))
     """Nucleus sampling: sample from the smallest token set with this much probability; 1 = off."""
     rollout_micro_batch_size: int | None = field(default=None, metadata=_flag("--rollout-micro-batch-size"))

@@ -86,8 +86,14 @@ class GRPOStepSettings:
     """Window of the first-fit-decreasing packer."""
     pad_multiple: int = 8
     """Row lengths are padded to a multiple of this (and of TP)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout: training log-probs divide the logits by it, so the
+    PPO ratio compares the same (tempered) distribution that sampled the tokens. 0 (greedy
+    rollout) trains at temperature 1."""
 
     def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.normalization not in ("constant", "sequence"):
             raise ValueError(f"normalization must be constant or sequence, got {self.normalization!r}")
         if self.micro_batch_size < 1:
@@ -135,19 +141,26 @@ def _causal_mask(length: int) -> torch.Tensor:
     return ~torch.ones(length, length, dtype=torch.bool).tril()
 
 
-def _selection(placements: list[tuple[int, int, TrainItem]], num_rows: int) -> TokenSelection:
+def _selection(placements: list[tuple[int, int, TrainItem]], num_rows: int, temperature: float | None = None) -> TokenSelection:
     """Scored positions of items placed at ``(row, offset)``: completion token k is predicted at
     ``offset + len(prompt) + k - 1``."""
     if not placements:  # a placeholder scores one padding position with weight 0
         zero = torch.zeros(1, dtype=torch.long)
-        return TokenSelection(index=zero, labels=zero.clone(), seq_ids=zero.clone())
+        return TokenSelection(index=zero, labels=zero.clone(), seq_ids=zero.clone(), temperature=temperature)
     index, labels, seq_ids = [], [], []
     for k, (row, offset, item) in enumerate(placements):
         positions = offset + len(item.prompt) - 1 + torch.arange(len(item.completion))
         index.append(positions * num_rows + row)
         labels.append(torch.tensor(item.completion, dtype=torch.long))
         seq_ids.append(torch.full((len(item.completion),), k, dtype=torch.long))
-    return TokenSelection(index=torch.cat(index), labels=torch.cat(labels), seq_ids=torch.cat(seq_ids))
+    return TokenSelection(index=torch.cat(index), labels=torch.cat(labels), seq_ids=torch.cat(seq_ids),
+                          temperature=temperature)
+
+
+def _train_temperature(settings: GRPOStepSettings) -> float | None:
+    """Temperature handed to the selective head (None = 1: the plain log-softmax)."""
+    t = settings.temperature
+    return None if t in (0.0, 1.0) else float(t)
 
 
 def _padded_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int) -> Layout:
@@ -160,7 +173,7 @@ def _padded_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple
         for row, item in enumerate(chunk):
             tokens[row, : item.length] = torch.tensor(item.prompt + item.completion, dtype=torch.long)
         position_ids = torch.arange(length).expand(mbs, length).contiguous()
-        selection = _selection([(row, 0, item) for row, item in enumerate(chunk)], mbs)
+        selection = _selection([(row, 0, item) for row, item in enumerate(chunk)], mbs, _train_temperature(settings))
         batches.append(GRPOMicrobatch(tokens, position_ids, None, selection, chunk))
     return Layout(batches, length, sum(it.length for it in items), len(batches) * mbs * length)
 
@@ -191,7 +204,7 @@ def _packed_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple
             for r, row in enumerate(rows)
             for index, offset in zip(row.sequence_indices, row.offsets)
         ]
-        selection = _selection(placements, mbs)
+        selection = _selection(placements, mbs, _train_temperature(settings))
         batches.append(GRPOMicrobatch(tokens, position_ids, mask, selection, [p[2] for p in placements]))
     return Layout(batches, capacity, plan.total_tokens, len(batches) * mbs * capacity)
 

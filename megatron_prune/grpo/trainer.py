@@ -73,10 +73,11 @@ class PromptSource:
         return self.size
 
 
-def toy_source(*, vocab_size: int, num_prompts: int, seed: int) -> PromptSource:
+def toy_source(*, vocab_size: int, num_prompts: int, seed: int, num_digits: int = 10,
+               prompt_length: int = 8) -> PromptSource:
     from megatron_prune.grpo.rewards import ToyTask, ToyTaskConfig
 
-    task = ToyTask(ToyTaskConfig(vocab_size=vocab_size, seed=seed))
+    task = ToyTask(ToyTaskConfig(vocab_size=vocab_size, seed=seed, num_digits=num_digits, prompt_length=prompt_length))
 
     def get(i: int) -> Prompt:
         p = task.prompt(i)
@@ -294,7 +295,8 @@ class GRPOObjective:
 def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: CheckpointConfig,
                  train_cfg: TrainConfig) -> PromptSource:
     if grpo.task == "toy":
-        return toy_source(vocab_size=arch.vocab_size, num_prompts=grpo.toy_num_prompts, seed=train_cfg.seed)
+        return toy_source(vocab_size=arch.vocab_size, num_prompts=grpo.toy_num_prompts, seed=train_cfg.seed,
+                          num_digits=grpo.toy_num_digits, prompt_length=grpo.toy_prompt_length)
     if not grpo.data_path:
         raise session.UsageError(f"--task {grpo.task} needs --data-path")
     from megatron_prune.data.tokenizer import load_tokenizer
@@ -314,7 +316,7 @@ def build_objective(*, configs: dict[str, Any], arch, policy, reference, source:
     settings = GRPOStepSettings(
         loss=grpo.loss_config(), micro_batch_size=train_cfg.micro_batch_size, pad_id=source.pad_id,
         normalization=grpo.loss_normalization, dense_packing=dppo.dense_packing,
-        pack_capacity=train_cfg.seq_length, pack_window=dppo.pack_window,
+        pack_capacity=train_cfg.seq_length, pack_window=dppo.pack_window, temperature=grpo.temperature,
     )
     sampling = SamplingSettings(
         max_new_tokens=grpo.max_new_tokens, eos_id=source.eos_id, pad_id=source.pad_id, vocab_size=arch.vocab_size,
