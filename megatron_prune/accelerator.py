@@ -2,6 +2,9 @@
 
 Device, distributed backend, synchronisation, seeding and peak-memory statistics. Every other
 module asks :func:`get_accelerator` instead of calling ``torch.cuda`` directly.
+
+``--device npu`` also checks the Ascend stack (torch_npu and MindSpeed installed, MindSpeed's
+adaptor loaded before Megatron); :mod:`megatron_prune.adapters.mindspeed` sets that stack up.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import importlib.util
 import logging
 import os
 import random
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,33 +25,163 @@ logger = logging.getLogger(__name__)
 KINDS = ("cuda", "npu", "cpu")
 _BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
+MINDSPEED_ADAPTOR = "mindspeed.megatron_adaptor"
+"""MindSpeed's entry point: importing it patches Megatron for the NPU (``patch_features()``)."""
+MINDSPEED_PATCH_UTILS = "mindspeed.patch_utils"
+"""Loaded by MindSpeed before it can patch anything; it imports nothing of Megatron."""
+TRANSFER_TO_NPU = "torch_npu.contrib.transfer_to_npu"
+"""torch_npu's shim that redirects ``torch.cuda`` to the NPU (imported by MindSpeed's adaptor)."""
 
-def _npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
+_TORCH_NPU_HINT = (
+    "install the torch_npu wheel that matches your torch and CANN versions "
+    "(https://gitee.com/ascend/pytorch/releases) and source CANN's set_env.sh"
+)
+_MINDSPEED_HINT = (
+    "install MindSpeed from source, from the branch that matches your Megatron-Core "
+    "(git clone -b core_r0.16.0 https://gitee.com/ascend/MindSpeed.git && pip install -e MindSpeed); "
+    "the PyPI package 'mindspeed' is an empty placeholder"
+)
+
+
+class AcceleratorError(RuntimeError):
+    """``--device`` names an accelerator this process cannot use, or its stack is set up wrongly."""
+
+
+def _has_module(name: str) -> bool:
+    """True when ``name`` can be imported (its parent packages are imported to find out)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # parent missing, or a module without a spec in sys.modules
+        return name in sys.modules
+
+
+def require_torch_npu() -> None:
+    """Raise :class:`AcceleratorError` naming torch_npu when it is not installed."""
+    if not _has_module("torch_npu"):
+        raise AcceleratorError(f"--device npu needs the package torch_npu, which is not installed: {_TORCH_NPU_HINT}")
+
+
+def require_mindspeed() -> None:
+    """Raise :class:`AcceleratorError` naming MindSpeed when it (or its Megatron adaptor) is missing."""
+    if not _has_module("mindspeed"):
+        raise AcceleratorError(f"--device npu needs the package MindSpeed (import name mindspeed), which is not installed: {_MINDSPEED_HINT}")
+    if not _has_module(MINDSPEED_ADAPTOR):
+        raise AcceleratorError(
+            f"the installed 'mindspeed' has no {MINDSPEED_ADAPTOR} (is it the empty PyPI placeholder?): {_MINDSPEED_HINT}"
+        )
+
+
+def megatron_modules(modules: Mapping[str, object] | None = None) -> list[str]:
+    """Loaded Megatron modules (``megatron.core``, ``megatron.training``, ...), in the order their imports finished."""
+    modules = sys.modules if modules is None else modules
+    return [name for name in modules if name.startswith("megatron.")]
+
+
+def check_import_order(modules: Mapping[str, object] | None = None) -> None:
+    """Raise when Megatron was imported before MindSpeed's adaptor could patch it.
+
+    Without the adaptor, any loaded ``megatron.*`` module is too early. With it, note that
+    CPython moves a module to the end of ``sys.modules`` when its import *finishes*, so the
+    adaptor itself always comes after the Megatron modules it imports while patching; the
+    reference point is :data:`MINDSPEED_PATCH_UTILS`, which is finished before MindSpeed
+    imports any Megatron module. A Megatron module finished before it was imported first.
+    """
+    modules = sys.modules if modules is None else modules
+    loaded = megatron_modules(modules)
+    if not loaded:
+        return
+    names = list(modules)
+    if (
+        MINDSPEED_ADAPTOR in modules
+        and MINDSPEED_PATCH_UTILS in modules
+        and names.index(MINDSPEED_PATCH_UTILS) < names.index(loaded[0])
+    ):
+        return
+    raise AcceleratorError(
+        f"Megatron was imported too late for the NPU: {loaded[0]} was imported before "
+        f"{MINDSPEED_ADAPTOR}, so modules that did 'from megatron... import f' keep the unpatched "
+        "CUDA functions. Call megatron_prune.adapters.mindspeed.prepare_ascend() (the trainers do "
+        "it for --device npu) before anything imports megatron, in a fresh process."
+    )
+
+
+_NPU_STACK_READY = False
+
+
+def mark_npu_stack_ready() -> None:
+    """Called by ``prepare_ascend`` once MindSpeed's adaptor is loaded (it checked the order on entry)."""
+    global _NPU_STACK_READY
+    _NPU_STACK_READY = True
+
+
+def check_npu_stack(modules: Mapping[str, object] | None = None) -> None:
+    """The checks behind ``--device npu``: torch_npu and MindSpeed installed, adaptor loaded first."""
+    modules = sys.modules if modules is None else modules
+    if _NPU_STACK_READY and modules is sys.modules:
+        return
+    require_torch_npu()
+    require_mindspeed()
+    check_import_order(modules)
+    if MINDSPEED_ADAPTOR not in modules:
+        raise AcceleratorError(
+            f"--device npu: MindSpeed's Megatron adaptor ({MINDSPEED_ADAPTOR}) is not loaded; call "
+            "megatron_prune.adapters.mindspeed.prepare_ascend() before anything imports megatron"
+        )
+
+
+def npu_available() -> bool:
+    """True when torch_npu is installed and sees an NPU (imports torch_npu to find out)."""
+    if not _has_module("torch_npu"):
         return False
     import torch_npu  # noqa: F401  (registers torch.npu)
 
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
 
+def require_visible_npu() -> None:
+    """Raise :class:`AcceleratorError` when torch_npu sees no NPU (imports torch_npu)."""
+    if not npu_available():
+        raise AcceleratorError(
+            "--device npu was requested but torch_npu sees no NPU (torch.npu.is_available() is False); "
+            "check ASCEND_RT_VISIBLE_DEVICES, the driver (npu-smi info) and CANN's set_env.sh"
+        )
+
+
 def detect_kind(requested: str = "auto") -> str:
-    """Resolve ``--device`` (auto, cuda, npu, cpu) to a kind, or raise a clear error."""
+    """Resolve ``--device`` (auto, cuda, npu, cpu) to a kind, or raise a clear error.
+
+    ``auto`` prefers an NPU, then a CUDA GPU, then the CPU. The NPU is checked first because
+    MindSpeed imports ``torch_npu.contrib.transfer_to_npu``, after which ``torch.cuda`` reports
+    the NPUs. Resolving to ``npu`` (asked for or detected) also runs :func:`check_npu_stack`.
+    """
     if requested not in ("auto",) + KINDS:
         raise ValueError(f"--device must be one of auto, cuda, npu, cpu; got {requested!r}")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was requested but torch.cuda.is_available() is False")
-    if requested == "npu" and not _npu_available():
-        raise RuntimeError(
-            "--device npu was requested but torch_npu is not installed or sees no NPU; "
-            "install torch_npu and MindSpeed matching your CANN version"
-        )
-    if requested != "auto":
-        return requested
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda":
+        _check_cuda()
+        return "cuda"
+    if requested == "npu":
+        require_torch_npu()
+        require_visible_npu()
+        check_npu_stack()
+        return "npu"
+    if npu_available():
+        check_npu_stack()
+        return "npu"
     if torch.cuda.is_available():
         return "cuda"
-    if _npu_available():
-        return "npu"
     return "cpu"
+
+
+def _check_cuda() -> None:
+    if TRANSFER_TO_NPU in sys.modules:
+        raise AcceleratorError(
+            f"--device cuda was requested but {TRANSFER_TO_NPU} (imported by MindSpeed) redirects "
+            "torch.cuda to the NPU in this process; use --device npu"
+        )
+    if not torch.cuda.is_available():
+        raise AcceleratorError("--device cuda was requested but torch.cuda.is_available() is False")
 
 
 @dataclass(frozen=True)

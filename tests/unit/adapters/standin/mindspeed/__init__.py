@@ -1,0 +1,1 @@
+"""Test stand-in for MindSpeed (see ../README.md)."""
