@@ -96,11 +96,28 @@ def configs_from_args(args: argparse.Namespace, groups: dict[str, type]) -> dict
 
 
 def parse_configs(
-    prog: str, groups: dict[str, type], description: str, argv: list[str] | None = None
+    prog: str,
+    groups: dict[str, type],
+    description: str,
+    argv: list[str] | None = None,
+    *,
+    unknown_handler: Any = None,
 ) -> tuple[argparse.Namespace, dict[str, Any]]:
-    """Parse ``argv`` into config objects; a bad value exits with argparse's usage error."""
+    """Parse ``argv`` into config objects; a bad value exits with argparse's usage error.
+
+    ``unknown_handler(unknown_flags)`` may accept flags we do not define (MindSpeed's, on
+    Ascend) by returning normally or reject them by raising ValueError; without it unknown
+    flags are an error.
+    """
     parser = build_parser(prog, groups, description)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if unknown_handler is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        try:
+            unknown_handler(unknown)
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         return args, configs_from_args(args, groups)
     except ValueError as exc:

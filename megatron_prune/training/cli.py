@@ -25,7 +25,17 @@ def run_cli(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Megatron warns at import about Apex/TE fallbacks that are expected on the local spec.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    args, configs = parse_configs(prog, groups, description, argv)
+    # The device comes first: on Ascend, torch_npu and MindSpeed must load before Megatron.
+    from megatron_prune.accelerator import AcceleratorError
+    from megatron_prune.adapters.mindspeed import bootstrap_device, parse_mindspeed_flags
+
+    try:
+        kind = bootstrap_device(argv)
+    except (AcceleratorError, RuntimeError) as exc:
+        _fail_early(exc)
+    # MindSpeed's own flags (e.g. --use-flash-attn) are accepted on the NPU only.
+    args, configs = parse_configs(prog, groups, description, argv,
+                                  unknown_handler=parse_mindspeed_flags if kind == "npu" else None)
     from megatron_prune.data.records import DataError
     from megatron_prune.training import session
 
@@ -53,3 +63,9 @@ def run_cli(
         print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _fail_early(exc: Exception) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megatron-prune: error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(2)

@@ -47,7 +47,7 @@ def _batches(dp_rank: int, dp_size: int):
     ]
 
 
-def one_step(*, tp=1, pp=1, vpp=None, sp=False, distopt=False, adam=False, preset="tiny", corrupt=None):
+def one_step(*, tp=1, pp=1, vpp=None, sp=False, distopt=False, adam=False, preset="tiny", corrupt=None, bf16=False):
     """Run one optimizer step at a layout; return loss, grad norm, whole grads and whole params.
 
     SGD by default. Megatron's distributed optimizer only supports Adam; there a large epsilon
@@ -70,6 +70,7 @@ def one_step(*, tp=1, pp=1, vpp=None, sp=False, distopt=False, adam=False, prese
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=sp,
+        bf16=bf16,
     )
     with model_parallel(parallel, seed=SEED):
         model = setup_model(get_preset(preset), parallel, seed=SEED, use_distributed_optimizer=distopt)
@@ -80,7 +81,7 @@ def one_step(*, tp=1, pp=1, vpp=None, sp=False, distopt=False, adam=False, prese
             if adam
             else OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0)
         )
-        optimizer = build_optimizer(model, optim, bf16=False)
+        optimizer = build_optimizer(model, optim, bf16=bf16)
         dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         batches = _batches(dp_rank, dp_size)
         data = iter(batches) if vpp is None else [iter(batches) for _ in range(vpp)]
@@ -190,3 +191,13 @@ def test_mismapped_shard_is_caught(reference):
 def test_removing_a_cpu_patch_breaks_the_step(patch_name):
     with pytest.raises(DistributedTestError, match="CUDA|cuda"):
         run_distributed(step_without_patch, 2, patch_name=patch_name)
+
+
+@pytest.mark.distributed
+def test_bf16_tp2_sp_step_tracks_fp32(reference):
+    """bf16 parameters with fp32 main weights run at TP=2+SP and stay close to the fp32 step."""
+    got = run_distributed(one_step, 2, tp=2, sp=True, bf16=True)[0]
+    assert got["loss"] == pytest.approx(reference["loss"], rel=1e-2)
+    assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=5e-2)
+    for key, expected in reference["params"].items():
+        torch.testing.assert_close(got["params"][key], expected, rtol=2e-2, atol=2e-3, msg=key)
