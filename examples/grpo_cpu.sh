@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# GRPO (+ DPPO) on the toy task with the tiny preset: 2 CPU ranks (TP=2 by default), a couple of minutes.
-# Overrides: NPROC=2 TP=2 PP=1 ITERS=20 PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 PACK=1 OUT=/tmp/grpo_cpu DRY_RUN=1
+# GRPO (+ DPPO) on the toy task with the tiny preset: 2 CPU ranks (TP=2 by default), a few minutes.
+# The defaults are the learning configuration (tests/e2e/test_grpo_cli.py::test_toy_reward_rises):
+# toy prompts without filler (BOS SEP digit), 4-token completions, 32 prompts x 8 completions per
+# step, Adam at lr 2e-2; the mean reward rises from ~0.10 (random) to ~0.3-0.45 in 40 steps.
+# Overrides: NPROC=2 TP=2 PP=1 ITERS=40 LR=2e-2 PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 PACK=1 OUT=/tmp/grpo_cpu DRY_RUN=1
+# (PRUNE_PROMPTS=0 PRUNE_COMPLETIONS=0 PACK=0 is plain GRPO.)
 set -euo pipefail
-NPROC=${NPROC:-2}; TP=${TP:-2}; PP=${PP:-1}; ITERS=${ITERS:-20}
+NPROC=${NPROC:-2}; TP=${TP:-2}; PP=${PP:-1}; ITERS=${ITERS:-40}; LR=${LR:-2e-2}
 PRUNE_PROMPTS=${PRUNE_PROMPTS:-0.3}; PRUNE_COMPLETIONS=${PRUNE_COMPLETIONS:-0.3}; PACK=${PACK:-1}
 OUT=${OUT:-/tmp/grpo_cpu}
 cmd=(torchrun --nproc-per-node "$NPROC" -m megatron_prune.grpo
-  --model-preset tiny --device cpu --task toy --toy-num-prompts 64
+  --model-preset tiny --device cpu --task toy --toy-num-prompts 64 --toy-prompt-length 3
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-  --train-iters "$ITERS" --global-batch-size 16 --micro-batch-size 16 --seq-length 64
-  --group-size 8 --max-new-tokens 8 --lr 1e-2 --clip-grad 1.0 --seed 1234
+  --train-iters "$ITERS" --global-batch-size 32 --micro-batch-size 32 --seq-length 64
+  --group-size 8 --max-new-tokens 4 --lr "$LR" --clip-grad 1.0 --seed 1234
   --dppo-prompt-prune-rate "$PRUNE_PROMPTS" --dppo-completion-prune-rate "$PRUNE_COMPLETIONS"
   --metrics-jsonl "$OUT/metrics.jsonl")
 [[ "$PACK" == 1 ]] && cmd+=(--dense-packing)
