@@ -321,6 +321,16 @@ class ToyTaskConfig:
     each token's logit is learned mostly from its own samples, and at lr 1e-2 the reward
     barely moves in 40 steps.
 
+    The tiny Megatron transformer (``--model-preset tiny``) learns it more slowly with the
+    default 8-token prompts: the digit sits behind random filler, and completion positions
+    only see it through attention, which starts out uniform; at lr 1e-2..3e-2 the reward
+    stayed at ~0.10-0.14 over 20-40 steps (at 3e-2 the policy collapses onto digit-blind
+    tokens first). Without filler (``prompt_length=3``: BOS, SEP, digit; the GRPO CLI's
+    ``--toy-prompt-length`` default), 4-token completions, 32 prompts x 8 completions per
+    step and Adam at lr 2e-2, the mean reward rises from ~0.10 to ~0.37 (GRPO) and ~0.29
+    (DPPO, 30% prompt and completion pruning) over 40 steps
+    (tests/e2e/test_grpo_cli.py::test_toy_reward_rises, examples/grpo_cpu.sh).
+
     The text form scores the fraction of non-space characters equal to the digit.
     """
 
