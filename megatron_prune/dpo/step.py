@@ -115,15 +115,23 @@ class DPOStep:
         return [plans[i : i + mbs] for i in range(0, len(plans), mbs)]
 
     def _microbatches(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]]):
+        """Microbatches of one pass and the ``seq_length`` the schedule is called with.
+
+        Without pipeline parallelism each microbatch is padded only to its own longest row; under
+        PP every microbatch of a pass shares one length (the p2p buffers are shaped from it), the
+        pass's longest row — so sequence pruning shrinks every stage and every p2p buffer.
+        """
         groups = self._groups(plans)
         branches = [[branches_of(p) for p in g] for g in groups]
         layout = self.s.dpo.layout
-        seq_length = round_up(
-            max(row_length(g, layout=layout, branches=b) for g, b in zip(groups, branches)), self.pad_multiple
-        )
+        lengths = [round_up(row_length(g, layout=layout, branches=b), self.pad_multiple)
+                   for g, b in zip(groups, branches)]
+        seq_length = max(lengths)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            lengths = [seq_length] * len(lengths)
         batches = [
-            build_microbatch(g, branches=b, layout=layout, seq_length=seq_length, pad_id=self.s.pad_id)
-            for g, b in zip(groups, branches)
+            build_microbatch(g, branches=b, layout=layout, seq_length=n, pad_id=self.s.pad_id)
+            for g, b, n in zip(groups, branches, lengths)
         ]
         return batches, seq_length
 
