@@ -41,6 +41,14 @@ _cpu(
     ('device="cuda"', 'device="cpu"'),
 )
 
+# --- KV cache of the static inference context (GRPO rollout, --kv-cache) ------------------------
+_cpu(
+    "Attention._allocate_memory",
+    "megatron.core.transformer.attention.Attention._allocate_memory",
+    "the inference KV-cache buffers are allocated on torch.cuda.current_device()",
+    (_CUR, '"cpu"'),
+)
+
 # --- tensor-parallel communication buffers ---------------------------------------------------
 for _fn in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
     _cpu(

@@ -46,6 +46,9 @@ class GRPOConfig:
     """Nucleus sampling: sample from the smallest token set with this much probability; 1 = off."""
     rollout_micro_batch_size: int | None = field(default=None, metadata=_flag("--rollout-micro-batch-size"))
     """Sequences per generation microbatch (default: all of a rank's sequences in one)."""
+    kv_cache: bool = field(default=False, metadata=_flag("--kv-cache"))
+    """KV-cached generation on Megatron's inference path (StaticInferenceContext); one pipeline stage only
+    (with PP > 1 the full-recompute sampler runs)."""
     clip_eps_low: float = field(default=0.2, metadata=_flag("--clip-eps-low"))
     """Lower clip of the PPO ratio: 1 - eps_low."""
     clip_eps_high: float = field(default=0.2, metadata=_flag("--clip-eps-high"))

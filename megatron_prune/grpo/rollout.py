@@ -10,10 +10,13 @@ probabilities), so the draws do not depend on rank or layout. The tokens are bro
 from the last stage to the other stages of the pipeline group; TP ranks compute identical
 draws from identical gathered logits.
 
-No KV cache: each step recomputes the whole prefix (cost ~ (prompt + new)^2 per token for
-attention, linear for the rest). That is the simple, layout-agnostic baseline; a
-KV-cached path (Megatron's ``StaticInferenceContext``) is a drop-in replacement of
-:func:`next_token_logits`.
+By default each step recomputes the whole prefix (cost ~ (prompt + new)^2 per token for
+attention, linear for the rest): the simple, layout-agnostic baseline. With
+``SamplingSettings.kv_cache`` (one pipeline stage) generation runs on Megatron's inference
+path instead: a ``StaticInferenceContext`` per batch of equal-length prompts, one prefill and
+then one single-token forward per new token (on CPU the cache is allocated through the
+``cpu.Attention._allocate_memory`` patch). Same generators, same draws: the cached and
+uncached samplers give identical tokens (tests/distributed/test_grpo.py).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ class SamplingSettings:
     """Sequences per forward microbatch (None: all active sequences in one)."""
     pad_multiple: int = 8
     """Row length is padded to a multiple of this (and of TP)."""
+    kv_cache: bool = False
+    """KV-cached generation on Megatron's inference path (``StaticInferenceContext``): one prefill
+    per group of equal-length prompts, then one single-token forward per new token. Needs one
+    pipeline stage and one model chunk; otherwise the full-recompute sampler runs."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -196,6 +203,9 @@ def generate(
         torch.Generator().manual_seed(completion_seed(seed=settings.seed, step=step, prompt_id=c.prompt_id, index=c.index))
         for c in completions
     ]
+    if settings.kv_cache and _kv_cache_supported(model):
+        _generate_cached(model[0], contexts, completions, generators, settings=settings)
+        return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
     active = list(range(len(completions)))
     for _ in range(settings.max_new_tokens):
         if not active:
@@ -214,3 +224,59 @@ def generate(
             completions[i].sample_logprobs.append(logprob)
         active = [i for i in active if completions[i].tokens[-1] != settings.eos_id]
     return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
+
+
+def _kv_cache_supported(model: list[torch.nn.Module]) -> bool:
+    return len(model) == 1 and parallel_state.get_pipeline_model_parallel_world_size() == 1
+
+
+def _generate_cached(
+    model: torch.nn.Module, contexts: list[list[int]], completions: list[Completion],
+    generators: list[torch.Generator], *, settings: SamplingSettings,
+) -> None:
+    """KV-cached sampling (one stage): sequences with equal prompt lengths share a
+    ``StaticInferenceContext``; every row of a batch advances one token per forward (rows that
+    already ended feed padding, which nothing reads). Same draws as the full-recompute sampler:
+    identical generators, logits equal up to float rounding."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    by_length: dict[int, list[int]] = {}
+    for i, context in enumerate(contexts):
+        by_length.setdefault(len(context), []).append(i)
+    was_training = model.training
+    model.eval()  # Megatron turns the causal mask off for cached decoding only outside training mode
+    try:
+        with torch.no_grad():
+            for length, rows in by_length.items():
+                mbs = settings.micro_batch_size or len(rows)
+                for start in range(0, len(rows), mbs):
+                    _cached_batch(model, rows[start : start + mbs], length, contexts, completions, generators,
+                                  settings=settings, context_cls=StaticInferenceContext)
+    finally:
+        model.train(was_training)
+
+
+def _cached_batch(model, rows, length, contexts, completions, generators, *, settings, context_cls) -> None:
+    b = len(rows)
+    context = context_cls(b, length + settings.max_new_tokens)
+    tokens = torch.tensor([contexts[i] for i in rows], dtype=torch.long)
+    position_ids = torch.arange(length, dtype=torch.long).expand(b, length).contiguous()
+    active = list(range(b))
+    for step in range(settings.max_new_tokens):
+        logits = model(tokens, position_ids, None, inference_context=context, runtime_gather_output=True)
+        context.sequence_len_offset += tokens.shape[1]
+        if step == 0:
+            context.enable_decode_mode()
+        logits = logits[:, -1, : settings.vocab_size].float()
+        drawn, logprobs = sample_from_logits(logits[active], [generators[rows[r]] for r in active],
+                                             temperature=settings.temperature, top_p=settings.top_p)
+        next_tokens = torch.full((b,), settings.pad_id, dtype=torch.long)
+        for r, token, logprob in zip(active, drawn.tolist(), logprobs.tolist()):
+            completions[rows[r]].tokens.append(token)
+            completions[rows[r]].sample_logprobs.append(logprob)
+            next_tokens[r] = token
+        active = [r for r in active if completions[rows[r]].tokens[-1] != settings.eos_id]
+        if not active:
+            break
+        tokens = next_tokens[:, None]
+        position_ids = torch.full((b, 1), length + step, dtype=torch.long)

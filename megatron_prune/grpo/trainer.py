@@ -320,7 +320,7 @@ def build_objective(*, configs: dict[str, Any], arch, policy, reference, source:
     )
     sampling = SamplingSettings(
         max_new_tokens=grpo.max_new_tokens, eos_id=source.eos_id, pad_id=source.pad_id, vocab_size=arch.vocab_size,
-        seed=train_cfg.seed, temperature=grpo.temperature, top_p=grpo.top_p,
+        seed=train_cfg.seed, temperature=grpo.temperature, top_p=grpo.top_p, kv_cache=grpo.kv_cache,
         micro_batch_size=grpo.rollout_micro_batch_size,
     )
     runner = GRPOStep(settings=settings, policy=policy, reference=reference)

@@ -156,6 +156,18 @@ def _rollout_vs_training_logprobs(*, dense_packing: bool) -> dict:
             sampled = torch.tensor([lp for group in groups for c in group for lp in c.sample_logprobs])
             out[temperature] = (sampled, torch.cat([it.old_logprobs for it in items]))
 
+        if not dense_packing:  # KV-cached generation (Megatron's static inference context) = full recompute
+            mixed = [(p.prompt_id, p.tokens) for p in prompts] + [(99, (1, 3, 9, 5, 6))]  # two prompt lengths
+            for temperature, top_p in ((1.0, 1.0), (0.8, 0.9)):
+                runs = []
+                for kv_cache in (False, True):
+                    sampling = SamplingSettings(max_new_tokens=7, eos_id=source.eos_id, pad_id=source.pad_id,
+                                                vocab_size=arch.vocab_size, seed=SEED, temperature=temperature,
+                                                top_p=top_p, kv_cache=kv_cache, micro_batch_size=5)
+                    groups = generate(model=policy, prompts=mixed, group_size=3, settings=sampling, step=1)
+                    runs.append([(c.tokens, c.sample_logprobs) for group in groups for c in group])
+                out[("kv", temperature)] = runs
+
         # gradient sign: one step along -grad raises the positive-advantage completion's log-probs
         prompt = list(prompts[0].tokens)
         items = [TrainItem(prompt_id=0, index=0, prompt=prompt, completion=[11, 21, 31, 41], advantage=1.0),
@@ -182,7 +194,7 @@ def _logprob_checks() -> dict:
 
 def test_training_logprobs_match_rollout():
     """Sampling and training log-probs agree to 1e-5 (padded and packed rows, temperature 1 and
-    0.7), and one step along the GRPO gradient raises the positive-advantage completion's
+    0.7); KV-cached generation gives the full-recompute sampler's tokens; and one step along the GRPO gradient raises the positive-advantage completion's
     log-probs and lowers the negative one's."""
     results = run_distributed(_logprob_checks, 1)[0]
     for packed, got in results.items():
@@ -190,6 +202,12 @@ def test_training_logprobs_match_rollout():
             sampled, trained = got[temperature]
             torch.testing.assert_close(trained, sampled, rtol=0, atol=1e-5,
                                        msg=lambda m: f"packed={packed} temperature={temperature}: {m}")
+        if not packed:
+            for temperature in (1.0, 0.8):
+                uncached, cached = got[("kv", temperature)]
+                assert [t for t, _ in cached] == [t for t, _ in uncached], f"KV cache changed the tokens (T={temperature})"
+                torch.testing.assert_close(torch.tensor([lp for _, lps in cached for lp in lps]),
+                                           torch.tensor([lp for _, lps in uncached for lp in lps]), rtol=0, atol=1e-5)
         (up_adv, up), (down_adv, down) = got["delta"]
         assert up_adv > 0 and up > 0, (packed, got["delta"])
         assert down_adv < 0 and down < 0, (packed, got["delta"])
