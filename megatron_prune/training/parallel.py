@@ -124,9 +124,23 @@ def initialize_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
 
 
 def destroy_model_parallel() -> None:
+    """Tear down Megatron's parallel state *and* the process groups it created.
+
+    Megatron's own ``destroy_model_parallel`` only forgets its groups; each gloo group keeps its
+    threads and sockets, so re-initialising for another layout (tests, converters) leaks
+    hundreds of threads per cycle. Every group but the world group is destroyed here.
+    """
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 @contextlib.contextmanager

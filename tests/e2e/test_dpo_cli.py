@@ -33,8 +33,8 @@ def run_cli(tmp_path, *extra: str, nproc: int = 1, timeout: int = 600) -> list[d
 def test_pruned_dpo_learns_on_bundled_data(tmp_path):
     """All prunings on: training loss falls and held-out reward accuracy rises above chance.
 
-    Measured on the 2-core CPU machine: held-out accuracy 0.61 after 20 steps (0.5 at step 0,
-    where policy == reference and every margin is a tie).
+    Measured on the 2-core CPU machine: held-out accuracy 0.61 after 20 steps (chance, 0.5, at
+    step 0, where policy == reference).
     """
     steps = 24
     records = run_cli(
@@ -44,7 +44,8 @@ def test_pruned_dpo_learns_on_bundled_data(tmp_path):
         timeout=1200,
     )
     assert [r["step"] for r in records] == list(range(steps))
-    assert records[0]["reward_accuracy"] == pytest.approx(0.5)
+    # Step 0: policy == reference, so every margin is 0 up to float noise (accuracy is chance).
+    assert abs(records[0]["margin"]) < 1e-6
     first = statistics.mean(r["loss"] for r in records[:6])
     last = statistics.mean(r["loss"] for r in records[-6:])
     assert last < first - 0.004, f"loss did not fall: first 6 steps {first:.4f}, last 6 {last:.4f}"
