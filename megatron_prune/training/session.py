@@ -166,6 +166,11 @@ def build_reference(arch: ModelArch, parallel: ParallelConfig, model: ModelConfi
 
 
 def load_hf_weights(chunks, hf_dir: str, arch: ModelArch) -> None:
-    from megatron_prune.model import hf_convert
+    """Fill this rank's shards straight from the HF safetensors (streamed, one layer at a time)."""
+    import torch
 
-    hf_convert.load_hf_into_model(chunks, hf_dir=hf_dir, arch=arch)
+    from megatron_prune.model.hf_convert import HFCheckpoint, fill_model_from_hf
+
+    modules = [c.module if hasattr(c, "module") else c for c in chunks]
+    with torch.no_grad(), HFCheckpoint(hf_dir) as hf:
+        fill_model_from_hf(modules, hf, arch)

@@ -1,0 +1,58 @@
+"""``--hf-model``: the DPO trainer starts from a local HF directory and its weights are exported back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.test_dpo_cli import TRAIN
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _tiny_qwen3(path) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    Qwen3ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+
+
+@pytest.mark.e2e
+def test_dpo_from_hf_model_then_export(tmp_path):
+    hf = tmp_path / "hf"
+    _tiny_qwen3(hf)
+    metrics = tmp_path / "m.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "megatron_prune.dpo", "--hf-model", str(hf), "--tokenizer", "tiny",
+           "--data-path", TRAIN, "--device", "cpu", "--seq-length", "256", "--max-prompt-length", "128",
+           "--train-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
+           "--save", str(tmp_path / "ckpt"), "--metrics-jsonl", str(metrics)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # Policy and reference both start from the HF weights: the first margins are zero.
+    assert abs(records[0]["margin"]) < 1e-6 and len(records) == 2
+
+    out = tmp_path / "hf_out"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"),
+                           "--load", str(tmp_path / "ckpt"), "--hf-out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(hf)
+    after = AutoModelForCausalLM.from_pretrained(out)
+    changed = [n for n, p in after.state_dict().items() if not torch.equal(p, before.state_dict()[n])]
+    assert changed, "training changed no weight in the exported model"
+    tokens = torch.tensor([[2, 17, 33, 90]])
+    generated = after.generate(tokens, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 8)
