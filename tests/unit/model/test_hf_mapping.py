@@ -1,0 +1,273 @@
+"""HF <-> Megatron tensor mapping, safetensors reading/writing and the clear errors (one process, no Megatron)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_prune.model import hf_convert, hf_mapping
+from megatron_prune.model.hf_convert import HFCheckpoint
+from megatron_prune.model.hf_mapping import arch_from_hf_config, hf_to_megatron_state, megatron_to_hf_state
+from tests.unit.model.hf_models import FAKE_ASSETS, KINDS, VOCAB, hf_config, make_hf_model, read_config
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {kind: make_hf_model(kind, str(root / kind), seed=i) for i, kind in enumerate(KINDS)}
+    dirs["qwen2-bf16-sharded"] = make_hf_model("qwen2", str(root / "qwen2-bf16"), seed=9, dtype=torch.bfloat16,
+                                               max_shard_size="40KB")
+    return dirs
+
+
+def _arch(path: str):
+    return arch_from_hf_config(read_config(path))
+
+
+@pytest.mark.parametrize("kind", KINDS + ("qwen2-bf16-sharded",))
+def test_round_trip_is_bit_identical(hf_dirs, kind):
+    arch = _arch(hf_dirs[kind])
+    with HFCheckpoint(hf_dirs[kind]) as hf:
+        whole = hf_to_megatron_state(hf, arch)
+        back = megatron_to_hf_state(whole, arch)
+        assert list(back) == list(hf_mapping.expected_hf_shapes(arch))
+        assert set(back) == set(hf)
+        for name in hf:
+            assert back[name].dtype == hf[name].dtype and torch.equal(back[name], hf[name]), name
+    assert {k: tuple(v.shape) for k, v in whole.items()} == hf_mapping.megatron_shapes(arch)
+
+
+def test_architecture_features_are_read(hf_dirs):
+    archs = {kind: _arch(hf_dirs[kind]) for kind in KINDS}
+    assert archs["qwen3"].qk_norm and not archs["qwen3"].tie_word_embeddings
+    assert archs["qwen3-tied"].tie_word_embeddings
+    assert archs["qwen2"].qkv_bias and not archs["qwen2"].qk_norm
+    assert archs["llama"].rope_scaling["rope_type"] == "llama3" and archs["llama"].rope_theta == 500000.0
+    assert archs["mistral"].num_key_value_heads == 2
+    with HFCheckpoint(hf_dirs["qwen3-tied"]) as hf:
+        whole = hf_to_megatron_state(hf, archs["qwen3-tied"])
+    assert hf_mapping.OUTPUT not in whole
+
+
+def test_qkv_is_interleaved_per_query_group():
+    arch = hf_mapping.ModelArch(vocab_size=8, hidden_size=1, intermediate_size=1, num_layers=1,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=1)
+    q, k, v = torch.tensor([[0.0], [1], [2], [3]]), torch.tensor([[10.0], [11]]), torch.tensor([[20.0], [21]])
+    qkv = hf_mapping.interleave_qkv(q, k, v, arch=arch)
+    assert qkv.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    assert [t.flatten().tolist() for t in hf_mapping.split_qkv(qkv, arch=arch)] == [[0, 1, 2, 3], [10, 11], [20, 21]]
+    bias = hf_mapping.interleave_qkv(q.flatten(), k.flatten(), v.flatten(), arch=arch)
+    assert bias.tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+
+
+def test_gate_up_and_padding(hf_dirs):
+    arch = _arch(hf_dirs["llama"])
+    with HFCheckpoint(hf_dirs["llama"]) as hf:
+        whole = hf_to_megatron_state(hf, arch)
+        f = arch.intermediate_size
+        assert torch.equal(whole[hf_mapping.FC1][1, :f], hf["model.layers.1.mlp.gate_proj.weight"])
+        assert torch.equal(whole[hf_mapping.FC1][1, f:], hf["model.layers.1.mlp.up_proj.weight"])
+        assert torch.equal(whole[hf_mapping.INPUT_NORM][0], hf["model.layers.0.input_layernorm.weight"])
+        assert torch.equal(whole[hf_mapping.PRE_MLP_NORM][0], hf["model.layers.0.post_attention_layernorm.weight"])
+    for key in (hf_mapping.EMBED, hf_mapping.OUTPUT):
+        assert whole[key].shape == (1024, arch.hidden_size)
+        assert whole[key][VOCAB:].abs().sum() == 0 and whole[key][:VOCAB].abs().sum() > 0
+
+
+# --- clear errors ------------------------------------------------------------------------------
+
+
+def test_unsupported_model_type_names_it(tmp_path):
+    path = tmp_path / "gpt2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        hf_convert.read_hf_arch(str(path))
+    with pytest.raises(ValueError, match="gpt2"):  # before any distributed start-up
+        hf_convert.convert_hf_to_megatron(hf_dir=str(path), save_dir=str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}), "yarn"),
+        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                               "rope_theta": 10000.0}), "low_freq_factor"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.5}), "rope_theta"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
+def test_unsupported_llama_fields_are_refused(change, message):
+    config = hf_config("llama").to_dict()
+    config.update(change)
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config(config)
+
+
+def test_sliding_window_is_refused():
+    config = hf_config("mistral").to_dict()
+    config.update(sliding_window=128)
+    with pytest.raises(ValueError, match="sliding_window=128"):
+        arch_from_hf_config(config)
+    config = hf_config("qwen2").to_dict()
+    config.update(layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="sliding_attention"):
+        arch_from_hf_config(config)
+
+
+def _state(hf_dir: str) -> dict[str, torch.Tensor]:
+    with HFCheckpoint(hf_dir) as hf:
+        return dict(hf.items())
+
+
+def test_missing_tensor_is_named(hf_dirs):
+    state = _state(hf_dirs["qwen3"])
+    del state["model.layers.2.self_attn.k_norm.weight"]
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) model\.layers\.2\.self_attn\.k_norm\.weight"):
+        hf_to_megatron_state(state, _arch(hf_dirs["qwen3"]))
+
+
+def test_unexpected_tensor_is_named(hf_dirs):
+    state = _state(hf_dirs["mistral"])
+    state["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)  # a buffer: ignored
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\) model\.layers\.0\.self_attn\.o_proj\.bias:"):
+        hf_to_megatron_state(state, _arch(hf_dirs["mistral"]))
+
+
+def test_wrong_shape_names_tensor_and_shapes(hf_dirs):
+    state = _state(hf_dirs["qwen2"])
+    state["model.layers.1.self_attn.k_proj.bias"] = torch.zeros(16)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias has shape \[16\], expected \[32\]"):
+        hf_to_megatron_state(state, _arch(hf_dirs["qwen2"]))
+
+
+def test_tied_lm_head_must_equal_the_embedding(hf_dirs):
+    arch = _arch(hf_dirs["qwen3-tied"])
+    state = _state(hf_dirs["qwen3-tied"])
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    hf_to_megatron_state(state, arch)  # a stored copy of the tied weight is fine
+    state["lm_head.weight"] += 1
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        hf_to_megatron_state(state, arch)
+
+
+def test_megatron_side_errors_name_the_key(hf_dirs):
+    arch = _arch(hf_dirs["qwen2"])
+    with HFCheckpoint(hf_dirs["qwen2"]) as hf:
+        whole = hf_to_megatron_state(hf, arch)
+    bad = dict(whole)
+    del bad[hf_mapping.QKV_BIAS]
+    with pytest.raises(ValueError, match="missing decoder.layers.self_attention.linear_qkv.bias"):
+        megatron_to_hf_state(bad, arch)
+    bad = dict(whole, **{hf_mapping.FC2: whole[hf_mapping.FC2][:, :, :10]})
+    with pytest.raises(ValueError, match=r"linear_fc2.weight has shape \[2, 64, 10\], expected \[2, 64, 96\]"):
+        megatron_to_hf_state(bad, arch)
+
+
+def test_reader_errors(tmp_path, hf_dirs):
+    empty = tmp_path / "bin-only"
+    empty.mkdir()
+    (empty / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="safe_serialization=True"):
+        HFCheckpoint(str(empty))
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        hf_convert.read_hf_config(str(empty))
+    sharded = hf_dirs["qwen2-bf16-sharded"]
+    index = json.load(open(os.path.join(sharded, hf_convert.SAFETENSORS_INDEX)))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / hf_convert.SAFETENSORS_INDEX).write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-.*listed in"):
+        HFCheckpoint(str(broken))
+
+
+def test_reader_is_lazy_and_reports_shapes_and_dtypes(hf_dirs):
+    with HFCheckpoint(hf_dirs["qwen2-bf16-sharded"]) as hf:
+        assert len(hf.files()) > 1
+        assert hf.shapes()["model.embed_tokens.weight"] == (VOCAB, 64)
+        assert hf.dtype("model.norm.weight") == torch.bfloat16
+        assert "model.layers.1.mlp.up_proj.weight" in hf and "lm_head.bias" not in hf
+        assert hf_convert.resolve_dtype("auto", config={}, hf=hf) == torch.bfloat16
+    assert hf_convert.resolve_dtype("auto", config={"torch_dtype": "float16"}) == torch.float32
+    assert hf_convert.resolve_dtype("bf16", config={"dtype": "float32"}) == torch.bfloat16
+    with pytest.raises(ValueError, match="--dtype"):
+        hf_convert.resolve_dtype("fp16", config={})
+
+
+# --- writing HF directories --------------------------------------------------------------------
+
+
+def test_sharded_writer_round_trips(tmp_path, hf_dirs):
+    arch = _arch(hf_dirs["qwen3"])
+    state = _state(hf_dirs["qwen3"])
+    shapes = hf_mapping.expected_hf_shapes(arch)
+    plan = hf_convert.plan_shards(shapes, dtype=torch.float32, max_shard_bytes=50_000)
+    assert len(plan.files) > 3 and plan.total_size == sum(t.numel() * 4 for t in state.values())
+    writer = hf_convert.ShardWriter(str(tmp_path), plan)
+    for name in reversed(list(shapes)):  # any order: a file is written once complete
+        writer.add(name, state[name])
+    writer.finish()
+    (tmp_path / "config.json").write_text("{}")
+    back = _state(str(tmp_path))
+    assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+    single = hf_convert.plan_shards(shapes, dtype=torch.bfloat16, max_shard_bytes=10**9)
+    assert single.files == ["model.safetensors"]
+
+
+def test_parse_size():
+    assert hf_convert.parse_size("5GB") == 5 * 10**9
+    assert hf_convert.parse_size("4GiB") == 4 * 2**30
+    assert hf_convert.parse_size("500MB") == 500 * 10**6
+    assert hf_convert.parse_size("1234") == 1234
+    with pytest.raises(ValueError, match="--max-shard-size"):
+        hf_convert.parse_size("big")
+
+
+def test_assets_are_copied_but_never_weights(tmp_path, hf_dirs):
+    copied = hf_convert.copy_hf_assets(hf_dirs["qwen2-bf16-sharded"], str(tmp_path))
+    assert set(copied) == set(FAKE_ASSETS) | {"config.json", "generation_config.json"}
+    assert not any(n.endswith(".safetensors") or n.endswith(".index.json") for n in os.listdir(tmp_path))
+
+
+def test_export_config_keeps_the_original_and_sets_dtype(hf_dirs):
+    arch = _arch(hf_dirs["llama"])
+    config = hf_convert.export_config(arch, assets=hf_dirs["llama"], dtype=torch.bfloat16)
+    original = read_config(hf_dirs["llama"])
+    assert config == dict(original, dtype="bfloat16")
+    with pytest.raises(ValueError, match="different model"):
+        hf_convert.export_config(_arch(hf_dirs["mistral"]), assets=hf_dirs["llama"], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_config_made_from_arch_describes_the_same_model(kind, hf_dirs):
+    """Without the original config, export writes one that transformers builds into the same model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch = _arch(hf_dirs[kind])
+    made = hf_mapping.hf_config_from_arch(arch)
+    assert arch_from_hf_config(made) == arch
+    config = AutoConfig.for_model(**made)
+    model = AutoModelForCausalLM.from_config(config)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    hf_mapping.check_hf_tensors(shapes, arch, source=kind)
+    assert arch_from_hf_config(config.to_dict()) == arch
+
+
+def test_compare_logits_flags_differences():
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 4, 10, generator=gen)
+    padded = torch.cat([ref, torch.zeros(2, 4, 6)], dim=-1)
+    same = hf_convert.compare_logits(ref, padded)
+    assert same.max_abs_diff == 0 and same.kl_mean == 0 and same.top5_agreement == 1 and same.ok(1e-6)
+    off = hf_convert.compare_logits(ref, padded + torch.linspace(0, 1e-3, 16))
+    assert not off.ok(1e-4) and off.max_abs_diff == pytest.approx(6e-4, rel=1e-3)
+    assert not hf_convert.compare_logits(ref, padded * float("nan")).ok(1e-4)
+    with pytest.raises(ValueError, match="cannot be compared"):
+        hf_convert.compare_logits(ref, ref[..., :5])

@@ -1,0 +1,59 @@
+"""Export a Megatron checkpoint (converted or trained) to an HF model directory.
+
+    python tools/convert_megatron_to_hf.py --load OUT --hf-out HF2 [--dtype auto|fp32|bf16]
+        [--max-shard-size 5GB] [--hf-assets DIR]
+
+Reads the newest complete checkpoint under --load (saved at any layout), one layer at a time,
+and writes config.json (the original one, with its dtype set), model.safetensors (sharded with
+an index when larger than --max-shard-size) and the tokenizer files. The original config and
+tokenizer come from --hf-assets, else from hf_assets/ next to the checkpoint (written by
+convert_hf_to_megatron.py); without either a config.json is made from the recorded architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory (a save root or one iter_* directory)")
+    p.add_argument("--hf-out", required=True, help="new (or empty) directory for the HF model")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="dtype of the written weights; auto keeps the checkpoint's")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 4GiB")
+    p.add_argument("--hf-assets", default=None,
+                   help="directory with the original config.json and tokenizer files (default: OUT/hf_assets)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from megatron_prune.model.hf_convert import export_megatron_to_hf, parse_size
+    from megatron_prune.training.checkpoint import CheckpointError
+
+    try:
+        parse_size(args.max_shard_size)
+        from megatron_prune.training.parallel import initialize_distributed
+
+        initialize_distributed()
+        files = export_megatron_to_hf(load_dir=args.load, hf_out=args.hf_out, dtype=args.dtype,
+                                      max_shard_size=args.max_shard_size, hf_assets=args.hf_assets)
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:
+        from megatron_prune.training.session import fail_usage
+
+        fail_usage(exc)
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"wrote {args.hf_out}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
