@@ -64,6 +64,8 @@ class ModelArch:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if float(self.rope_theta) != int(self.rope_theta):
+            raise ValueError(f"rope_theta {self.rope_theta} is not an integer; Megatron-Core takes an integer rotary base")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError("hidden_size must be divisible by num_attention_heads when head_dim is not set")
@@ -106,7 +108,9 @@ class ModelArch:
         rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_scaling = config.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            rope_scaling = rope
+            # transformers 5 keeps theta and scaling together; keep only the scaling keys so both
+            # config styles describe the same architecture.
+            rope_scaling = {k: v for k, v in rope.items() if k in _ROPE_SCALING_KEYS}
         if rope_scaling is not None:
             _check_rope_scaling(rope_scaling, source)
         qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
@@ -136,6 +140,9 @@ class ModelArch:
         with open(cfg_path, encoding="utf-8") as f:
             return cls.from_hf_config(json.load(f), source=cfg_path)
 
+
+_ROPE_SCALING_KEYS = ("rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+                      "original_max_position_embeddings")
 
 # Megatron implements Llama-3.1 scaling with a free factor and fixed low/high/original constants.
 _MEGATRON_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -158,7 +159,19 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
     return int(loaded["iteration"])
 
 
+def _carry_hf_assets(ckpt: CheckpointConfig) -> None:
+    """Keep the original HF config and tokenizer next to our checkpoints (for export)."""
+    if not ckpt.load or not ckpt.save or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    for where in (ckpt.load, os.path.dirname(os.path.abspath(ckpt.load))):
+        src = os.path.join(where, "hf_assets")
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(ckpt.save, "hf_assets"), dirs_exist_ok=True)
+            return
+
+
 def save(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, step: int) -> None:
+    _carry_hf_assets(ckpt)
     path = ckpt_io.save_checkpoint(
         ckpt.save, iteration=step, model=parts.model, arch=parts.arch, optimizer=parts.optimizer,
         scheduler_state=parts.scheduler.state_dict(), trainer_state={"objective": objective.state_dict()},
