@@ -173,4 +173,4 @@ def load_hf_weights(chunks, hf_dir: str, arch: ModelArch) -> None:
 
     modules = [c.module if hasattr(c, "module") else c for c in chunks]
     with torch.no_grad(), HFCheckpoint(hf_dir) as hf:
-        fill_model_from_hf(modules, hf, arch)
+        fill_model_from_hf(modules, hf=hf, arch=arch)
