@@ -2,7 +2,7 @@
 # Quick start: install into .venv (once) and run the main job — a short DPO run of the tiny
 # preset with every pruning on (position alpha=0.6, sequence rho_min=0.5, branch q=0.5), on the
 # bundled HH-RLHF sample, 2 CPU ranks with tensor parallelism 2. Prints one progress line per
-# step and the held-out reward accuracy before and after training.
+# step and the held-out reward accuracy (chance = 0.5) every 20 steps.
 #
 # Overrides: NPROC (ranks), TP, PP, STEPS, OUT (output folder), DRY_RUN=1 (print the command only).
 set -euo pipefail
