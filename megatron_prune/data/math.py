@@ -31,6 +31,7 @@ from typing import Any, Iterator, Sequence
 
 from megatron_prune.data.records import (
     DataError,
+    LoadedRecords,
     RecordError,
     SkipPolicy,
     check_encodable,
@@ -172,18 +173,15 @@ def load_math_problems(
     return problems, policy.skipped
 
 
-class MathDataset:
+class MathDataset(LoadedRecords):
     """Math problems of local files; ``skipped`` counts skipped records per reason."""
 
     def __init__(self, paths: PathLike | Sequence[PathLike], *, config: MathDataConfig | None = None):
         self.config = config or MathDataConfig()
-        self.paths = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-        self.problems, self.skipped = load_math_problems(self.paths, config=self.config)
-        if not self.problems:
-            raise ValueError(f"no usable math problems in {', '.join(self.paths)} (skipped: {dict(self.skipped)})")
+        files = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+        problems, skipped = load_math_problems(files, config=self.config)
+        super().__init__(files, problems, skipped, what="math problems")
 
-    def __len__(self) -> int:
-        return len(self.problems)
-
-    def __getitem__(self, index: int) -> MathProblem:
-        return self.problems[index]
+    @property
+    def problems(self) -> list[MathProblem]:
+        return self.items

@@ -47,6 +47,7 @@ from typing import Any, Iterator, Sequence
 
 from megatron_prune.data.records import (
     DataError,
+    LoadedRecords,
     RecordError,
     SkipPolicy,
     check_encodable,
@@ -342,7 +343,7 @@ def _as_list(paths: PathLike | Sequence[PathLike]) -> list[PathLike]:
     return [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
 
 
-class PreferenceDataset:
+class PreferenceDataset(LoadedRecords):
     """Preference pairs of local files, loaded and tokenized up front.
 
     ``skipped`` counts skipped records per reason; ``len(self) + sum(skipped.values())`` is the
@@ -353,13 +354,10 @@ class PreferenceDataset:
         self, paths: PathLike | Sequence[PathLike], *, tokenizer: Tokenizer, config: PreferenceDataConfig | None = None
     ):
         self.config = config or PreferenceDataConfig()
-        self.paths = [os.fspath(p) for p in _as_list(paths)]
-        self.pairs, self.skipped = load_preference_pairs(self.paths, tokenizer=tokenizer, config=self.config)
-        if not self.pairs:
-            raise ValueError(f"no usable preference pairs in {', '.join(self.paths)} (skipped: {dict(self.skipped)})")
+        files = [os.fspath(p) for p in _as_list(paths)]
+        pairs, skipped = load_preference_pairs(files, tokenizer=tokenizer, config=self.config)
+        super().__init__(files, pairs, skipped, what="preference pairs")
 
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, index: int) -> PreferencePair:
-        return self.pairs[index]
+    @property
+    def pairs(self) -> list[PreferencePair]:
+        return self.items

@@ -141,3 +141,24 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]
         raise DataError(path, None, "unreadable parquet", str(exc)) from exc
     for row_no, record in enumerate(table.to_pylist(), start=1):
         yield row_no, record
+
+
+class LoadedRecords:
+    """Items loaded up front from local files, with per-reason skip counts.
+
+    ``len(self) + sum(skipped.values())`` is the number of input records; an empty result is an
+    error naming the files (``what`` says what was expected).
+    """
+
+    def __init__(self, paths: list[str], items: list, skipped: collections.Counter, *, what: str) -> None:
+        if not items:
+            raise ValueError(f"no usable {what} in {', '.join(paths)} (skipped: {dict(skipped)})")
+        self.paths = paths
+        self.items = items
+        self.skipped = skipped
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        return self.items[index]
