@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flop_model  # noqa: E402
+from memory_at_peak import format_live_at_peak, live_at_peak  # noqa: E402
 
 MODES: dict[str, dict] = {
     "full": dict(layout="full", selective_head=False, position_ratio=1.0, seq_min_ratio=1.0, branch=False),
@@ -218,66 +219,122 @@ def run_worker(args) -> None:
 
         runner._microbatches = recording_microbatches
         schedule_times: list[tuple[str, float]] = []
+        phase_peaks: list[int] = []
+        memory_window = {"on": False, "base": 0}
         original_schedule = step_mod.run_schedule
 
+        def open_window() -> None:
+            acc.synchronize()
+            acc.release_cached_memory()
+            acc.reset_peak_memory()
+
+        def close_window() -> None:
+            acc.synchronize()
+            phase_peaks.append(max(0, acc.peak_memory_bytes() - memory_window["base"]))
+
         def timed_schedule(**kw):
+            if memory_window["on"]:
+                open_window()
             acc.synchronize()
             t = time.perf_counter()
-            out = original_schedule(**kw)
+            with torch.profiler.record_function(f"phase:{phases[len(schedule_times)]}"):
+                out = original_schedule(**kw)
             acc.synchronize()
             schedule_times.append(("forward" if kw.get("forward_only") else "train", time.perf_counter() - t))
+            if memory_window["on"]:
+                close_window()
             return out
 
         step_mod.run_schedule = timed_schedule
+        phases = ["reference"] + (["pruned_branch"] if mode["branch"] else []) + ["train"]
 
-        records = []
-        total = args.warmup + args.steps
-        for step in range(total):
+        def one_step(step: int, *, measure_memory: bool, profile: bool = False, allocations: bool = False) -> dict:
+            """Run one step. Timed steps touch no memory statistics (no trims, so no extra page
+            faults); memory steps trim the heap and open a peak window around every phase;
+            ``allocations`` also records every tensor allocation (profiler) for the allocator peak."""
             passes.clear()
             schedule_times.clear()
-            profiling = args.profile and step == total - 1
+            phase_peaks.clear()
+            memory_window["on"] = measure_memory
             prof = None
-            if profiling:
+            if allocations:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                              + ([torch.profiler.ProfilerActivity.CUDA] if acc.kind == "cuda" else []))
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if acc.kind == "cuda" else []),
+                                              profile_memory=True)
                 prof.__enter__()
+            if profile:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if acc.kind == "cuda" else []),
+                                              profile_memory=True)
+                prof.__enter__()
+            if measure_memory:
+                open_window()
+                memory_window["base"] = acc.current_memory_bytes()
             acc.synchronize()
-            base = acc.current_memory_bytes()
-            acc.reset_peak_memory()
             t0 = time.perf_counter()
             for chunk in policy:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             _, counters = runner.run(step, samples)
+            if measure_memory:
+                open_window()
+            acc.synchronize()
             t_opt = time.perf_counter()
-            optimizer.step()
+            with torch.profiler.record_function("phase:optimizer"):
+                optimizer.step()
             acc.synchronize()
             t1 = time.perf_counter()
-            peak = acc.peak_memory_bytes()
-            if prof is not None:
+            if measure_memory:
+                close_window()
+            alloc = None
+            if prof is not None and allocations:
+                prof.__exit__(None, None, None)
+                alloc = live_at_peak(prof, acc.device.type)
+            elif prof is not None:
                 prof.__exit__(None, None, None)
                 os.makedirs(args.profile, exist_ok=True)
                 if is_logging_rank():
                     key = "self_cuda_time_total" if acc.kind == "cuda" else "self_cpu_time_total"
                     with open(os.path.join(args.profile, f"{args.worker}.txt"), "w") as f:
+                        f.write(f"# one step of {args.worker}, by self time\n")
                         f.write(prof.key_averages().table(sort_by=key, row_limit=25))
+                        f.write(f"\n# the same step's memory peak (rank 0), by phase, direction and op\n")
+                        f.write(format_live_at_peak(*live_at_peak(prof, acc.device.type)) + "\n")
             # the last call of _microbatches is the training pass
             passes[-1]["kind"] = "train"
-            splits = {}
-            names = (["reference"] + (["pruned_branch"] if mode["branch"] else []) + ["train"])
-            for name, (_, dt) in zip(names, schedule_times):
-                splits[name] = dt
+            splits = {name: dt for name, (_, dt) in zip(phases, schedule_times)}
             splits["optimizer"] = t1 - t_opt
             splits["other"] = (t1 - t0) - sum(splits.values())
-            peak_step = max(0, peak - base)
-            if dist.is_initialized():
-                box = torch.tensor([float(peak_step)], dtype=torch.float64, device=acc.device)
-                dist.all_reduce(box, op=dist.ReduceOp.MAX)
-                peak_step = int(box.item())
-            if step >= args.warmup:
-                records.append(dict(step=step, step_time_s=t1 - t0, peak_mem_bytes=peak_step,
-                                    peak_mem_raw_bytes=peak, base_mem_bytes=base, counters=counters,
-                                    splits=splits, passes=[dict(p) for p in passes]))
+            record = dict(step=step, step_time_s=t1 - t0, counters=counters, splits=splits,
+                          passes=[dict(p) for p in passes])
+            if measure_memory:
+                by_phase = torch.tensor([float(v) for v in phase_peaks], dtype=torch.float64, device=acc.device)
+                if dist.is_initialized():
+                    dist.all_reduce(by_phase, op=dist.ReduceOp.MAX)
+                record["peak_mem_by_phase_bytes"] = dict(zip(phases + ["optimizer"], map(int, by_phase.tolist())))
+                record["base_mem_bytes"] = memory_window["base"]
+            if alloc is not None:
+                box = torch.tensor([float(alloc[0])], dtype=torch.float64, device=acc.device)
+                if dist.is_initialized():
+                    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+                record["peak_alloc_bytes"] = int(box.item())
+                record["live_at_peak"] = [[label, size] for label, size in alloc[1][:8]]  # this rank's
+            return record
+
+        for step in range(args.warmup):
+            one_step(step, measure_memory=False)
+        timed = range(args.warmup, args.warmup + args.steps)
+        records = [one_step(step, measure_memory=False) for step in timed]
+        # The same steps again (same pruning draws) for memory: a window per phase, max over phases.
+        for i, (record, step) in enumerate(zip(records, timed)):
+            measured = one_step(step, measure_memory=True, allocations=i == 0)
+            record["peak_mem_by_phase_bytes"] = by_phase = measured["peak_mem_by_phase_bytes"]
+            record["peak_mem_bytes"] = max(by_phase.values())
+            for key in ("peak_alloc_bytes", "live_at_peak"):
+                if key in measured:
+                    record[key] = measured[key]
+        if args.profile:  # an extra, unrecorded step: the profiler's overhead stays out of the figures
+            one_step(timed[-1], measure_memory=False, profile=True)
         step_mod.run_schedule = original_schedule
         if is_logging_rank():
             result = dict(mode=args.worker, records=records, padded_vocab=padded_vocab_size(arch.vocab_size),
@@ -331,6 +388,9 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
             flops[view] += flop_model.step_flops(shape, passes, recompute=recompute, view=view)["total"] / n
         model_mem.append(flop_model.step_peak_bytes(shape, passes, recompute=recompute, bytes_per_elem=bytes_per_elem))
     splits = {k: statistics.median(r["splits"].get(k, 0.0) for r in recs) for k in recs[0]["splits"]}
+    mem_phases = {k: statistics.median(r["peak_mem_by_phase_bytes"][k] for r in recs)
+                  for k in recs[0]["peak_mem_by_phase_bytes"]}
+    alloc = next((r for r in recs if "peak_alloc_bytes" in r), {})
     q = statistics.quantiles(times, n=4) if n >= 2 else [times[0]] * 3
     return {
         "step_time_s": statistics.median(times),
@@ -346,6 +406,9 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
         "flops_padded": flops["padded"],
         "model_peak_mem_bytes": statistics.median(model_mem),
         "time_split_s": splits,
+        "peak_mem_by_phase_bytes": mem_phases,
+        "peak_alloc_bytes": alloc.get("peak_alloc_bytes"),
+        "live_at_peak": alloc.get("live_at_peak", []),
     }
 
 
@@ -358,24 +421,45 @@ def add_ratios(modes: dict) -> None:
         m["fraction_of_ideal_speedup"] = m["speedup_vs_concat"] / m["ideal_speedup_vs_concat"]
         m["mem_ratio_vs_concat"] = m["peak_mem_bytes"] / base["peak_mem_bytes"] if base["peak_mem_bytes"] else None
         m["model_mem_ratio_vs_concat"] = m["model_peak_mem_bytes"] / base["model_peak_mem_bytes"]
+        m["alloc_mem_ratio_vs_concat"] = (m["peak_alloc_bytes"] / base["peak_alloc_bytes"]
+                                          if m["peak_alloc_bytes"] and base["peak_alloc_bytes"] else None)
         m["token_ratio_vs_concat"] = (m["policy_tokens"] + m["ref_tokens"]) / (base["policy_tokens"] + base["ref_tokens"])
+        # Share of the executed-token saving that became a step-time saving (sequence pruning's goal).
+        saved = 1.0 - m["token_ratio_vs_concat"]
+        m["token_saving_to_time"] = (1.0 - 1.0 / m["speedup_vs_concat"]) / saved if saved > 0.01 else None
+
+
+def _num(value, fmt: str) -> str:
+    return format(value, fmt) if value is not None else format(float("nan"), fmt)
 
 
 def table(modes: dict) -> str:
     head = (f"{'mode':<16}{'time s (min-max)':>22}{'speedup':>9}{'ideal':>7}{'frac':>6}{'padded':>8}"
-            f"{'peak MB':>9}{'mem':>6}{'model':>7}{'pol tok':>9}{'ref tok':>9}{'pad tok':>9}{'logits':>11}")
+            f"{'peak MB':>9}{'mem':>6}{'alloc':>7}{'model':>7}{'pol tok':>9}{'ref tok':>9}{'pad tok':>9}"
+            f"{'tok>t':>7}{'logits':>11}")
     lines = [head, "-" * len(head)]
     for name, m in modes.items():
-        mem = m["mem_ratio_vs_concat"]
         lines.append(
             f"{name:<16}{m['step_time_s']:>8.3f} ({m['step_time_min_s']:.3f}-{m['step_time_max_s']:.3f})"
             f"{m['speedup_vs_concat']:>9.3f}{m['ideal_speedup_vs_concat']:>7.3f}{m['fraction_of_ideal_speedup']:>6.2f}"
             f"{m['padded_model_speedup_vs_concat']:>8.3f}{m['peak_mem_bytes'] / 2**20:>9.1f}"
-            f"{(mem if mem is not None else float('nan')):>6.2f}{m['model_mem_ratio_vs_concat']:>7.2f}"
+            f"{_num(m['mem_ratio_vs_concat'], '>6.2f')}{_num(m.get('alloc_mem_ratio_vs_concat'), '>7.2f')}"
+            f"{m['model_mem_ratio_vs_concat']:>7.2f}"
             f"{m['policy_tokens']:>9.0f}{m['ref_tokens']:>9.0f}{m['policy_padded_tokens']:>9.0f}"
-            f"{m['logits_elements']:>11.3g}")
-    lines.append("speedup/mem: measured vs concat; ideal/padded/model: FLOP (ideal, padded shapes) and memory "
-                 "model vs concat; frac = speedup / ideal; tokens are per step (mean)")
+            f"{_num(m.get('token_saving_to_time'), '>7.2f')}{m['logits_elements']:>11.3g}")
+    lines.append("speedup/mem: measured vs concat (mem: peak RSS on CPU, allocator on GPU; alloc: tensor allocator "
+                 "peak); ideal/padded/model: FLOP (ideal, padded shapes) and memory model vs concat; "
+                 "frac = speedup / ideal; tok>t = time saving / executed-token saving; tokens per step (mean)")
+    return "\n".join(lines)
+
+
+def memory_table(modes: dict) -> str:
+    """Where each mode's peak sits: peak per phase (MB) and the largest live groups at the allocator peak."""
+    lines = []
+    for name, m in modes.items():
+        phases = "  ".join(f"{k} {v / 2**20:.1f}" for k, v in m["peak_mem_by_phase_bytes"].items())
+        top = "; ".join(f"{label} {size / 2**20:.1f}" for label, size in m.get("live_at_peak", [])[:3])
+        lines.append(f"{name:<16}{phases}\n{'':<16}at the allocator peak: {top or 'n/a'}")
     return "\n".join(lines)
 
 
@@ -458,6 +542,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.json:
                     _write_json(args.json, result)
     print(table(result["modes"]))
+    print("peak memory by phase (MB), and the largest live groups at the allocator peak (MB):")
+    print(memory_table(result["modes"]))
     if args.json:
         _write_json(args.json, result)
         print(f"[bench_dpo] wrote {args.json}")

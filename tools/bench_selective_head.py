@@ -104,8 +104,9 @@ def run_worker(args: argparse.Namespace) -> dict:
     del warm
     weight.grad = None
     acc.synchronize()
-    baseline = acc.current_memory_bytes()
+    acc.release_cached_memory()
     acc.reset_peak_memory()
+    baseline = acc.current_memory_bytes()
     seconds = []
     for _ in range(args.iters):
         hidden.grad = weight.grad = None

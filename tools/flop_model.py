@@ -25,8 +25,10 @@ Memory (``padded`` view only, rough): a training microbatch stores per token and
 ``6h + 3q + 4kv + 5ffn`` activations plus ``2 * heads * seq_length`` attention scores/probs (the
 unfused local attention keeps them), or only the layer input under full recompute plus one layer's
 working set; a forward-only microbatch keeps one layer's working set; the baseline head holds about
-three ``rows x vocab`` tensors (logits, softmax, gradient), the fused selective head one chunk.
-Step peak = the largest microbatch (microbatches run one after another at PP = 1).
+three ``rows x vocab`` tensors (logits, softmax, gradient), the fused selective head one chunk;
+a training microbatch also holds the head weight's gradient before it reaches the grad buffer,
+and the unfused Adam update two fp32 temporaries of the largest parameter. Step peak = the
+largest of these (microbatches run one after another at PP = 1).
 """
 
 from __future__ import annotations
@@ -158,15 +160,24 @@ def activation_elements_per_token_layer(shape: Shape, seq_length: int) -> float:
 
 
 def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False, bytes_per_elem: int = 4,
-                    head_chunk: int = 4096) -> float:
-    """Rough peak of the step's own memory (activations and logits; weights/grads/optimizer excluded)."""
-    peak = 0.0
+                    head_chunk: int = 4096, optimizer_temporaries: int = 2) -> float:
+    """Rough peak of the step's own memory: the largest of its microbatches and its optimizer update.
+
+    A training microbatch holds its activations and logits plus the head weight's gradient
+    (``vocab x hidden``, produced by autograd before it is added into the persistent grad
+    buffer). The optimizer update holds ``optimizer_temporaries`` fp32 copies of the largest
+    parameter (torch's unfused Adam: ``sqrt`` and ``div`` of ``exp_avg_sq``; 0 for a fused Adam).
+    Weights, gradient buffers and optimizer state are the baseline, not counted.
+    """
+    largest_param = shape.vocab * shape.hidden
+    peak = optimizer_temporaries * largest_param * 4.0
     for p in passes:
         for mb in p.microbatches:
             per_layer = activation_elements_per_token_layer(shape, mb.seq_length) * mb.padded_tokens
             if p.kind == "train":
                 acts = (shape.layers * shape.hidden * mb.padded_tokens + per_layer) if recompute \
                     else shape.layers * per_layer
+                acts += largest_param
             else:
                 acts = per_layer
             if mb.selective:

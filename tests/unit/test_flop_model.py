@@ -108,9 +108,11 @@ def test_memory_model_logits_dominate_without_selective_head():
     shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=151936)
     rows = [[SEQ, SEQ]]
     base = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP, selective=False)])])
-    sel = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP)])])
+    sel = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP)])],
+                             optimizer_temporaries=0)
     assert base > 2 * sel
-    rec = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP)])], recompute=True)
+    rec = fm.step_peak_bytes(shape, [fm.Pass(kind="train", microbatches=[_mb(rows, 2 * RESP)])], recompute=True,
+                             optimizer_temporaries=0)
     assert rec < sel
 
 
@@ -131,9 +133,11 @@ def _fake_worker(mode: str, seconds: float) -> dict:
     counters = dict(policy_tokens=2 * SEQ, ref_tokens=2 * SEQ, policy_padded_tokens=2 * SEQ,
                     ref_padded_tokens=2 * SEQ, scored_positions=2 * RESP, logits_rows=2 * RESP)
     rec = dict(step_time_s=seconds, peak_mem_bytes=1000, counters=counters,
+               peak_mem_by_phase_bytes={"reference": 400, "train": 1000, "optimizer": 100},
                splits={"reference": 0.1, "train": seconds / 2, "optimizer": 0.01, "other": 0.0},
                passes=fm.passes_to_dict(passes))
-    return {"records": [rec, dict(rec, step_time_s=seconds * 1.1)]}
+    first = dict(rec, peak_alloc_bytes=800, live_at_peak=[["train forward aten::mm", 500]])
+    return {"records": [first, dict(rec, step_time_s=seconds * 1.1)]}
 
 
 def test_summary_has_the_documented_schema():
@@ -148,12 +152,37 @@ def test_summary_has_the_documented_schema():
             assert key in m
     assert modes["concat"]["speedup_vs_concat"] == 1.0
     assert modes["branch"]["ideal_speedup_vs_concat"] > 1.2
+    assert modes["branch"]["peak_mem_by_phase_bytes"]["train"] == 1000
+    assert modes["branch"]["alloc_mem_ratio_vs_concat"] == 1.0
+    assert modes["concat"]["token_saving_to_time"] is None  # no token saving, no ratio
     assert "branch" in bench_dpo.table(modes)
+    assert "train forward aten::mm 0.0" in bench_dpo.memory_table(modes)
 
 
-@pytest.mark.benchmark
+def test_token_saving_to_time_is_time_saving_over_token_saving():
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=2048)
+    modes = {m: bench_dpo.summarise(m, _fake_worker(m, 2.0), shape=shape, recompute=False, bytes_per_elem=4)
+             for m in ("concat", "sequence")}
+    for key in ("policy_tokens", "ref_tokens"):
+        modes["sequence"][key] *= 0.8  # 20% fewer tokens ...
+    modes["concat"]["step_time_s"] = 2.0
+    modes["sequence"]["step_time_s"] = 1.8  # ... 10% less time
+    bench_dpo.add_ratios(modes)
+    assert modes["sequence"]["token_saving_to_time"] == pytest.approx(0.5)
+
+
+def test_memory_model_counts_the_optimizer_update_and_head_weight_gradient():
+    shape = fm.Shape(hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=32768)
+    tiny = [fm.Pass(kind="forward", microbatches=[_mb([[8]], 4)])]
+    assert fm.step_peak_bytes(shape, tiny) == 2 * 32768 * 256 * 4  # two fp32 Adam temporaries
+    assert fm.step_peak_bytes(shape, tiny, optimizer_temporaries=0) < 2 * 32768 * 256 * 4
+    train = [fm.Pass(kind="train", microbatches=[_mb([[8]], 4)])]
+    assert fm.step_peak_bytes(shape, train, optimizer_temporaries=0) > 32768 * 256 * 4  # the weight's gradient
+
+
+@pytest.mark.slow
 def test_bench_dpo_json_smoke(tmp_path):
-    """Runs every mode in its own process for one step (minutes on a loaded 2-core machine)."""
+    """Runs every mode in its own process for one step (about a minute on 2 quiet cores)."""
     out = tmp_path / "bench.json"
     bench_dpo.main(["--preset", "cpu-small", "--pairs", "2", "--warmup", "0", "--steps", "1",
                     "--max-seq-length", "128", "--json", str(out), "--plot", str(tmp_path / "bench.png")])
@@ -163,4 +192,8 @@ def test_bench_dpo_json_smoke(tmp_path):
     for m in data["modes"].values():
         assert m["step_time_s"] > 0 and m["policy_tokens"] > 0
         assert {"speedup_vs_concat", "ideal_speedup_vs_concat", "mem_ratio_vs_concat"} <= set(m)
+        assert m["peak_mem_bytes"] > 0 and m["peak_alloc_bytes"] > 0
+        assert max(m["peak_mem_by_phase_bytes"].values()) == m["peak_mem_bytes"]
+    # Branch pruning stores activations for one branch only: the tensor peak must fall.
+    assert data["modes"]["branch"]["alloc_mem_ratio_vs_concat"] < 0.9
     assert (tmp_path / "bench.png").stat().st_size > 0

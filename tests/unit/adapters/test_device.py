@@ -6,6 +6,7 @@ Availability is monkeypatched (``npu_available``, ``torch.cuda.is_available``, w
 
 from __future__ import annotations
 
+import platform
 import sys
 import types
 from collections import OrderedDict
@@ -222,3 +223,20 @@ def test_bootstrap_auto_on_an_npu_host_prepares_ascend(monkeypatch):
     monkeypatch.setattr(adapter, "prepare_ascend", lambda: called.append(1) or Accelerator("npu"))
     assert adapter.bootstrap_device(["--device", "auto"]) == "npu"
     assert called == [1]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="heap trimming is glibc's malloc_trim")
+def test_cpu_release_cached_memory_returns_freed_heap_pages():
+    """Without the trim, a peak-memory window would reuse these pages and read too low."""
+    acc = acc_mod.Accelerator(kind="cpu")
+    blocks = [torch.ones(8192) for _ in range(2048)]  # 64 MiB of 32 KiB heap blocks (below mmap size)
+    pin = torch.ones(16)  # allocated last: the heap's top stays in use, so free() cannot shrink it
+    del blocks
+    cached = acc.current_memory_bytes()
+    acc.release_cached_memory()
+    assert cached - acc.current_memory_bytes() > 32 * 2**20
+    acc.reset_peak_memory()
+    base = acc.current_memory_bytes()
+    grown = torch.ones(2**23)  # 32 MiB touched after the reset
+    assert acc.peak_memory_bytes() - base >= 31 * 2**20
+    del pin, grown
