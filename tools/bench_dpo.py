@@ -69,13 +69,13 @@ PRESETS: dict[str, dict] = {
     "cpu-small": dict(
         arch=dict(_QWEN3, vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-        pairs=4, micro_batch_size=2, max_seq_length=256, max_prompt_length=160, warmup=1, steps=2,
+        pairs=4, micro_batch_size=2, max_seq_length=256, max_prompt_length=160, warmup=1, steps=8,
         device="cpu", bf16=False),
     # Same body, a 32k vocabulary: the head dominates output memory.
     "cpu-head-heavy": dict(
         arch=dict(_QWEN3, vocab_size=32768, hidden_size=256, intermediate_size=1024, num_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-        pairs=4, micro_batch_size=2, max_seq_length=384, max_prompt_length=192, warmup=1, steps=3,
+        pairs=4, micro_batch_size=2, max_seq_length=384, max_prompt_length=192, warmup=1, steps=6,
         device="cpu", bf16=False),
     # Qwen3-0.6B's shape (tied embeddings), random weights.
     "gpu-qwen3-0.6b": dict(
@@ -203,8 +203,7 @@ def run_worker(args) -> None:
         original_mb = runner._microbatches
 
         def recording_microbatches(plans, branches_of):
-            batches, seq_length = original_mb(plans, branches_of)
-            groups = runner._groups(plans)
+            batches, seq_length, groups = original_mb(plans, branches_of)
             mbs = []
             for g, b in zip(groups, batches):
                 rows = []
@@ -215,7 +214,7 @@ def run_worker(args) -> None:
                                 selective=mode["selective_head"]))
                 assert row_length(g, layout=mode["layout"], branches=[branches_of(p) for p in g]) <= seq_length
             passes.append({"kind": "forward", "microbatches": mbs})
-            return batches, seq_length
+            return batches, seq_length, groups
 
         runner._microbatches = recording_microbatches
         schedule_times: list[tuple[str, float]] = []

@@ -110,18 +110,26 @@ class DPOStep:
     def plan(self, step: int, samples: list[tuple[int, PreferencePair]]) -> list[PlannedPair]:
         return [plan_pair(pair, sample_id=sid, step=step, seed=self.s.seed, prune=self.s.prune) for sid, pair in samples]
 
-    def _groups(self, plans: list[PlannedPair]) -> list[list[PlannedPair]]:
+    def _groups(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]]):
+        """Pairs of each microbatch of one pass, longest rows first.
+
+        Pairs are grouped by the length of their rows in this pass, so each microbatch pads to
+        rows of similar length; every microbatch still holds ``micro_batch_size`` pairs, so the
+        step's loss (the mean of the microbatch means) is the same mean over pairs.
+        """
+        layout = self.s.dpo.layout
+        order = sorted(plans, key=lambda p: -row_length([p], layout=layout, branches=[branches_of(p)]))
         mbs = self.s.micro_batch_size
-        return [plans[i : i + mbs] for i in range(0, len(plans), mbs)]
+        return [order[i : i + mbs] for i in range(0, len(order), mbs)]
 
     def _microbatches(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]]):
-        """Microbatches of one pass and the ``seq_length`` the schedule is called with.
+        """Microbatches of one pass, their pairs, and the ``seq_length`` the schedule is called with.
 
         Without pipeline parallelism each microbatch is padded only to its own longest row; under
         PP every microbatch of a pass shares one length (the p2p buffers are shaped from it), the
         pass's longest row — so sequence pruning shrinks every stage and every p2p buffer.
         """
-        groups = self._groups(plans)
+        groups = self._groups(plans, branches_of)
         branches = [[branches_of(p) for p in g] for g in groups]
         layout = self.s.dpo.layout
         lengths = [round_up(row_length(g, layout=layout, branches=b), self.pad_multiple)
@@ -133,7 +141,7 @@ class DPOStep:
             build_microbatch(g, branches=b, layout=layout, seq_length=n, pad_id=self.s.pad_id)
             for g, b, n in zip(groups, branches, lengths)
         ]
-        return batches, seq_length
+        return batches, seq_length, groups
 
     # -- passes -----------------------------------------------------------------------------------
     def _forward_only(self, model, batches: list[DPOMicrobatch], seq_length: int) -> list[torch.Tensor] | None:
@@ -164,17 +172,18 @@ class DPOStep:
             return {
                 (p.sample_id, b): self.ref_lookup(p.sample_id, b)[p.scored[b]] for p in plans for b in (CHOSEN, REJECTED)
             }
-        batches, seq_length = self._microbatches(plans, lambda p: [CHOSEN, REJECTED])
+        batches, seq_length, groups = self._microbatches(plans, lambda p: [CHOSEN, REJECTED])
         outputs = self._forward_only(self.reference, batches, seq_length)
         self.counters["ref_tokens"] += sum(b.executed_tokens for b in batches)
         self.counters["ref_padded_tokens"] += sum(b.tokens.numel() for b in batches)
         if outputs is None:
             return None
-        return self._by_response(plans, batches, outputs)
+        return self._by_response(groups, batches, outputs)
 
-    def _by_response(self, plans, batches, outputs) -> dict[tuple[int, int], torch.Tensor]:
+    @staticmethod
+    def _by_response(groups, batches, outputs) -> dict[tuple[int, int], torch.Tensor]:
         found = {}
-        for batch, logps, group in zip(batches, outputs, self._groups(plans)):
+        for batch, logps, group in zip(batches, outputs, groups):
             for resp, values in zip(batch.responses, split_by_response(batch, logps)):
                 found[(group[resp.pair].sample_id, resp.branch)] = values
         return found
@@ -188,11 +197,11 @@ class DPOStep:
         ref = self.reference_logps(plans)
         pruned_ratio = None
         if self.s.prune.branch:
-            pruned_batches, pruned_len = self._microbatches(plans, lambda p: [1 - p.kept_branch])
+            pruned_batches, pruned_len, pruned_groups = self._microbatches(plans, lambda p: [1 - p.kept_branch])
             outputs = self._forward_only(self.policy, pruned_batches, pruned_len)
             self._count_policy(pruned_batches)
             if outputs is not None:
-                pruned_logps = self._by_response(plans, pruned_batches, outputs)
+                pruned_logps = self._by_response(pruned_groups, pruned_batches, outputs)
                 pruned_ratio = {
                     key: response_log_ratios(
                         val, ref[key], seq_ids=torch.zeros(len(val), dtype=torch.long),
@@ -201,9 +210,9 @@ class DPOStep:
                     for key, val in pruned_logps.items()
                 }
         branches_of = (lambda p: [p.kept_branch]) if self.s.prune.branch else (lambda p: [CHOSEN, REJECTED])
-        batches, seq_length = self._microbatches(plans, branches_of)
+        batches, seq_length, groups = self._microbatches(plans, branches_of)
         self._count_policy(batches)
-        for batch, group in zip(batches, self._groups(plans)):
+        for batch, group in zip(batches, groups):
             batch.extras["loss_func"] = partial(self._loss, group=group, ref=ref, pruned_ratio=pruned_ratio)
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             outputs = run_schedule(
