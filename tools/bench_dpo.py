@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq-length", type=int, help="longest prompt+response (default: preset)")
     p.add_argument("--warmup", type=int, help="untimed steps (default: preset)")
     p.add_argument("--steps", type=int, help="timed steps (default: preset)")
+    p.add_argument("--memory-steps", type=int, default=3,
+                   help="timed steps replayed (same pruning draws) to measure peak memory (default: 3)")
     p.add_argument("--recompute-activations", action="store_true", help="full activation recompute")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -120,8 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("pairs", "micro_batch_size", "max_seq_length", "warmup", "steps", "device"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.memory_steps < 1:
+        p.error("--steps and --memory-steps must be >= 1 and --warmup >= 0")
     if args.pairs % args.micro_batch_size:
         p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
     if "concat" not in args.modes:
@@ -325,7 +327,7 @@ def run_worker(args) -> None:
         timed = range(args.warmup, args.warmup + args.steps)
         records = [one_step(step, measure_memory=False) for step in timed]
         # The same steps again (same pruning draws) for memory: a window per phase, max over phases.
-        for i, (record, step) in enumerate(zip(records, timed)):
+        for i, (record, step) in enumerate(zip(records[: args.memory_steps], timed)):
             measured = one_step(step, measure_memory=True, allocations=i == 0)
             record["peak_mem_by_phase_bytes"] = by_phase = measured["peak_mem_by_phase_bytes"]
             record["peak_mem_bytes"] = max(by_phase.values())
@@ -353,7 +355,7 @@ def launch(args, mode: str, out_path: str) -> None:
     worker = [here, "--worker", mode, "--worker-out", out_path, "--preset", args.preset,
               "--pairs", str(args.pairs), "--micro-batch-size", str(args.micro_batch_size),
               "--max-seq-length", str(args.max_seq_length), "--warmup", str(args.warmup),
-              "--steps", str(args.steps), "--device", args.device,
+              "--steps", str(args.steps), "--memory-steps", str(args.memory_steps), "--device", args.device,
               "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
               "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]
     if args.data_path:
@@ -376,7 +378,8 @@ def launch(args, mode: str, out_path: str) -> None:
 def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool, bytes_per_elem: int) -> dict:
     recs = raw["records"]
     times = [r["step_time_s"] for r in recs]
-    mems = [r["peak_mem_bytes"] for r in recs]
+    measured = [r for r in recs if "peak_mem_bytes" in r]  # the first --memory-steps records
+    mems = [r["peak_mem_bytes"] for r in measured]
     n = len(recs)
     counters = {k: sum(r["counters"][k] for r in recs) / n for k in recs[0]["counters"]}
     flops = {"ideal": 0.0, "padded": 0.0}
@@ -385,11 +388,13 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
         passes = flop_model.passes_from_dict(r["passes"])
         for view in flops:
             flops[view] += flop_model.step_flops(shape, passes, recompute=recompute, view=view)["total"] / n
-        model_mem.append(flop_model.step_peak_bytes(shape, passes, recompute=recompute, bytes_per_elem=bytes_per_elem))
+        if r in measured:
+            model_mem.append(flop_model.step_peak_bytes(shape, passes, recompute=recompute,
+                                                        bytes_per_elem=bytes_per_elem))
     splits = {k: statistics.median(r["splits"].get(k, 0.0) for r in recs) for k in recs[0]["splits"]}
-    mem_phases = {k: statistics.median(r["peak_mem_by_phase_bytes"][k] for r in recs)
-                  for k in recs[0]["peak_mem_by_phase_bytes"]}
-    alloc = next((r for r in recs if "peak_alloc_bytes" in r), {})
+    mem_phases = {k: statistics.median(r["peak_mem_by_phase_bytes"][k] for r in measured)
+                  for k in measured[0]["peak_mem_by_phase_bytes"]}
+    alloc = next((r for r in measured if "peak_alloc_bytes" in r), {})
     q = statistics.quantiles(times, n=4) if n >= 2 else [times[0]] * 3
     return {
         "step_time_s": statistics.median(times),
@@ -507,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": args.preset, "arch": arch.to_dict(), "padded_vocab": shape.vocab,
         "pairs": args.pairs, "micro_batch_size": args.micro_batch_size, "max_seq_length": args.max_seq_length,
         "max_prompt_length": PRESETS[args.preset]["max_prompt_length"], "warmup": args.warmup,
-        "steps": args.steps, "recompute": args.recompute_activations, "device": args.device,
+        "steps": args.steps, "memory_steps": min(args.memory_steps, args.steps), "recompute": args.recompute_activations, "device": args.device,
         "bf16": PRESETS[args.preset]["bf16"], "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "data": args.data_path or ["bundled HH-RLHF sample (tiny tokenizer lengths)"],
