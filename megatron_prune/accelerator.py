@@ -246,6 +246,18 @@ class Accelerator:
         if self.module is None:
             _malloc_trim()
 
+    def track_live_memory(self) -> bool:
+        """From now on let CPU RSS follow live tensors (for memory-measurement phases only).
+
+        glibc serves every allocation of 64 KiB or more by its own mmap and unmaps it on free, so
+        the peak RSS of a window is the peak of live tensors plus small-object noise, not heap
+        fragmentation. The price is a page fault per fresh page of every large tensor: do not time
+        what runs after this. Returns False where it cannot (not glibc); a no-op on GPU/NPU.
+        """
+        if self.module is not None:
+            return True
+        return _mallopt_mmap_threshold(64 * 1024)
+
     def peak_memory_bytes(self) -> int:
         """Peak memory since the last reset: allocator peak on GPU/NPU, VmHWM on CPU."""
         if self.module is not None:
@@ -257,6 +269,14 @@ class Accelerator:
         if self.module is not None:
             return int(self.module.memory_allocated())
         return _proc_status_bytes("VmRSS")
+
+
+def _mallopt_mmap_threshold(nbytes: int) -> bool:
+    """Serve allocations of ``nbytes`` and more by mmap, so free() returns them at once (glibc)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def _malloc_trim() -> None:

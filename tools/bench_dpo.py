@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq-length", type=int, help="longest prompt+response (default: preset)")
     p.add_argument("--warmup", type=int, help="untimed steps (default: preset)")
     p.add_argument("--steps", type=int, help="timed steps (default: preset)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every mode this many times, interleaved, pooling the steps (noisy machines)")
     p.add_argument("--memory-steps", type=int, default=3,
                    help="timed steps replayed (same pruning draws) to measure peak memory (default: 3)")
     p.add_argument("--recompute-activations", action="store_true", help="full activation recompute")
@@ -122,8 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("pairs", "micro_batch_size", "max_seq_length", "warmup", "steps", "device"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    if args.steps < 1 or args.warmup < 0 or args.memory_steps < 1:
-        p.error("--steps and --memory-steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.memory_steps < 1 or args.rounds < 1:
+        p.error("--steps, --memory-steps and --rounds must be >= 1 and --warmup >= 0")
     if args.pairs % args.micro_batch_size:
         p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
     if "concat" not in args.modes:
@@ -327,6 +329,8 @@ def run_worker(args) -> None:
         timed = range(args.warmup, args.warmup + args.steps)
         records = [one_step(step, measure_memory=False) for step in timed]
         # The same steps again (same pruning draws) for memory: a window per phase, max over phases.
+        # Nothing is timed from here on, so CPU RSS may follow live tensors at the cost of page faults.
+        acc.track_live_memory()
         for i, (record, step) in enumerate(zip(records[: args.memory_steps], timed)):
             measured = one_step(step, measure_memory=True, allocations=i == 0)
             record["peak_mem_by_phase_bytes"] = by_phase = measured["peak_mem_by_phase_bytes"]
@@ -512,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": args.preset, "arch": arch.to_dict(), "padded_vocab": shape.vocab,
         "pairs": args.pairs, "micro_batch_size": args.micro_batch_size, "max_seq_length": args.max_seq_length,
         "max_prompt_length": PRESETS[args.preset]["max_prompt_length"], "warmup": args.warmup,
-        "steps": args.steps, "memory_steps": min(args.memory_steps, args.steps), "recompute": args.recompute_activations, "device": args.device,
+        "steps": args.steps, "rounds": args.rounds, "memory_steps": min(args.memory_steps, args.steps), "recompute": args.recompute_activations, "device": args.device,
         "bf16": PRESETS[args.preset]["bf16"], "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "data": args.data_path or ["bundled HH-RLHF sample (tiny tokenizer lengths)"],
@@ -523,21 +527,28 @@ def main(argv: list[str] | None = None) -> dict:
     raw_modes: dict = {}
     result = {"modes": {}, "config": config}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in order:
-            out = os.path.join(tmp, f"{mode}.json")
+        # Rounds interleave the modes, so a slow drift of the machine does not favour one of them.
+        for rnd, mode in ((r, m) for r in range(args.rounds) for m in order):
+            if mode in result.get("failed", {}):
+                continue
+            out = os.path.join(tmp, f"{mode}-{rnd}.json")
             t = time.perf_counter()
             try:
                 launch(args, mode, out)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
                 print(f"[bench_dpo] {mode}: FAILED ({exc}); continuing", flush=True)
                 result.setdefault("failed", {})[mode] = str(exc)
+                raw_modes.pop(mode, None)
                 continue
             with open(out) as f:
-                raw_modes[mode] = json.load(f)
-            config["device_name"] = raw_modes[mode].get("device_name")
-            print(f"[bench_dpo] {mode}: done in {time.perf_counter() - t:.0f}s, "
-                  f"median step {statistics.median(r['step_time_s'] for r in raw_modes[mode]['records']):.3f}s",
-                  flush=True)
+                raw = json.load(f)
+            if mode in raw_modes:
+                raw_modes[mode]["records"].extend(raw["records"])
+            else:
+                raw_modes[mode] = raw
+            config["device_name"] = raw.get("device_name")
+            print(f"[bench_dpo] {mode} (round {rnd + 1}/{args.rounds}): done in {time.perf_counter() - t:.0f}s, "
+                  f"median step {statistics.median(r['step_time_s'] for r in raw['records']):.3f}s", flush=True)
             if "concat" in raw_modes:
                 done = {m: summarise(m, raw_modes[m], shape=shape, recompute=args.recompute_activations,
                                      bytes_per_elem=bytes_per_elem) for m in order if m in raw_modes}

@@ -45,10 +45,10 @@ if [ "$DRY_RUN" != 1 ]; then
 fi
 
 # Qwen3-0.6B shape: all eight modes, 2 warm-up + 5 timed steps each (~20-30 s a mode).
-run qwen3-0.6b 230 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --timeout 90 \
+run qwen3-0.6b 230 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --memory-steps 2 --timeout 90 \
   --json "$OUT/qwen3-0.6b.json" --plot "$OUT/qwen3-0.6b.png"
 # Qwen3-4B widths, 8 layers: the modes the goals are judged on first, fewer steps.
-run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --warmup 1 --steps 3 --timeout 80 \
+run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --warmup 1 --steps 3 --memory-steps 1 --timeout 80 \
   --modes concat branch position_branch sequence selective full \
   --json "$OUT/qwen3-4b-slice.json" --plot "$OUT/qwen3-4b-slice.png"
 run pytest-gpu 60 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider
