@@ -229,8 +229,8 @@ def test_bootstrap_auto_on_an_npu_host_prepares_ascend(monkeypatch):
 def test_cpu_release_cached_memory_returns_freed_heap_pages():
     """Without the trim, a peak-memory window would reuse these pages and read too low."""
     acc = acc_mod.Accelerator(kind="cpu")
-    blocks = [torch.ones(8192) for _ in range(2048)]  # 64 MiB of 32 KiB heap blocks (below mmap size)
-    pin = torch.ones(16)  # allocated last: the heap's top stays in use, so free() cannot shrink it
+    blocks = [torch.ones(8192) for _ in range(4096)]  # 128 MiB of 32 KiB heap blocks (below mmap size)
+    pin = blocks[1::2]  # every other block stays: the freed ones are holes free() cannot give back
     del blocks
     cached = acc.current_memory_bytes()
     acc.release_cached_memory()
