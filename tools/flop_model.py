@@ -24,8 +24,10 @@ Two views of the same step:
 Memory (``padded`` view only, rough): a training microbatch stores per token and layer about
 ``6h + 3q + 4kv + 5ffn`` activations plus ``2 * heads * seq_length`` attention scores/probs (the
 unfused local attention keeps them), or only the layer input under full recompute plus one layer's
-working set; a forward-only microbatch keeps one layer's working set; the baseline head holds about
-three ``rows x vocab`` tensors (logits, softmax, gradient), the fused selective head one chunk;
+working set; a forward-only microbatch keeps one layer's working set (residual stream plus the
+larger of attention and MLP intermediates); the baseline head holds one fp32 ``rows x vocab``
+tensor (Megatron's cross entropy turns the logits into softmax and then into their gradient in
+place; half-precision logits add their own copy), the fused selective head one chunk;
 a training microbatch also holds the head weight's gradient before it reaches the grad buffer,
 and the unfused Adam update two fp32 temporaries of the largest parameter. Step peak = the
 largest of these (microbatches run one after another at PP = 1).
@@ -159,6 +161,14 @@ def activation_elements_per_token_layer(shape: Shape, seq_length: int) -> float:
             + 2 * shape.heads * seq_length)
 
 
+def forward_working_set_per_token(shape: Shape, seq_length: int) -> float:
+    """Live elements per token while a no-grad pass runs one layer: the residual stream and its
+    norm, plus the larger of the attention block (q, k, v, output, scores and probs) and the MLP
+    (gate, up and activation)."""
+    attention = 2 * shape.q_width + 2 * shape.kv_width + 2 * shape.heads * seq_length
+    return 2 * shape.hidden + max(attention, 3 * shape.ffn)
+
+
 def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False, bytes_per_elem: int = 4,
                     head_chunk: int = 4096, optimizer_temporaries: int = 2) -> float:
     """Rough peak of the step's own memory: the largest of its microbatches and its optimizer update.
@@ -179,12 +189,14 @@ def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False
                     else shape.layers * per_layer
                 acts += largest_param
             else:
-                acts = per_layer
+                acts = forward_working_set_per_token(shape, mb.seq_length) * mb.padded_tokens
             if mb.selective:
-                head = mb.scored * (min(head_chunk, shape.vocab) * 2 + shape.hidden * 2)
+                head = mb.scored * (min(head_chunk, shape.vocab) * 2 + shape.hidden * 2) * bytes_per_elem
             else:
-                head = mb.padded_tokens * shape.vocab * (3 if p.kind == "train" else 2)
-            peak = max(peak, (acts + head) * bytes_per_elem)
+                # Megatron's vocab-parallel cross entropy keeps fp32 softmax in place of the logits
+                # and writes its gradient over it; half-precision logits are an extra copy.
+                head = mb.padded_tokens * shape.vocab * (4 + (bytes_per_elem if bytes_per_elem != 4 else 0))
+            peak = max(peak, acts * bytes_per_elem + head)
     return peak
 
 
