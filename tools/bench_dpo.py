@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, help="pairs per step (default: preset)")
     p.add_argument("--micro-batch-size", type=int, help="pairs per microbatch (default: preset)")
     p.add_argument("--max-seq-length", type=int, help="longest prompt+response (default: preset)")
+    p.add_argument("--max-prompt-length", type=int,
+                   help="longest prompt kept (default: the preset's, at most 5/8 of --max-seq-length)")
     p.add_argument("--warmup", type=int, help="untimed steps (default: preset)")
     p.add_argument("--steps", type=int, help="timed steps (default: preset)")
     p.add_argument("--rounds", type=int, default=1,
@@ -130,6 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("pairs", "micro_batch_size", "max_seq_length", "warmup", "steps", "device"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
+    if args.max_prompt_length is None:
+        args.max_prompt_length = min(preset["max_prompt_length"], args.max_seq_length * 5 // 8)
+    if not 1 <= args.max_prompt_length < args.max_seq_length:
+        p.error(f"--max-prompt-length ({args.max_prompt_length}) must be in [1, --max-seq-length "
+                f"({args.max_seq_length}))")
     if args.steps < 1 or args.warmup < 0 or args.memory_steps < 1 or args.rounds < 1:
         p.error("--steps, --memory-steps and --rounds must be >= 1 and --warmup >= 0")
     if args.pairs % args.micro_batch_size:
@@ -154,10 +161,9 @@ def load_pairs(args, vocab_size: int):
     from megatron_prune.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiny")
-    preset = PRESETS[args.preset]
     ds = PreferenceDataset(args.data_path or [HH_RLHF_SAMPLE], tokenizer=tok,
                            config=PreferenceDataConfig(max_seq_length=args.max_seq_length,
-                                                       max_prompt_length=preset["max_prompt_length"]))
+                                                       max_prompt_length=args.max_prompt_length))
     if len(ds) < args.pairs:
         raise SystemExit(f"the data has {len(ds)} pairs, fewer than --pairs {args.pairs}")
     ids = random.Random(SEED).sample(range(len(ds)), args.pairs)
@@ -298,7 +304,10 @@ def run_worker(args) -> None:
             alloc = None
             if prof is not None and allocations:
                 prof.__exit__(None, None, None)
-                alloc = live_at_peak(prof, acc.device.type)
+                try:  # the figures above do not depend on it: a profiler this stack lacks skips it
+                    alloc = live_at_peak(prof, acc.device.type)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"[bench_dpo] {args.worker}: no allocator peak ({type(exc).__name__}: {exc})", flush=True)
             elif prof is not None:
                 prof.__exit__(None, None, None)
                 os.makedirs(args.profile, exist_ok=True)
@@ -322,12 +331,13 @@ def run_worker(args) -> None:
                     dist.all_reduce(by_phase, op=dist.ReduceOp.MAX)
                 record["peak_mem_by_phase_bytes"] = dict(zip(phases + ["optimizer"], map(int, by_phase.tolist())))
                 record["base_mem_bytes"] = memory_window["base"]
-            if alloc is not None:
-                box = torch.tensor([float(alloc[0])], dtype=torch.float64, device=acc.device)
+            if allocations:  # every rank joins the reduction; a rank without a figure voids it
+                box = torch.tensor([float(alloc[0]) if alloc else 0.0, 0.0 if alloc else 1.0],
+                                   dtype=torch.float64, device=acc.device)
                 if dist.is_initialized():
                     dist.all_reduce(box, op=dist.ReduceOp.MAX)
-                record["peak_alloc_bytes"] = int(box.item())
-                record["live_at_peak"] = [[label, size] for label, size in alloc[1][:8]]  # this rank's
+                record["peak_alloc_bytes"] = int(box[0].item()) if box[1].item() == 0 else None
+                record["live_at_peak"] = [[label, size] for label, size in alloc[1][:8]] if alloc else []
             return record
 
         for step in range(args.warmup):
@@ -366,7 +376,8 @@ def launch(args, mode: str, out_path: str) -> None:
     here = os.path.abspath(__file__)
     worker = [here, "--worker", mode, "--worker-out", out_path, "--preset", args.preset,
               "--pairs", str(args.pairs), "--micro-batch-size", str(args.micro_batch_size),
-              "--max-seq-length", str(args.max_seq_length), "--warmup", str(args.warmup),
+              "--max-seq-length", str(args.max_seq_length), "--max-prompt-length", str(args.max_prompt_length),
+              "--warmup", str(args.warmup),
               "--steps", str(args.steps), "--memory-steps", str(args.memory_steps), "--device", args.device,
               "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
               "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]
@@ -525,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = {
         "preset": args.preset, "arch": arch.to_dict(), "padded_vocab": shape.vocab,
         "pairs": args.pairs, "micro_batch_size": args.micro_batch_size, "max_seq_length": args.max_seq_length,
-        "max_prompt_length": PRESETS[args.preset]["max_prompt_length"], "warmup": args.warmup,
+        "max_prompt_length": args.max_prompt_length, "warmup": args.warmup,
         "steps": args.steps, "rounds": args.rounds, "memory_steps": min(args.memory_steps, args.steps), "recompute": args.recompute_activations, "device": args.device,
         "bf16": PRESETS[args.preset]["bf16"], "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
@@ -573,9 +584,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         _write_json(args.json, result)
         print(f"[bench_dpo] wrote {args.json}")
-    if args.plot:
+    if args.plot and result["modes"]:
         plot(result["modes"], args.plot, f"DPO pruning, {args.preset} ({config.get('device_name') or args.device})")
         print(f"[bench_dpo] wrote {args.plot}")
+    if result.get("failed"):
+        raise SystemExit(f"[bench_dpo] modes that failed (their output is above): {', '.join(result['failed'])}")
     return result
 
 

@@ -201,3 +201,18 @@ def test_bench_dpo_json_smoke(tmp_path):
     # Branch pruning stores activations for one branch only: the tensor peak must fall.
     assert data["modes"]["branch"]["alloc_mem_ratio_vs_concat"] < 0.9
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_prompt_limit_follows_a_short_max_seq_length_and_is_checked():
+    args = bench_dpo.parse_args(["--preset", "cpu-small", "--max-seq-length", "128"])
+    assert args.max_prompt_length == 80  # the preset's 160 would leave no room for a response
+    with pytest.raises(SystemExit):
+        bench_dpo.parse_args(["--preset", "cpu-small", "--max-seq-length", "128", "--max-prompt-length", "128"])
+
+
+def test_a_failed_mode_fails_the_run(tmp_path, capsys):
+    missing = tmp_path / "no-such-file.jsonl"
+    with pytest.raises(SystemExit, match="failed.*concat"):
+        bench_dpo.main(["--modes", "concat", "--data-path", str(missing), "--steps", "1", "--warmup", "0",
+                        "--json", str(tmp_path / "out.json")])
+    assert "concat: FAILED" in capsys.readouterr().out
