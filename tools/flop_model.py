@@ -28,8 +28,8 @@ working set; a forward-only microbatch keeps one layer's working set (residual s
 larger of attention and MLP intermediates); the baseline head holds one fp32 ``rows x vocab``
 tensor (Megatron's cross entropy turns the logits into softmax and then into their gradient in
 place; half-precision logits add their own copy), the fused selective head one chunk;
-a training microbatch also holds the head weight's gradient before it reaches the grad buffer,
-and the unfused Adam update two fp32 temporaries of the largest parameter. Step peak = the
+a training microbatch also holds the head weight's gradient before it reaches the grad buffer
+(an unfused Adam would add two fp32 temporaries of the largest parameter). Step peak = the
 largest of these (microbatches run one after another at PP = 1).
 """
 
@@ -170,13 +170,14 @@ def forward_working_set_per_token(shape: Shape, seq_length: int) -> float:
 
 
 def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False, bytes_per_elem: int = 4,
-                    head_chunk: int = 4096, optimizer_temporaries: int = 2) -> float:
+                    head_chunk: int = 4096, optimizer_temporaries: int = 0) -> float:
     """Rough peak of the step's own memory: the largest of its microbatches and its optimizer update.
 
     A training microbatch holds its activations and logits plus the head weight's gradient
     (``vocab x hidden``, produced by autograd before it is added into the persistent grad
     buffer). The optimizer update holds ``optimizer_temporaries`` fp32 copies of the largest
-    parameter (torch's unfused Adam: ``sqrt`` and ``div`` of ``exp_avg_sq``; 0 for a fused Adam).
+    parameter: 0 for a fused Adam (TE, Apex, or torch's fused kernel, which ``build_optimizer``
+    selects), 2 for torch's for-loop AdamW (``sqrt`` and ``div`` of ``exp_avg_sq``).
     Weights, gradient buffers and optimizer state are the baseline, not counted.
     """
     largest_param = shape.vocab * shape.hidden
