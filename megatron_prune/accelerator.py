@@ -10,6 +10,7 @@ adaptor loaded before Megatron); :mod:`megatron_prune.adapters.mindspeed` sets t
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import logging
 import os
@@ -271,20 +272,27 @@ class Accelerator:
         return _proc_status_bytes("VmRSS")
 
 
+@functools.cache
+def _glibc():
+    """glibc's handle, or None where the C library is another (musl, macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
 def _mallopt_mmap_threshold(nbytes: int) -> bool:
     """Serve allocations of ``nbytes`` and more by mmap, so free() returns them at once (glibc)."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    return bool(libc and libc.mallopt(-3, nbytes))  # -3 = M_MMAP_THRESHOLD
 
 
 def _malloc_trim() -> None:
     """Return the C heap's free pages to the OS (glibc only; a no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _proc_status_bytes(field: str) -> int:

@@ -272,12 +272,7 @@ def run_worker(args) -> None:
             phase_peaks.clear()
             memory_window["on"] = measure_memory
             prof = None
-            if allocations:
-                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                              + ([torch.profiler.ProfilerActivity.CUDA] if acc.kind == "cuda" else []),
-                                              profile_memory=True)
-                prof.__enter__()
-            if profile:
+            if allocations or profile:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                               + ([torch.profiler.ProfilerActivity.CUDA] if acc.kind == "cuda" else []),
                                               profile_memory=True)
@@ -302,14 +297,14 @@ def run_worker(args) -> None:
             if measure_memory:
                 close_window()
             alloc = None
-            if prof is not None and allocations:
+            if prof is not None:
                 prof.__exit__(None, None, None)
+            if allocations:
                 try:  # the figures above do not depend on it: a profiler this stack lacks skips it
                     alloc = live_at_peak(prof, acc.device.type)
                 except Exception as exc:  # noqa: BLE001
                     print(f"[bench_dpo] {args.worker}: no allocator peak ({type(exc).__name__}: {exc})", flush=True)
-            elif prof is not None:
-                prof.__exit__(None, None, None)
+            if profile:
                 os.makedirs(args.profile, exist_ok=True)
                 if is_logging_rank():
                     key = "self_cuda_time_total" if acc.kind == "cuda" else "self_cpu_time_total"
@@ -330,7 +325,6 @@ def run_worker(args) -> None:
                 if dist.is_initialized():
                     dist.all_reduce(by_phase, op=dist.ReduceOp.MAX)
                 record["peak_mem_by_phase_bytes"] = dict(zip(phases + ["optimizer"], map(int, by_phase.tolist())))
-                record["base_mem_bytes"] = memory_window["base"]
             if allocations:  # every rank joins the reduction; a rank without a figure voids it
                 box = torch.tensor([float(alloc[0]) if alloc else 0.0, 0.0 if alloc else 1.0],
                                    dtype=torch.float64, device=acc.device)
@@ -411,7 +405,7 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
         passes = flop_model.passes_from_dict(r["passes"])
         for view in flops:
             flops[view] += flop_model.step_flops(shape, passes, recompute=recompute, view=view)["total"] / n
-        if r in measured:
+        if "peak_mem_bytes" in r:
             model_mem.append(flop_model.step_peak_bytes(shape, passes, recompute=recompute,
                                                         bytes_per_elem=bytes_per_elem))
     splits = {k: statistics.median(r["splits"].get(k, 0.0) for r in recs) for k in recs[0]["splits"]}
@@ -537,7 +531,8 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": args.preset, "arch": arch.to_dict(), "padded_vocab": shape.vocab,
         "pairs": args.pairs, "micro_batch_size": args.micro_batch_size, "max_seq_length": args.max_seq_length,
         "max_prompt_length": args.max_prompt_length, "warmup": args.warmup,
-        "steps": args.steps, "rounds": args.rounds, "memory_steps": min(args.memory_steps, args.steps), "recompute": args.recompute_activations, "device": args.device,
+        "steps": args.steps, "rounds": args.rounds, "memory_steps": min(args.memory_steps, args.steps),
+        "recompute": args.recompute_activations, "device": args.device,
         "bf16": PRESETS[args.preset]["bf16"], "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "data": args.data_path or ["bundled HH-RLHF sample (tiny tokenizer lengths)"],
