@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
-from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+from megatron_prune.grpo.config import TOY_TASKS, DPPOArgs, GRPOConfig
 from megatron_prune.training.cli import run_cli
 
 GROUPS = {
@@ -31,8 +31,12 @@ def _checks(configs) -> None:
     if configs["TrainConfig"].global_batch_size % grpo.minibatches:
         raise UsageError(f"--global-batch-size {configs['TrainConfig'].global_batch_size} does not split "
                          f"into --minibatches {grpo.minibatches}")
-    if grpo.task != "toy" and not grpo.data_path:
+    if grpo.task not in TOY_TASKS and not grpo.data_path:
         raise UsageError(f"--task {grpo.task} needs --data-path")
+    model = configs["ModelConfig"]
+    if grpo.kv_cache and (model.pipeline_model_parallel_size > 1 or model.virtual_pipeline_model_parallel_size):
+        raise UsageError("--kv-cache needs one pipeline stage (--pipeline-model-parallel-size 1, no virtual "
+                         "pipeline); drop --kv-cache to sample with full recompute under pipeline parallelism")
 
 
 def _run(configs):

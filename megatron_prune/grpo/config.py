@@ -13,7 +13,8 @@ from megatron_prune.grpo.advantages import AdvantageConfig
 from megatron_prune.grpo.dppo import DPPOConfig
 from megatron_prune.grpo.loss import GRPOLossConfig
 
-TASKS = ("toy", "gsm8k", "math")
+TASKS = ("toy", "toy-binary", "gsm8k", "math")
+TOY_TASKS = ("toy", "toy-binary")
 NORMALISATIONS = ("constant", "sequence")
 
 
@@ -26,7 +27,9 @@ class GRPOConfig:
     """The GRPO objective, its prompts and its rollout."""
 
     task: str = field(default="toy", metadata=_flag("--task", choices=TASKS))
-    """Prompts and verifiable reward: toy (learnable by a tiny model on CPU), gsm8k or math."""
+    """Prompts and verifiable reward: toy (learnable by a tiny model on CPU; reward = fraction of
+    answer tokens in the prompt's digit class), toy-binary (the same prompts, reward 1 when the first
+    answer token is in the class, else 0: whole groups all-right or all-wrong), gsm8k or math."""
     data_path: list[str] = field(default_factory=list, metadata=_flag("--data-path", nargs="+"))
     """GSM8K / MATH problem files (JSONL or Parquet); needed for --task gsm8k|math."""
     toy_num_prompts: int = field(default=256, metadata=_flag("--toy-num-prompts"))
@@ -47,8 +50,8 @@ class GRPOConfig:
     rollout_micro_batch_size: int | None = field(default=None, metadata=_flag("--rollout-micro-batch-size"))
     """Sequences per generation microbatch (default: all of a rank's sequences in one)."""
     kv_cache: bool = field(default=False, metadata=_flag("--kv-cache"))
-    """KV-cached generation on Megatron's inference path (StaticInferenceContext); one pipeline stage only
-    (with PP > 1 the full-recompute sampler runs)."""
+    """KV-cached generation on Megatron's inference path (StaticInferenceContext), prompts of different
+    lengths in one batch; one pipeline stage only (refused with --pipeline-model-parallel-size > 1)."""
     clip_eps_low: float = field(default=0.2, metadata=_flag("--clip-eps-low"))
     """Lower clip of the PPO ratio: 1 - eps_low."""
     clip_eps_high: float = field(default=0.2, metadata=_flag("--clip-eps-high"))

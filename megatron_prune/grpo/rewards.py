@@ -2,7 +2,7 @@
 
 Every reward is a callable ``reward(completion_text, reference_answer) -> float``
 (:class:`RewardFn`). Rewards are registered by name (:func:`register_reward`) and built
-with :func:`get_reward`; ``gsm8k``, ``math`` and ``toy`` are registered here.
+with :func:`get_reward`; ``gsm8k``, ``math``, ``toy`` and ``toy-binary`` are registered here.
 
 Extraction returns ``None`` when a completion has no usable answer; a missing answer
 scores 0, never an exception, because a policy in training produces malformed text all
@@ -35,6 +35,7 @@ __all__ = [
     "ToyPrompt",
     "ToyTask",
     "ToyReward",
+    "ToyBinaryReward",
 ]
 
 
@@ -332,6 +333,13 @@ class ToyTaskConfig:
     (tests/e2e/test_grpo_cli.py::test_toy_reward_rises, examples/grpo_cpu.sh).
 
     The text form scores the fraction of non-space characters equal to the digit.
+
+    With ``binary`` the reward is verifiable and all-or-nothing instead: 1 when the completion's
+    *first* token (its answer) is in the class of X, else 0. A random policy is right with
+    probability about ``1 / num_digits``, so with groups of G completions a group is all-wrong
+    with probability about ``(1 - 1/num_digits)^G`` (0.43 for 10 digits and G = 8) and, once the
+    policy has learned a prompt, all-right: whole groups have zero reward variance, the regime
+    in which prompt-level pruning saves work.
     """
 
     vocab_size: int = 512
@@ -344,6 +352,8 @@ class ToyTaskConfig:
     """Ids below this are special (0 pad, 1 bos, 2 eos, 3 sep) and never match a class."""
     seed: int = 0
     """Seed of the prompt generator; prompt ``i`` depends only on ``(seed, i)``."""
+    binary: bool = False
+    """Binary reward: 1 when the first completion token is in the target class, else 0."""
 
     pad_token_id: int = 0
     """Padding id."""
@@ -428,21 +438,27 @@ class ToyTask:
         return [self.prompt(index) for index in range(start, start + count)]
 
     def score_tokens(self, completion_ids: Sequence[int], *, target_digit: int) -> float:
-        """Fraction of completion tokens before the first EOS whose class is ``target_digit``."""
+        """Fraction of completion tokens before the first EOS whose class is ``target_digit``
+        (binary: 1.0 when the first of them is in that class, else 0.0)."""
         self._check_digit(target_digit)
         tokens = [int(t) for t in completion_ids]
         if self.config.eos_token_id in tokens:
             tokens = tokens[: tokens.index(self.config.eos_token_id)]
         if not tokens:
             return 0.0
+        if self.config.binary:
+            return float(self.token_class(tokens[0]) == target_digit)
         return sum(self.token_class(t) == target_digit for t in tokens) / len(tokens)
 
     def score_text(self, completion_text: str, *, target_digit: int) -> float:
-        """Fraction of non-space characters of the completion equal to the digit."""
+        """Fraction of non-space characters of the completion equal to the digit (binary: 1.0
+        when the first non-space character is the digit, else 0.0)."""
         self._check_digit(target_digit)
         chars = [c for c in completion_text if not c.isspace()]
         if not chars:
             return 0.0
+        if self.config.binary:
+            return float(chars[0] == str(target_digit))
         return sum(c == str(target_digit) for c in chars) / len(chars)
 
     def _check_digit(self, digit: int) -> None:
@@ -456,6 +472,8 @@ class ToyReward:
 
     num_digits: int = 10
     """Number of digit classes; the reference must be one of ``0 .. num_digits-1``."""
+    binary: bool = False
+    """All-or-nothing: 1 when the first non-space character is the digit."""
 
     def __call__(self, completion_text: str, reference_answer: str) -> float:
         reference = reference_answer.strip()
@@ -463,10 +481,19 @@ class ToyReward:
             raise ValueError(
                 f"toy reference answer must be one digit below {self.num_digits}, got {reference_answer!r}"
             )
-        task = ToyTask(ToyTaskConfig(num_digits=self.num_digits))
+        task = ToyTask(ToyTaskConfig(num_digits=self.num_digits, binary=self.binary))
         return task.score_text(completion_text, target_digit=int(reference))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToyBinaryReward(ToyReward):
+    """Binary text form of the toy task: 1.0 when the completion starts with the digit."""
+
+    binary: bool = True
+    """Always binary."""
 
 
 register_reward("gsm8k", GSM8KReward)
 register_reward("math", MathReward)
 register_reward("toy", ToyReward)
+register_reward("toy-binary", ToyBinaryReward)

@@ -32,7 +32,8 @@ from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_prune.model.selective_gpt import TokenSelection
 from megatron_prune.training.step import run_schedule
 
-__all__ = ["TrainItem", "GRPOStepSettings", "GRPOMicrobatch", "GRPOStep", "layout_items", "sum_metrics"]
+__all__ = ["TrainItem", "GRPOStepSettings", "GRPOMicrobatch", "GRPOStep", "Layout", "layout_items", "microbatch_rows",
+           "sum_metrics"]
 
 SUMMED = ("loss", "policy_loss", "kl_loss")
 """Metrics summed over microbatches and ranks (parts of the global loss)."""
@@ -73,7 +74,7 @@ class GRPOStepSettings:
     loss: GRPOLossConfig
     """Clipping and KL."""
     micro_batch_size: int
-    """Rows per microbatch."""
+    """Most rows per microbatch (a pass runs only the rows its items need)."""
     pad_id: int
     """Padding token."""
     normalization: str = "constant"
@@ -127,6 +128,8 @@ class Layout:
     """Real tokens run through the model."""
     row_tokens: int
     """All token slots run (padding and placeholder rows included)."""
+    micro_batch_size: int = 1
+    """Rows of the largest microbatch (every microbatch has this many under pipeline parallelism)."""
 
     @property
     def density(self) -> float:
@@ -139,6 +142,24 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _causal_mask(length: int) -> torch.Tensor:
     return ~torch.ones(length, length, dtype=torch.bool).tril()
+
+
+def microbatch_rows(num_rows: int, *, micro_batch_size: int, equal_shapes: bool) -> list[tuple[int, int, int]]:
+    """``(first row, real rows, rows run)`` of each microbatch of ``num_rows`` rows.
+
+    As few microbatches as ``micro_batch_size`` allows, the rows spread evenly over them (sizes
+    differ by at most one), so no microbatch is padded up to ``micro_batch_size``. With
+    ``equal_shapes`` (pipeline parallelism: the schedule's p2p buffers have one shape) every
+    microbatch runs as many rows as the largest; the few padding rows this adds are fewer than the
+    number of microbatches and never make a microbatch all padding.
+    """
+    num_rows = max(num_rows, 1)
+    count = -(-num_rows // micro_batch_size)
+    base, extra = divmod(num_rows, count)
+    sizes = [base + (k < extra) for k in range(count)]
+    starts = [sum(sizes[:k]) for k in range(count)]
+    run = max(sizes)
+    return [(start, size, run if equal_shapes else size) for start, size in zip(starts, sizes)]
 
 
 def _selection(placements: list[tuple[int, int, TrainItem]], num_rows: int, temperature: float | None = None) -> TokenSelection:
@@ -163,57 +184,66 @@ def _train_temperature(settings: GRPOStepSettings) -> float | None:
     return None if t in (0.0, 1.0) else float(t)
 
 
-def _padded_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int) -> Layout:
-    mbs = settings.micro_batch_size
+def _padded_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int,
+                 equal_shapes: bool) -> Layout:
     length = _round_up(max((it.length for it in items), default=1), multiple)
-    batches = []
-    for start in range(0, max(len(items), 1), mbs):
-        chunk = items[start : start + mbs]
-        tokens = torch.full((mbs, length), settings.pad_id, dtype=torch.long)
+    temperature = _train_temperature(settings)
+    batches, slots = [], 0
+    for start, real, rows in microbatch_rows(len(items), micro_batch_size=settings.micro_batch_size,
+                                             equal_shapes=equal_shapes):
+        chunk = items[start : start + real]
+        tokens = torch.full((rows, length), settings.pad_id, dtype=torch.long)
         for row, item in enumerate(chunk):
             tokens[row, : item.length] = torch.tensor(item.prompt + item.completion, dtype=torch.long)
-        position_ids = torch.arange(length).expand(mbs, length).contiguous()
-        selection = _selection([(row, 0, item) for row, item in enumerate(chunk)], mbs, _train_temperature(settings))
+        position_ids = torch.arange(length).expand(rows, length).contiguous()
+        selection = _selection([(row, 0, item) for row, item in enumerate(chunk)], rows, temperature)
         batches.append(GRPOMicrobatch(tokens, position_ids, None, selection, chunk))
-    return Layout(batches, length, sum(it.length for it in items), len(batches) * mbs * length)
+        slots += rows * length
+    return Layout(batches, length, sum(it.length for it in items), slots,
+                  max(b.tokens.shape[0] for b in batches))
 
 
-def _packed_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int) -> Layout:
-    mbs = settings.micro_batch_size
+def _packed_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int,
+                 equal_shapes: bool) -> Layout:
     capacity = _round_up(settings.pack_capacity, multiple)
     longest = max((it.length for it in items), default=1)
     if longest > capacity:
         raise ValueError(f"a prompt + completion of {longest} tokens does not fit the packing capacity {capacity}; "
                          "raise --seq-length")
     if not items:
-        return _padded_rows(items, settings=settings, multiple=multiple)
+        return _padded_rows(items, settings=settings, multiple=multiple, equal_shapes=equal_shapes)
     plan = pack_sequences([it.length for it in items], capacity=capacity, window=settings.pack_window)
     packed = pack_tensors(plan, [torch.tensor(it.prompt + it.completion) for it in items], pad_id=settings.pad_id)
-    batches = []
-    for start in range(0, plan.num_rows, mbs):
-        rows = plan.rows[start : start + mbs]
-        real = len(rows)
-        tokens = torch.full((mbs, capacity), settings.pad_id, dtype=torch.long)
-        position_ids = torch.arange(capacity).expand(mbs, capacity).clone()
-        mask = _causal_mask(capacity).expand(mbs, 1, capacity, capacity).clone()
-        tokens[:real] = packed.tokens[start : start + real]
-        position_ids[:real] = packed.position_ids[start : start + real]
-        mask[:real] = packed.attention_mask[start : start + real]
+    # Rows are as long as the fullest row needs (the tail every row leaves empty is not run).
+    length = _round_up(max(row.used for row in plan.rows), multiple)
+    temperature = _train_temperature(settings)
+    batches, slots = [], 0
+    for start, real, rows in microbatch_rows(plan.num_rows, micro_batch_size=settings.micro_batch_size,
+                                             equal_shapes=equal_shapes):
+        tokens = torch.full((rows, length), settings.pad_id, dtype=torch.long)
+        position_ids = torch.arange(length).expand(rows, length).clone()
+        mask = _causal_mask(length).expand(rows, 1, length, length).clone()
+        tokens[:real] = packed.tokens[start : start + real, :length]
+        position_ids[:real] = packed.position_ids[start : start + real, :length]
+        mask[:real] = packed.attention_mask[start : start + real, :, :length, :length]
         placements = [
             (r, offset, items[index])
-            for r, row in enumerate(rows)
+            for r, row in enumerate(plan.rows[start : start + real])
             for index, offset in zip(row.sequence_indices, row.offsets)
         ]
-        selection = _selection(placements, mbs, _train_temperature(settings))
+        selection = _selection(placements, rows, temperature)
         batches.append(GRPOMicrobatch(tokens, position_ids, mask, selection, [p[2] for p in placements]))
-    return Layout(batches, capacity, plan.total_tokens, len(batches) * mbs * capacity)
+        slots += rows * length
+    return Layout(batches, length, plan.total_tokens, slots, max(b.tokens.shape[0] for b in batches))
 
 
-def layout_items(items: list[TrainItem], *, settings: GRPOStepSettings, tp: int = 1) -> Layout:
-    """Rows and microbatches of ``items`` (at least one microbatch, a placeholder when empty)."""
+def layout_items(items: list[TrainItem], *, settings: GRPOStepSettings, tp: int = 1, pp: int = 1) -> Layout:
+    """Rows and microbatches of ``items`` (at least one microbatch, a one-row placeholder when
+    empty): only as many rows as the items need, at most ``micro_batch_size`` per microbatch,
+    every microbatch the same shape when ``pp > 1``."""
     multiple = math.lcm(settings.pad_multiple, tp)
     build = _packed_rows if settings.dense_packing else _padded_rows
-    return build(items, settings=settings, multiple=multiple)
+    return build(items, settings=settings, multiple=multiple, equal_shapes=pp > 1)
 
 
 def _forward_step(data_iterator, model):
@@ -264,7 +294,8 @@ class GRPOStep:
         self.reference = reference
 
     def layout(self, items: list[TrainItem]) -> Layout:
-        return layout_items(items, settings=self.s, tp=parallel_state.get_tensor_model_parallel_world_size())
+        return layout_items(items, settings=self.s, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                            pp=parallel_state.get_pipeline_model_parallel_world_size())
 
     def _run(self, model, layout: Layout, *, forward_only: bool) -> list[dict]:
         iterators = [iter(layout.batches) for _ in model] if len(model) > 1 else iter(layout.batches)
@@ -272,7 +303,7 @@ class GRPOStep:
             return run_schedule(
                 forward_step_func=_forward_step, data_iterator=iterators, model=model,
                 num_microbatches=len(layout.batches), seq_length=layout.seq_length,
-                micro_batch_size=self.s.micro_batch_size, forward_only=forward_only,
+                micro_batch_size=layout.micro_batch_size, forward_only=forward_only,
             )
 
     def score(self, items: list[TrainItem], *, which: str) -> Layout:

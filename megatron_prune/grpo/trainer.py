@@ -74,10 +74,11 @@ class PromptSource:
 
 
 def toy_source(*, vocab_size: int, num_prompts: int, seed: int, num_digits: int = 10,
-               prompt_length: int = 8) -> PromptSource:
+               prompt_length: int = 8, binary: bool = False) -> PromptSource:
     from megatron_prune.grpo.rewards import ToyTask, ToyTaskConfig
 
-    task = ToyTask(ToyTaskConfig(vocab_size=vocab_size, seed=seed, num_digits=num_digits, prompt_length=prompt_length))
+    task = ToyTask(ToyTaskConfig(vocab_size=vocab_size, seed=seed, num_digits=num_digits, prompt_length=prompt_length,
+                                 binary=binary))
 
     def get(i: int) -> Prompt:
         p = task.prompt(i)
@@ -294,9 +295,10 @@ class GRPOObjective:
 
 def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: CheckpointConfig,
                  train_cfg: TrainConfig) -> PromptSource:
-    if grpo.task == "toy":
+    if grpo.task in ("toy", "toy-binary"):
         return toy_source(vocab_size=arch.vocab_size, num_prompts=grpo.toy_num_prompts, seed=train_cfg.seed,
-                          num_digits=grpo.toy_num_digits, prompt_length=grpo.toy_prompt_length)
+                          num_digits=grpo.toy_num_digits, prompt_length=grpo.toy_prompt_length,
+                          binary=grpo.task == "toy-binary")
     if not grpo.data_path:
         raise session.UsageError(f"--task {grpo.task} needs --data-path")
     from megatron_prune.data.tokenizer import load_tokenizer

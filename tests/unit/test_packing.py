@@ -171,3 +171,74 @@ def test_density_on_gsm8k_lengths():
     assert plans[64, True].density > 0.95 and plans[64, True].num_rows <= lower_bound + 3
     assert plans[400, True].density >= plans[1, True].density
     assert plans[64, True].density >= plans[64, False].density > 2 * padded
+
+
+# --------------------------------------------------------------------------- GRPO training layouts
+
+
+def _grpo_items(lengths):
+    from megatron_prune.grpo.step import TrainItem
+
+    return [TrainItem(prompt_id=k, index=0, prompt=[5 + k % 7] * max(1, n // 3),
+                      completion=[100 + k] * (n - max(1, n // 3)), advantage=1.0) for k, n in enumerate(lengths)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(2, 30), min_size=0, max_size=40), mbs=st.integers(1, 12),
+       dense=st.booleans(), pp=st.sampled_from([1, 2]))
+def test_grpo_layout_runs_no_padding_rows(lengths, mbs, dense, pp):
+    """The training passes run only the rows the items need: no microbatch is padded up to the
+    micro batch size, no row is all padding (beyond fewer than one per microbatch under PP, where
+    every microbatch has one shape), every completion token is scored exactly once at the position
+    that predicts it, and the reported density is that of what runs."""
+    from megatron_prune.grpo.loss import GRPOLossConfig
+    from megatron_prune.grpo.step import GRPOStepSettings, layout_items
+
+    items = _grpo_items(lengths)
+    settings_ = GRPOStepSettings(loss=GRPOLossConfig(), micro_batch_size=mbs, pad_id=0, dense_packing=dense,
+                                 pack_capacity=64, pad_multiple=8)
+    layout = layout_items(items, settings=settings_, pp=pp)
+    if dense and items:
+        needed = pack_sequences([it.length for it in items], capacity=64, window=64).num_rows
+    else:
+        needed = max(len(items), 1)
+    assert len(layout.batches) == -(-needed // mbs)
+    run_rows = [b.tokens.shape[0] for b in layout.batches]
+    assert all(r <= mbs for r in run_rows)
+    if pp > 1:
+        assert len(set(run_rows)) == 1
+        assert sum(run_rows) - needed < len(run_rows)
+    else:
+        assert sum(run_rows) == needed
+    slots = 0
+    scored: list[int] = []
+    for batch in layout.batches:
+        rows, length = batch.tokens.shape
+        assert length == layout.seq_length
+        slots += rows * length
+        sel = batch.selection
+        if not batch.items:
+            continue
+        position, row = sel.index // rows, sel.index % rows
+        assert torch.equal(batch.tokens[row, position + 1], sel.labels)  # position p predicts token p + 1
+        real_rows = set(row.tolist())
+        assert len(real_rows) >= rows - (1 if pp > 1 else 0), "a row of real tokens only"
+        scored += [it.prompt_id for it in batch.items]
+    assert sorted(scored) == list(range(len(items)))
+    assert layout.row_tokens == slots
+    assert layout.valid_tokens == sum(lengths)
+    if items:
+        assert layout.density == pytest.approx(sum(lengths) / slots)
+
+
+def test_grpo_packed_density_on_short_completions():
+    """Ten rows' worth of short sequences with a micro batch size of 32 run as ten dense rows, not 32."""
+    from megatron_prune.grpo.loss import GRPOLossConfig
+    from megatron_prune.grpo.step import GRPOStepSettings, layout_items
+
+    items = _grpo_items([7] * 90)  # 630 tokens in 64-token rows: 10 rows of 9 sequences
+    settings_ = GRPOStepSettings(loss=GRPOLossConfig(), micro_batch_size=32, pad_id=0, dense_packing=True,
+                                 pack_capacity=64)
+    layout = layout_items(items, settings=settings_)
+    assert [b.tokens.shape[0] for b in layout.batches] == [10]
+    assert layout.density >= 0.9, layout.density

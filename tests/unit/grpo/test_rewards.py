@@ -235,3 +235,39 @@ def test_toy_random_policy_has_dense_reward():
 def test_toy_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         ToyTaskConfig(**overrides)
+
+
+# --- toy-binary ---------------------------------------------------------------------------
+
+
+def test_toy_binary_scoring():
+    """Binary toy reward: 1 exactly when the first completion token (before EOS) is in the target
+    class, whatever follows; special tokens and empty completions score 0."""
+    task = ToyTask(ToyTaskConfig(binary=True))
+    three, four = task.digit_token_id(3), task.digit_token_id(4)
+    assert task.score_tokens([three + 20, four, four], target_digit=3) == 1.0
+    assert task.score_tokens([four, three, three], target_digit=3) == 0.0
+    assert task.score_tokens([2, three], target_digit=3) == 0.0  # EOS first: empty answer
+    assert task.score_tokens([1, three], target_digit=3) == 0.0  # a special token is no digit
+    assert task.score_text(" 3 x y", target_digit=3) == 1.0
+    assert task.score_text("x 3 3", target_digit=3) == 0.0
+    reward = get_reward("toy-binary")
+    assert reward("3abc", "3") == 1.0 and reward("a333", "3") == 0.0
+    with pytest.raises(ValueError, match="one digit"):
+        reward("7", "77")
+
+
+def test_toy_binary_random_policy_has_whole_group_zero_variance():
+    """A uniform policy is right ~1/num_digits of the time and many groups are all-wrong
+    (probability (9/10)^8 ~ 0.43 for G = 8); every reward is 0 or 1."""
+    task = ToyTask(ToyTaskConfig(binary=True))
+    g = torch.Generator().manual_seed(0)
+    completions = torch.randint(0, task.config.vocab_size, (256, 8, 4), generator=g)
+    rewards = torch.tensor(
+        [[task.score_tokens(c.tolist(), target_digit=p.target_digit) for c in group]
+         for p, group in zip(task.prompts(256), completions)]
+    )
+    assert set(rewards.unique().tolist()) <= {0.0, 1.0}
+    assert 0.06 < rewards.mean().item() < 0.14
+    all_wrong = (rewards.sum(dim=1) == 0).double().mean().item()
+    assert 0.3 < all_wrong < 0.56, all_wrong
