@@ -13,10 +13,16 @@ draws from identical gathered logits.
 By default each step recomputes the whole prefix (cost ~ (prompt + new)^2 per token for
 attention, linear for the rest): the simple, layout-agnostic baseline. With
 ``SamplingSettings.kv_cache`` (one pipeline stage) generation runs on Megatron's inference
-path instead: a ``StaticInferenceContext`` per batch of equal-length prompts, one prefill and
-then one single-token forward per new token (on CPU the cache is allocated through the
-``cpu.Attention._allocate_memory`` patch). Same generators, same draws: the cached and
-uncached samplers give identical tokens (tests/distributed/test_grpo.py).
+path instead, with prompts of different lengths in one batch (per rollout microbatch; the
+sequences are sorted by prompt length first, so a microbatch holds similar lengths): a
+``StaticInferenceContext``, one prefill of the shortest prompt's length, then one
+single-token forward per position. Rows whose prompt is longer are fed their own prompt tokens
+until their prompt ends ("start at the shortest prompt"), so every token sits at its true
+position, the plain causal mask is exact and no padding is ever attended (Megatron's rotary
+embedding on the inference path takes positions from the cache offset, not from
+``position_ids``, so left padding would shift them). On CPU the cache is allocated through the
+``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and
+uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
 """
 
 from __future__ import annotations
@@ -61,9 +67,9 @@ class SamplingSettings:
     pad_multiple: int = 8
     """Row length is padded to a multiple of this (and of TP)."""
     kv_cache: bool = False
-    """KV-cached generation on Megatron's inference path (``StaticInferenceContext``): one prefill
-    per group of equal-length prompts, then one single-token forward per new token. Needs one
-    pipeline stage and one model chunk; otherwise the full-recompute sampler runs."""
+    """KV-cached generation on Megatron's inference path (``StaticInferenceContext``): prompts of
+    any lengths in one batch per microbatch, one prefill, then one single-token forward per
+    position. Needs one pipeline stage and one model chunk (``generate`` refuses otherwise)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -203,7 +209,10 @@ def generate(
         torch.Generator().manual_seed(completion_seed(seed=settings.seed, step=step, prompt_id=c.prompt_id, index=c.index))
         for c in completions
     ]
-    if settings.kv_cache and _kv_cache_supported(model):
+    if settings.kv_cache:
+        if not _kv_cache_supported(model):
+            raise ValueError("KV-cached generation needs one pipeline stage and one model chunk; "
+                             "sample without the cache under pipeline parallelism")
         _generate_cached(model[0], contexts, completions, generators, settings=settings)
         return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
     active = list(range(len(completions)))
@@ -234,49 +243,56 @@ def _generate_cached(
     model: torch.nn.Module, contexts: list[list[int]], completions: list[Completion],
     generators: list[torch.Generator], *, settings: SamplingSettings,
 ) -> None:
-    """KV-cached sampling (one stage): sequences with equal prompt lengths share a
-    ``StaticInferenceContext``; every row of a batch advances one token per forward (rows that
-    already ended feed padding, which nothing reads). Same draws as the full-recompute sampler:
-    identical generators, logits equal up to float rounding."""
+    """KV-cached sampling (one stage): sequences sorted by prompt length, ``micro_batch_size`` of
+    them (default: all) per ``StaticInferenceContext``."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    by_length: dict[int, list[int]] = {}
-    for i, context in enumerate(contexts):
-        by_length.setdefault(len(context), []).append(i)
+    order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
+    mbs = settings.micro_batch_size or max(len(order), 1)
     was_training = model.training
     model.eval()  # Megatron turns the causal mask off for cached decoding only outside training mode
     try:
         with torch.no_grad():
-            for length, rows in by_length.items():
-                mbs = settings.micro_batch_size or len(rows)
-                for start in range(0, len(rows), mbs):
-                    _cached_batch(model, rows[start : start + mbs], length, contexts, completions, generators,
-                                  settings=settings, context_cls=StaticInferenceContext)
+            for start in range(0, len(order), mbs):
+                _cached_batch(model, order[start : start + mbs], contexts, completions, generators,
+                              settings=settings, context_cls=StaticInferenceContext)
     finally:
         model.train(was_training)
 
 
-def _cached_batch(model, rows, length, contexts, completions, generators, *, settings, context_cls) -> None:
+def _cached_batch(model, rows, contexts, completions, generators, *, settings, context_cls) -> None:
+    """One batch from the shortest prompt on: a prefill of ``shortest`` tokens, then one token per
+    forward for every row — a prompt token while the row's prompt lasts, a sampled token after it,
+    padding (read by nothing) once the row has ended."""
     b = len(rows)
-    context = context_cls(b, length + settings.max_new_tokens)
-    tokens = torch.tensor([contexts[i] for i in rows], dtype=torch.long)
-    position_ids = torch.arange(length, dtype=torch.long).expand(b, length).contiguous()
-    active = list(range(b))
-    for step in range(settings.max_new_tokens):
+    lengths = [len(contexts[i]) for i in rows]
+    shortest = min(lengths)
+    context = context_cls(b, max(lengths) + settings.max_new_tokens)
+    tokens = torch.tensor([contexts[i][:shortest] for i in rows], dtype=torch.long)
+    position_ids = torch.arange(shortest, dtype=torch.long).expand(b, shortest).contiguous()
+    done = [False] * b
+    fed = shortest  # tokens of each row in the cache once this forward has run
+    while True:
         logits = model(tokens, position_ids, None, inference_context=context, runtime_gather_output=True)
         context.sequence_len_offset += tokens.shape[1]
-        if step == 0:
-            context.enable_decode_mode()
-        logits = logits[:, -1, : settings.vocab_size].float()
-        drawn, logprobs = sample_from_logits(logits[active], [generators[rows[r]] for r in active],
-                                             temperature=settings.temperature, top_p=settings.top_p)
+        context.enable_decode_mode()  # after the prefill every forward is one token
         next_tokens = torch.full((b,), settings.pad_id, dtype=torch.long)
-        for r, token, logprob in zip(active, drawn.tolist(), logprobs.tolist()):
-            completions[rows[r]].tokens.append(token)
-            completions[rows[r]].sample_logprobs.append(logprob)
-            next_tokens[r] = token
-        active = [r for r in active if completions[rows[r]].tokens[-1] != settings.eos_id]
-        if not active:
+        sampling = [r for r in range(b) if not done[r] and fed >= lengths[r]]
+        for r in range(b):
+            if fed < lengths[r]:
+                next_tokens[r] = contexts[rows[r]][fed]
+        if sampling:
+            last = logits[:, -1, : settings.vocab_size].float()
+            drawn, logprobs = sample_from_logits(last[sampling], [generators[rows[r]] for r in sampling],
+                                                 temperature=settings.temperature, top_p=settings.top_p)
+            for r, token, logprob in zip(sampling, drawn.tolist(), logprobs.tolist()):
+                completion = completions[rows[r]]
+                completion.tokens.append(token)
+                completion.sample_logprobs.append(logprob)
+                next_tokens[r] = token
+                done[r] = token == settings.eos_id or len(completion.tokens) == settings.max_new_tokens
+        if all(done):
             break
         tokens = next_tokens[:, None]
-        position_ids = torch.full((b, 1), length + step, dtype=torch.long)
+        position_ids = torch.full((b, 1), fed, dtype=torch.long)
+        fed += 1

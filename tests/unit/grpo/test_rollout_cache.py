@@ -1,0 +1,100 @@
+"""KV-cached generation batches prompts of different lengths and gives the uncached sampler's tokens.
+
+The reference is the full-recompute sampler (every token recomputes the whole right-padded prefix
+through Megatron's schedule); the cached sampler runs Megatron's static inference context with all
+prompt lengths in one batch ("start at the shortest prompt"). Greedy and sampled (temperature,
+top-p) draws, with and without rollout microbatches. Pipeline parallelism refuses the cache, in
+the sampler and in the CLI's validation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+
+SEED = 2468
+# Prompt lengths 3..11, unsorted, with repeats: one batch mixes all of them.
+PROMPTS = [(0, (1, 3, 9)), (1, (1, 40, 77, 3, 5)), (2, (1, 3, 6)), (3, (1, 8, 200, 31, 99, 17, 3, 7)),
+           (4, (1, 11, 12, 13, 14, 15, 16, 17, 18, 3, 8)), (5, (1, 60, 3, 4))]
+
+
+def _sample_all() -> dict:
+    from megatron_prune.grpo import rollout
+    from megatron_prune.grpo.rollout import SamplingSettings, generate
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    out: dict = {}
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, par, seed=SEED)
+        calls: list[int] = []
+        original = rollout._cached_batch
+
+        def counting(model, rows, *args, **kwargs):
+            calls.append(len(rows))
+            return original(model, rows, *args, **kwargs)
+
+        rollout._cached_batch = counting
+        try:
+            for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)):
+                for mbs in (None, 7):
+                    runs = {}
+                    for kv_cache in (False, True):
+                        calls.clear()
+                        sampling = SamplingSettings(max_new_tokens=6, eos_id=2, pad_id=0, vocab_size=arch.vocab_size,
+                                                    seed=SEED, temperature=temperature, top_p=top_p,
+                                                    kv_cache=kv_cache, micro_batch_size=mbs)
+                        groups = generate(model=policy, prompts=PROMPTS, group_size=3, settings=sampling, step=5)
+                        runs[kv_cache] = ([[c.tokens for c in g] for g in groups],
+                                          [[c.sample_logprobs for c in g] for g in groups], list(calls))
+                    out[(temperature, top_p, mbs)] = runs
+        finally:
+            rollout._cached_batch = original
+    return out
+
+
+def test_mixed_length_cached_batches_give_the_uncached_tokens():
+    results = run_distributed(_sample_all, 1)[0]
+    for (temperature, top_p, mbs), runs in results.items():
+        label = f"T={temperature} top_p={top_p} mbs={mbs}"
+        (plain_tokens, plain_lps, _), (cached_tokens, cached_lps, batches) = runs[False], runs[True]
+        assert cached_tokens == plain_tokens, label
+        assert all(len(c) == 6 or c[-1] == 2 for g in cached_tokens for c in g), label
+        torch.testing.assert_close(torch.tensor([lp for g in cached_lps for c in g for lp in c]),
+                                   torch.tensor([lp for g in plain_lps for c in g for lp in c]), rtol=0, atol=1e-5)
+        n = len(PROMPTS) * 3  # 18 sequences of 6 prompt lengths
+        assert batches == ([n] if mbs is None else [7, 7, 4]), f"{label}: one batch per microbatch, got {batches}"
+    greedy = results[(0.0, 1.0, None)][True][0]
+    sampled = results[(1.0, 1.0, None)][True][0]
+    assert all(len({tuple(c) for c in g}) == 1 for g in greedy)  # greedy: a group is one completion
+    assert any(len({tuple(c) for c in g}) > 1 for g in sampled)  # sampling: it is not
+
+
+def test_cache_refused_with_several_model_chunks():
+    """Virtual pipeline chunks (or PP > 1) cannot use the cache: an error, never a silent fallback."""
+    from megatron_prune.grpo.rollout import SamplingSettings, generate
+
+    settings = SamplingSettings(max_new_tokens=2, eos_id=2, pad_id=0, vocab_size=16, seed=0, kv_cache=True)
+    with pytest.raises(ValueError, match="one pipeline stage"):
+        generate(model=[torch.nn.Identity(), torch.nn.Identity()], prompts=[(0, (1, 2))], group_size=1,
+                 settings=settings, step=0)
+
+
+def test_cli_refuses_kv_cache_under_pipeline_parallelism(monkeypatch, capsys):
+    from megatron_prune.grpo.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    argv = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
+            "--micro-batch-size", "4", "--pipeline-model-parallel-size", "2", "--kv-cache", "--dry-run"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "--kv-cache needs one pipeline stage" in capsys.readouterr().err
+    assert main([a for a in argv if a != "--kv-cache"]) == 0  # the same layout without the cache is fine
