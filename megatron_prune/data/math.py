@@ -80,9 +80,9 @@ class MathProblem:
 
 
 def detect_format(record: dict[str, Any]) -> str:
-    if "question" in record and "answer" in record:
-        return "gsm8k"
-    if "problem" in record and "solution" in record:
+    if "question" in record or "answer" in record:
+        return "gsm8k"  # a record with only one of the two then names the missing field
+    if "problem" in record or "solution" in record:
         return "math"
     keys = sorted(record)[:8]
     raise RecordError("unknown format", f"expected question/answer or problem/solution; got keys {keys}")

@@ -16,8 +16,9 @@ Record shapes, detected per record (or forced with ``format=``):
     ``overall_preference`` (int in [-3, 3]; negative prefers response1, positive response2).
     A tie (0) carries no preference and is always a counted skip (reason ``"tie"``).
 
-Detection: ``context`` and ``response1`` -> helpsteer3; else ``prompt`` -> explicit; else
-``chosen`` and ``rejected`` -> hh.
+Detection: ``context``, ``response1`` or ``response2`` -> helpsteer3; else ``prompt`` -> explicit;
+else ``chosen`` or ``rejected`` -> hh. A record of a detected shape that lacks one of its fields is
+invalid with reason ``"missing field"`` naming the field (e.g. ``missing field 'rejected'``).
 
 Token ids: the prompt is rendered by the tokenizer's chat template (the plain HH-RLHF template
 when it has none, see ``tokenizer.py``) with the generation prompt; each response is
@@ -25,7 +26,9 @@ when it has none, see ``tokenizer.py``) with the generation prompt; each respons
 
 Truncation rule (``max_seq_length`` L, ``max_prompt_length`` P):
 
-1. a prompt longer than P tokens keeps its last P tokens (left truncation);
+1. a prompt longer than P tokens keeps its fixed chat-template head (BOS and whatever the
+   template puts before the first message's text, :func:`prompt_head_length`) and its last
+   ``P - head`` tokens (left truncation that never drops BOS or the template's preamble);
 2. each response keeps its first ``L - len(prompt)`` tokens (right truncation; a cut response
    loses its eos), so prompt+chosen and prompt+rejected both fit in L;
 3. when the prompt leaves no room for a response token (only possible when P is None or
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Iterator, Sequence
@@ -121,12 +125,12 @@ class PreferencePair:
 
 def detect_format(record: dict[str, Any]) -> str:
     """The record shape of ``record`` (see the module docstring); RecordError if none fits."""
-    if "context" in record and "response1" in record:
+    if "context" in record or "response1" in record or "response2" in record:
         return "helpsteer3"
     if "prompt" in record:
         return "explicit"
-    if "chosen" in record and "rejected" in record:
-        return "hh"
+    if "chosen" in record or "rejected" in record:
+        return "hh"  # a record with only one of them then names the missing field
     raise RecordError(
         "unknown format",
         "expected prompt/chosen/rejected, chosen/rejected or context/response1/response2; "
@@ -257,6 +261,35 @@ def _parse_helpsteer3(record: dict[str, Any]) -> PreferenceText:
 # --------------------------------------------------------------------------- tokenization
 
 
+_HEAD_PROBES = ("a", "7")
+
+
+@functools.lru_cache(maxsize=16)
+def prompt_head_length(tokenizer: Tokenizer) -> int:
+    """Tokens every rendered prompt starts with: BOS and the chat template's fixed preamble.
+
+    Measured as the common prefix of two one-message prompts that differ only in their text, so
+    it never reaches into a message (a merge across the boundary only makes it shorter).
+    """
+    a, b = (tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                          tokenize=True) for c in _HEAD_PROBES)
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def truncate_prompt(prompt_ids: Sequence[int], *, max_length: int, keep_head: int = 0) -> list[int]:
+    """Left-truncate ``prompt_ids`` to ``max_length`` tokens, keeping its first ``keep_head`` tokens
+    (BOS and the template's preamble) when there is room for more than them."""
+    prompt = list(prompt_ids)
+    if len(prompt) <= max_length:
+        return prompt
+    if keep_head >= max_length:
+        return prompt[len(prompt) - max_length :]
+    return prompt[:keep_head] + prompt[len(prompt) - (max_length - keep_head) :]
+
+
 def truncate_pair(
     prompt_ids: Sequence[int],
     chosen_ids: Sequence[int],
@@ -264,11 +297,12 @@ def truncate_pair(
     *,
     max_seq_length: int,
     max_prompt_length: int | None = None,
+    keep_head: int = 0,
 ) -> tuple[list[int], list[int], list[int]]:
     """Apply the truncation rule of the module docstring; RecordError when nothing is left."""
     prompt = list(prompt_ids)
-    if max_prompt_length is not None and len(prompt) > max_prompt_length:
-        prompt = prompt[len(prompt) - max_prompt_length :]
+    if max_prompt_length is not None:
+        prompt = truncate_prompt(prompt, max_length=max_prompt_length, keep_head=keep_head)
     budget = max_seq_length - len(prompt)
     if budget < 1:
         raise RecordError(
@@ -294,7 +328,8 @@ def tokenize_preference(
     chosen_ids = tokenizer.encode(tokenizer.render_response(text.chosen)) + [tokenizer.eos_id]
     rejected_ids = tokenizer.encode(tokenizer.render_response(text.rejected)) + [tokenizer.eos_id]
     return truncate_pair(
-        prompt_ids, chosen_ids, rejected_ids, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length
+        prompt_ids, chosen_ids, rejected_ids, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length,
+        keep_head=prompt_head_length(tokenizer) if max_prompt_length is not None else 0,
     )
 
 

@@ -34,7 +34,9 @@ class DataError(ValueError):
         """Short, stable category used as the key of skip counters (e.g. ``"malformed json"``)."""
         self.detail = detail
         where = f"{self.path}:{line}" if line is not None else self.path
-        super().__init__(f"{where}: {reason}" + (f": {detail}" if detail else ""))
+        # A detail that is just a quoted name reads as part of the reason: "missing field 'rejected'".
+        joiner = " " if detail.startswith("'") else ": "
+        super().__init__(f"{where}: {reason}" + (f"{joiner}{detail}" if detail else ""))
 
 
 class RecordError(ValueError):
@@ -152,7 +154,7 @@ class LoadedRecords:
 
     def __init__(self, paths: list[str], items: list, skipped: collections.Counter, *, what: str) -> None:
         if not items:
-            raise ValueError(f"no usable {what} in {', '.join(paths)} (skipped: {dict(skipped)})")
+            raise DataError(", ".join(paths), None, f"no usable {what}", f"skipped: {dict(skipped)}")
         self.paths = paths
         self.items = items
         self.skipped = skipped

@@ -15,7 +15,9 @@ from megatron_prune.data.preference import (
     parse_hh_dialogue,
     parse_preference_record,
     split_hh_transcript,
+    prompt_head_length,
     truncate_pair,
+    truncate_prompt,
 )
 from megatron_prune.data.records import DataError, RecordError
 from megatron_prune.data.tokenizer import render_plain_template
@@ -189,12 +191,40 @@ def test_truncation_on_tokenized_pairs(tiny_tokenizer):
     full = PreferenceDataset(HH_RLHF_HELDOUT, tokenizer=tiny_tokenizer)
     assert len(dataset) + sum(dataset.skipped.values()) == 100
     full_by_line = {pair.line: pair for pair in full}
+    head = prompt_head_length(tiny_tokenizer)
+    assert head >= 1 and tiny_tokenizer.bos_id is not None
+    cut_prompts = 0
     for short in dataset:
         long = full_by_line[short.line]
-        assert len(short.prompt_ids) <= 40 and short.prompt_ids == long.prompt_ids[-len(short.prompt_ids) :]
+        assert len(short.prompt_ids) <= 40
+        assert short.prompt_ids[0] == tiny_tokenizer.bos_id  # BOS survives left truncation
+        if short.prompt_ids != long.prompt_ids:
+            cut_prompts += 1
+            kept = 40 - head
+            assert short.prompt_ids == long.prompt_ids[:head] + long.prompt_ids[-kept:]
         for cut, whole in ((short.chosen_ids, long.chosen_ids), (short.rejected_ids, long.rejected_ids)):
             assert len(short.prompt_ids) + len(cut) <= 64
             assert cut == whole[: len(cut)]
+    assert cut_prompts > 0
+
+
+def test_prompt_head_is_bos_and_template_preamble(tiny_tokenizer):
+    """The kept head is BOS plus the plain template's first marker, found without knowing the template."""
+    head = prompt_head_length(tiny_tokenizer)
+    preamble = [tiny_tokenizer.bos_id] + tiny_tokenizer.encode("\n\nHuman:")
+    ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=True)
+    assert ids[:head] == preamble[:head] and head >= 1
+    assert truncate_prompt(list(range(10)), max_length=4, keep_head=2) == [0, 1, 8, 9]
+    assert truncate_prompt(list(range(10)), max_length=2, keep_head=2) == [8, 9]
+    assert truncate_prompt(list(range(3)), max_length=4, keep_head=2) == [0, 1, 2]
+
+
+def test_missing_rejected_names_the_field(tmp_path, tiny_tokenizer):
+    for record in ({"prompt": "x", "chosen": "a"}, {"chosen": "\n\nHuman: a\n\nAssistant: b"}):
+        path = write_jsonl(tmp_path / "one.jsonl", [json.dumps(record).encode()])
+        with pytest.raises(DataError) as info:
+            load_preference_pairs(path, tokenizer=tiny_tokenizer)
+        assert str(info.value) == f"{path}:1: missing field 'rejected'"
 
 
 def test_config_validation():
@@ -221,6 +251,7 @@ BAD_LINES = [
     (b'{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": "\\n\\nHuman: z\\n\\nAssistant: c"}', "no shared prefix"),
     (b'{"context": [{"role": "user", "content": "q"}], "response1": "a", "response2": "b", "overall_preference": 7}', "invalid value"),
     (b'{"text": "hello"}', "unknown format"),
+    (b'{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b"}', "missing field"),
     (json.dumps({"prompt": "long " * 300, "chosen": "a", "rejected": "b"}).encode(), "prompt too long"),
 ]
 GOOD = json.dumps({"prompt": "x", "chosen": "a", "rejected": "b"}).encode()
