@@ -1,49 +1,161 @@
-"""GRPO vs DPPO vs a biased filter on the same prompts: per-phase time, tokens and density.
+"""GRPO vs DPPO vs biased baselines: held-out reward against training wall-clock, per-step records.
 
-One process (one rank, CPU by default; ``--device cuda`` on a GPU machine). For each mode a
-fresh policy with the same seed trains ``--steps`` GRPO steps on the same prompt stream:
+Every (round, seed) runs in a fresh process (``torchrun --nproc-per-node TP*PP`` when TP*PP > 1)
+that trains each mode from the same initial policy (same seed) on the same prompt stream, through
+the GRPO trainer's own objective (rollout, rewards, pruning, packing, the training passes) and
+Adam. ``grpo`` runs first and sets the time budget: with ``--match-time`` (the default) every
+other mode keeps training past ``--steps`` until its cumulative training time reaches GRPO's
+(at most ``--max-step-factor`` x ``--steps`` steps), so equal-wall-clock comparisons need no
+extrapolation.
 
-* ``grpo``   — no pruning, padded rows;
-* ``dppo``   — DPPO prompt + completion pruning (importance weighted) with dense packing;
-* ``filter`` — the biased filter: zero-variance groups dropped after rollout, no weights
-  (DAPO-style dynamic sampling without refill), padded rows.
+Modes (DPPO rates from ``--prompt-rate`` / ``--completion-rate``):
 
-Reported per mode: summed rollout / reference / train seconds, rollout tokens, policy tokens
-trained, density, mean reward; and ratios to ``grpo``. ``--json`` prints one JSON object.
+================  ==================================================================  ========
+mode              what is pruned                                                      estimator
+================  ==================================================================  ========
+grpo              nothing; one padded sequence per row                                unbiased
+dppo              prompts before rollout and completions after it, weights 1/(p q),   unbiased
+                  dense packing
+dppo_completion   completions only (rate r_o), weights 1/q, dense packing             unbiased
+dppo_prompt       prompts only (rate r_q), weights 1/p, dense packing                 unbiased
+filter            after rollout, every group whose rewards are all equal (DAPO-style  biased
+                  dynamic sampling without refill), no weights, dense packing
+cppo              in each group, the round(r_o G) completions with the smallest |A|   biased
+                  (CPPO-style), no weights, dense packing
+================  ==================================================================  ========
 
-    python tools/bench_grpo.py --steps 8 --json
+``filter`` and ``cppo`` are benchmark baselines: this tool swaps the objective's pruner for a
+deterministic keep rule (keep probability 1, so weight 1); nothing in the trainer changes.
+
+Held-out reward: every ``--eval-every`` steps (and before the first and after the last step),
+``--eval-prompts`` prompts that training never sees are sampled ``--eval-samples`` times each
+with a fixed seed (common random numbers: every mode and step draws the same uniforms) at
+``--eval-temperature`` (0 = greedy), and the mean reward is recorded. Evaluation time is not
+training time. The time of a step is its rollout, reference and old log-prob passes, training
+passes and optimizer step.
+
+``--grad-variance K``: on every ``--grad-variance-every``-th step (before that step's update, at
+the current parameters, not counted in training time) the unpruned GRPO gradient ``g`` of one
+rollout of the step's prompts is compared with ``K`` pruned gradients ``g_k`` of the same
+rollout (the mode's keep rule with ``K`` independent draws): ``grad_rel_mse = mean_k |g_k -
+g|^2 / |g|^2`` (variance plus squared bias) and ``grad_rel_bias = |mean_k g_k - g|^2 / |g|^2``.
+
+Output: a table, ``--json`` (contract: ``modes.<mode>.speedup_vs_grpo`` (median per-step
+wall-clock ratio), ``heldout_reward_final``, ``heldout_reward_at_grpo_time``,
+``heldout_reward_at_grpo_steps``, ``records`` (one dict per step and seed)), and ``--plot``
+(held-out reward vs cumulative training wall-clock, mean and min-max over seeds, per mode).
+
+    python tools/bench_grpo.py --task toy --seeds 5 --steps 40 --json /tmp/g.json --plot /tmp/g.png
+    python tools/bench_grpo.py --task gsm8k --modes grpo dppo --steps 4 --kv-cache --no-match-time
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import platform
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
-import warnings
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("grpo", "dppo", "filter")
+MODES = ("grpo", "dppo", "dppo_completion", "dppo_prompt", "filter", "cppo")
+TASKS = ("toy", "toy-binary", "gsm8k")
+PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_time_s", "optimizer_time_s")
 
 
-class ZeroVarianceFilter:
-    """Biased filter: keep every prompt, drop the completions of groups with equal rewards."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=TASKS, default="toy")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="modes to run (grpo is always added: it is the baseline)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds (policy initialisation, prompts and draws)")
+    p.add_argument("--seed", type=int, default=1234, help="first seed; seeds are seed, seed+1, ...")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps (other modes: see --match-time)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every (seed, mode) run this many times, interleaved (timing on noisy machines)")
+    p.add_argument("--match-time", action=argparse.BooleanOptionalAction, default=True,
+                   help="train other modes until their training time reaches GRPO's (same seed and round)")
+    p.add_argument("--max-step-factor", type=float, default=4.0, help="with --match-time: at most this x --steps")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (global batch)")
+    p.add_argument("--num-prompts", type=int, default=64, help="training prompt set (toy tasks)")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 4 (toy tasks), 64 (gsm8k)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per training microbatch (default: --prompts)")
+    p.add_argument("--rollout-micro-batch-size", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=None, help="packing capacity (default: 64 toy, 512 gsm8k)")
+    p.add_argument("--toy-prompt-length", type=int, default=3)
+    p.add_argument("--data-path", nargs="+", default=None, help="gsm8k problems (default: the bundled sample)")
+    p.add_argument("--max-prompt-length", type=int, default=256, help="gsm8k prompts keep their last N tokens")
+    p.add_argument("--prompt-rate", type=float, default=0.5, help="r_q of dppo and dppo_prompt")
+    p.add_argument("--completion-rate", type=float, default=0.5, help="r_o of dppo, dppo_completion and cppo")
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
+    p.add_argument("--ppo-epochs", type=int, default=1)
+    p.add_argument("--minibatches", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--kv-cache", action="store_true", help="KV-cached rollout (one pipeline stage)")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts")
+    p.add_argument("--eval-samples", type=int, default=4, help="fixed-seed samples per held-out prompt")
+    p.add_argument("--eval-temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--grad-variance", type=int, default=0, metavar="K",
+                   help="pruned-gradient draws compared with the unpruned gradient on sampled steps (0 = off)")
+    p.add_argument("--grad-variance-every", type=int, default=10)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (CPU)")
+    p.add_argument("--json", metavar="PATH", help="write the results (rewritten after every run)")
+    p.add_argument("--plot", metavar="PATH", help="PNG: held-out reward vs cumulative training time")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per (round, seed) process")
+    p.add_argument("--worker-seed", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worker-round", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    toy = args.task != "gsm8k"
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 4 if toy else 64
+    if args.seq_length is None:
+        args.seq_length = 64 if toy else 512
+    if args.micro_batch_size is None:
+        args.micro_batch_size = args.prompts
+    for name in ("seeds", "steps", "rounds", "prompts", "group_size", "eval_every", "eval_prompts", "eval_samples",
+                 "grad_variance_every", "ppo_epochs", "minibatches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_cache and args.pipeline_model_parallel_size > 1:
+        p.error("--kv-cache needs one pipeline stage (--pipeline-model-parallel-size 1)")
+    if "grpo" not in args.modes:
+        args.modes = ["grpo"] + list(args.modes)
+    args.modes = [m for m in MODES if m in args.modes]
+    return args
 
-    def __init__(self) -> None:
-        from megatron_prune.grpo.dppo import KeepDecision
 
-        self._decision = KeepDecision
+# --------------------------------------------------------------------------------------- keep rules
+class _KeepAll:
+    """No pruning at all (the unpruned reference of the gradient-variance measurement)."""
 
     def select_prompts(self, *, step, prompt_ids):
-        ones = torch.ones(len(prompt_ids), dtype=torch.float64)
-        return self._decision(probs=ones, keep=ones.bool(), target_rate=0.0)
+        from megatron_prune.grpo.dppo import KeepDecision
+        import torch
+
+        n = len(prompt_ids)
+        return KeepDecision(probs=torch.ones(n, dtype=torch.float64), keep=torch.ones(n, dtype=torch.bool),
+                            target_rate=0.0)
 
     def select_completions(self, *, step, prompt_ids, advantages):
-        informative = (advantages != 0).any(dim=1, keepdim=True).expand_as(advantages)
-        return self._decision(probs=torch.ones(advantages.shape, dtype=torch.float64), keep=informative.clone(),
-                              target_rate=0.0)
+        from megatron_prune.grpo.dppo import KeepDecision
+        import torch
+
+        return KeepDecision(probs=torch.ones(advantages.shape, dtype=torch.float64),
+                            keep=torch.ones(advantages.shape, dtype=torch.bool), target_rate=0.0)
 
     def observe(self, *, prompt_ids, rewards) -> None:
         pass
@@ -51,90 +163,488 @@ class ZeroVarianceFilter:
     def state_dict(self) -> dict:
         return {}
 
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
-def run_mode(mode: str, args: argparse.Namespace) -> dict:
+
+class ZeroVarianceFilter(_KeepAll):
+    """Biased (DAPO-style dynamic sampling without refill): after rollout, drop every group whose
+    rewards are all equal; no importance weights."""
+
+    def select_completions(self, *, step, prompt_ids, advantages):
+        decision = super().select_completions(step=step, prompt_ids=prompt_ids, advantages=advantages)
+        informative = (advantages != 0).any(dim=1, keepdim=True).expand_as(advantages)
+        return type(decision)(probs=decision.probs, keep=informative.clone(), target_rate=0.0)
+
+
+class SmallestAdvantageDrop(_KeepAll):
+    """Biased (CPPO-style): in each group drop the ``round(rate * G)`` completions with the smallest
+    |A| (ties: the lower index is dropped first); no importance weights."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def select_completions(self, *, step, prompt_ids, advantages):
+        import torch
+
+        decision = super().select_completions(step=step, prompt_ids=prompt_ids, advantages=advantages)
+        drop = round(self.rate * advantages.shape[1]) if advantages.numel() else 0
+        keep = torch.ones(advantages.shape, dtype=torch.bool)
+        if drop:
+            order = torch.sort(advantages.abs(), dim=1, stable=True).indices[:, :drop]
+            keep.scatter_(1, order, False)
+        return type(decision)(probs=decision.probs, keep=keep, target_rate=self.rate)
+
+
+def dppo_args(mode: str, args):
+    from megatron_prune.grpo.config import DPPOArgs
+
+    rates = {"grpo": (0.0, 0.0), "dppo": (args.prompt_rate, args.completion_rate),
+             "dppo_completion": (0.0, args.completion_rate), "dppo_prompt": (args.prompt_rate, 0.0),
+             "filter": (0.0, 0.0), "cppo": (0.0, 0.0)}[mode]
+    return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo")
+
+
+# --------------------------------------------------------------------------------------- worker
+def _source(args, *, arch, seed: int, heldout: bool):
+    """Training prompts, or the held-out prompts (never trained on)."""
+    from megatron_prune.grpo.trainer import PromptSource, math_source, toy_source
+
+    if args.task != "gsm8k":
+        n = args.num_prompts + (args.eval_prompts if heldout else 0)
+        src = toy_source(vocab_size=arch.vocab_size, num_prompts=n, seed=seed, prompt_length=args.toy_prompt_length,
+                         binary=args.task == "toy-binary")
+        if not heldout:
+            return src
+        offset = args.num_prompts
+    else:
+        from megatron_prune.data import GSM8K_SAMPLE
+        from megatron_prune.data.tokenizer import load_tokenizer
+
+        full = math_source(task="gsm8k", paths=args.data_path or [GSM8K_SAMPLE], tokenizer=load_tokenizer("tiny"),
+                           max_prompt_length=args.max_prompt_length)
+        n_eval = min(args.eval_prompts, len(full) // 4)
+        if not heldout:
+            return PromptSource(size=len(full) - n_eval, get=full.get, score=full.score, eos_id=full.eos_id,
+                                pad_id=full.pad_id)
+        src, offset = full, len(full) - n_eval
+    return PromptSource(size=src.size - offset, get=lambda i: src.get(offset + i), score=src.score,
+                        eos_id=src.eos_id, pad_id=src.pad_id)
+
+
+def heldout_reward(objective, heldout, args) -> float:
+    """Mean reward of fixed-seed samples (or greedy completions) on the held-out prompts."""
+    from megatron_prune.grpo.rollout import SamplingSettings, generate
+
+    settings = SamplingSettings(
+        max_new_tokens=args.max_new_tokens, eos_id=heldout.eos_id, pad_id=heldout.pad_id,
+        vocab_size=objective.sampling.vocab_size, seed=987654321, temperature=args.eval_temperature,
+        kv_cache=args.kv_cache, micro_batch_size=args.rollout_micro_batch_size)
+    prompts = [heldout.get(i) for i in range(len(heldout))]
+    samples = 1 if args.eval_temperature == 0 else args.eval_samples
+    groups = generate(model=objective.runner.policy, prompts=[(k, p.tokens) for k, p in enumerate(prompts)],
+                      group_size=samples, settings=settings, step=0)
+    scores = [heldout.score(p, c.tokens) for p, group in zip(prompts, groups) for c in group]
+    return sum(scores) / len(scores)
+
+
+def _flat_grad(policy):
+    import torch
+
+    return torch.cat([p.main_grad.detach().reshape(-1).double().clone() for chunk in policy
+                      for p in chunk.parameters() if p.requires_grad])
+
+
+def _model_parallel_sum(values):
+    """Sum of per-rank partial sums over the model-parallel group (TP x PP shards of the gradient)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if dist.is_initialized() and parallel_state.get_model_parallel_group() is not None:
+        dist.all_reduce(values, group=parallel_state.get_model_parallel_group())
+    return values
+
+
+def gradient_variance(objective, *, rule, step: int, draws: int) -> dict:
+    """Unpruned vs pruned gradients on one rollout of this step's prompts (see the module docs)."""
+    import torch
+
+    from megatron_prune.grpo.dppo import combine_weights
+
+    policy = objective.runner.policy
+    saved_pruner, saved_sampler = objective.pruner, objective.sampler.state_dict()
+    objective.pruner = _KeepAll()
+    try:
+        full = objective._rollout(step)  # every prompt, every completion, weight 1
+    finally:
+        objective.pruner = saved_pruner
+        objective.sampler.load_state_dict(saved_sampler)
+    items = [it for mb in full.minibatches for it in mb]
+    normaliser = sum(full.normalisers)
+
+    def grad_of(chosen):
+        for chunk in policy:
+            chunk.zero_grad_buffer()
+        objective.runner.train(objective._mine(chosen), normaliser=normaliser)
+        return _flat_grad(policy)
+
+    g = grad_of(items)
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(it.prompt_id, []).append(it)
+    ids = list(groups)
+    advantages = torch.tensor([[it.advantage for it in sorted(groups[i], key=lambda t: t.index)] for i in ids])
+    sq, draws_sum = [], torch.zeros_like(g)
+    for k in range(draws):
+        draw_step = 1_000_000 + 1000 * step + k  # keys no training draw uses
+        prompts = rule.select_prompts(step=draw_step, prompt_ids=ids)
+        kept = [i for i, keep in zip(ids, prompts.keep.tolist()) if keep]
+        rows = [ids.index(i) for i in kept]
+        completions = rule.select_completions(step=draw_step, prompt_ids=kept, advantages=advantages[rows])
+        weights = combine_weights(prompt_weights=prompts.weights[prompts.keep], completion_weights=completions.weights)
+        chosen = []
+        for r, i in enumerate(kept):
+            for it in sorted(groups[i], key=lambda t: t.index):
+                if completions.keep[r, it.index]:
+                    chosen.append(type(it)(prompt_id=it.prompt_id, index=it.index, prompt=it.prompt,
+                                           completion=it.completion, advantage=it.advantage,
+                                           weight=float(weights[r, it.index])))
+        gk = grad_of(chosen)
+        draws_sum += gk
+        sq.append(float(((gk - g) ** 2).sum()))
+    for chunk in policy:
+        chunk.zero_grad_buffer()
+    totals = _model_parallel_sum(torch.tensor([sum(sq) / draws, float(((draws_sum / draws - g) ** 2).sum()),
+                                               float((g ** 2).sum())], dtype=torch.float64))
+    norm = float(totals[2]) or float("nan")
+    return {"grad_rel_mse": float(totals[0]) / norm, "grad_rel_bias": float(totals[1]) / norm}
+
+
+def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool = False) -> list[dict]:
+    """Train ``mode`` from the seed's initial policy; one record per step (step -1: the evaluation
+    before training). ``warmup``: one step, no evaluation (first-call costs of the process)."""
+    import torch
+
     from megatron_prune.config import TrainConfig
-    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
-    from megatron_prune.grpo.trainer import build_objective, toy_source
+    from megatron_prune.grpo.config import GRPOConfig
+    from megatron_prune.grpo.trainer import build_objective
     from megatron_prune.model.arch import get_preset
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
 
-    par = ParallelConfig()
-    with model_parallel(par, seed=args.seed):
+    par = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                         pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    records: list[dict] = []
+    with model_parallel(par, seed=seed):
         arch = get_preset("tiny")
-        policy = setup_model(arch, par, seed=args.seed)
-        optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=args.lr, clip_grad=1.0), bf16=False)
-        dppo = DPPOArgs(prompt_prune_rate=args.prompt_rate, completion_prune_rate=args.completion_rate,
-                        dense_packing=True) if mode == "dppo" else DPPOArgs()
+        policy = setup_model(arch, par, seed=seed)
+        reference = setup_model(arch, par, seed=seed, trainable=False) if args.kl_beta > 0 else None
+        optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad),
+                                    bf16=False)
         configs = {
             "TrainConfig": TrainConfig(global_batch_size=args.prompts, micro_batch_size=args.micro_batch_size,
-                                       seq_length=args.pack_capacity, seed=args.seed),
-            "GRPOConfig": GRPOConfig(group_size=args.group_size, max_new_tokens=args.max_new_tokens),
-            "DPPOArgs": dppo,
+                                       seq_length=args.seq_length, seed=seed),
+            "GRPOConfig": GRPOConfig(task=args.task, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                                     kl_beta=args.kl_beta, kv_cache=args.kv_cache, temperature=args.temperature,
+                                     ppo_epochs=args.ppo_epochs, minibatches=args.minibatches,
+                                     rollout_micro_batch_size=args.rollout_micro_batch_size),
+            "DPPOArgs": dppo_args(mode, args),
         }
-        source = toy_source(vocab_size=arch.vocab_size, num_prompts=args.num_prompts, seed=args.seed)
-        objective = build_objective(configs=configs, arch=arch, policy=policy, reference=None, source=source)
+        source = _source(args, arch=arch, seed=seed, heldout=False)
+        heldout = _source(args, arch=arch, seed=seed, heldout=True)
+        objective = build_objective(configs=configs, arch=arch, policy=policy, reference=reference, source=source)
         if mode == "filter":
             objective.pruner = ZeroVarianceFilter()
-        totals = dict(rollout_time_s=0.0, reference_time_s=0.0, train_time_s=0.0, rollout_tokens=0.0,
-                      policy_tokens=0.0, slots=0.0, reward=0.0)
-        start = time.perf_counter()
-        for step in range(args.steps):
+        elif mode == "cppo":
+            objective.pruner = SmallestAdvantageDrop(args.completion_rate)
+        max_steps = args.steps if budget_s is None else max(args.steps, int(args.steps * args.max_step_factor))
+        if warmup:
+            max_steps = 1
+        cum = 0.0
+        records_eval0 = {"step": -1, "cum_time_s": 0.0, "time_s": 0.0, "train_tokens": 0.0, "rollout_tokens": 0.0,
+                         "density": None, "beyond_steps": False, "seed": seed}
+        if not warmup:
+            records_eval0["heldout_reward"] = heldout_reward(objective, heldout, args)
+        for step in range(max_steps):
+            extra: dict = {}
+            if args.grad_variance and mode != "grpo" and step % args.grad_variance_every == 0:
+                extra.update(gradient_variance(objective, rule=objective.pruner, step=step, draws=args.grad_variance))
             for chunk in policy:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
+            start = time.perf_counter()
             m = objective.train_step(step)
+            before_opt = time.perf_counter()
             optimizer.step()
-            for key in ("rollout_time_s", "reference_time_s", "train_time_s", "rollout_tokens", "policy_tokens"):
-                totals[key] += m[key]
-            totals["slots"] += m["policy_tokens"] / m["density"] if m["density"] else 0.0
-            totals["reward"] += m["reward_mean"] / args.steps
-        totals["wall_s"] = time.perf_counter() - start
-    totals["density"] = totals["policy_tokens"] / totals["slots"] if totals["slots"] else 1.0
-    return totals
+            end = time.perf_counter()
+            elapsed = end - start
+            cum += elapsed
+            weights = [it.weight for mb in objective.buffer.minibatches for it in mb]
+            rec = {
+                "step": step, "seed": seed, "time_s": elapsed, "cum_time_s": cum,
+                "rollout_time_s": m["rollout_time_s"], "reference_time_s": m["reference_time_s"],
+                "old_logprob_time_s": m["old_logprob_time_s"],
+                "update_time_s": m["train_time_s"] - m["old_logprob_time_s"],
+                "optimizer_time_s": end - before_opt,
+                "train_tokens": m["policy_tokens"], "rollout_tokens": m["rollout_tokens"], "density": m["density"],
+                "kept_prompt_fraction": m["kept_prompt_fraction"],
+                "kept_completion_fraction": m["kept_completion_fraction"],
+                "weight_max": max(weights, default=0.0), "weight_mean": sum(weights) / max(len(weights), 1),
+                "kept_reward_mean": m["reward_mean"], "zero_variance_groups": m["zero_variance_groups"],
+                "loss": m["loss"], "beyond_steps": step >= args.steps, **extra,
+            }
+            last = step == max_steps - 1 or (budget_s is not None and step >= args.steps - 1 and cum >= budget_s)
+            if not warmup and ((step + 1) % args.eval_every == 0 or last or step == args.steps - 1):
+                rec["heldout_reward"] = heldout_reward(objective, heldout, args)
+            records.append(rec)
+            if last:
+                break
+        records.insert(0, records_eval0)
+    return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    parser.add_argument("--num-prompts", type=int, default=32, help="toy prompt set (prompts recur every few steps)")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--micro-batch-size", type=int, default=16, help="rows per training microbatch")
-    parser.add_argument("--pack-capacity", type=int, default=128)
-    parser.add_argument("--prompt-rate", type=float, default=0.3)
-    parser.add_argument("--completion-rate", type=float, default=0.5)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(key, value)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+def run_worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_prune.accelerator import get_accelerator, set_accelerator
     from megatron_prune.training.parallel import initialize_distributed
 
-    initialize_distributed(timeout_minutes=5)
-    results = {mode: run_mode(mode, args) for mode in args.modes}
-    base = results.get("grpo")
-    if base:
-        for mode, r in results.items():
-            r["speedup_train_vs_grpo"] = base["train_time_s"] / r["train_time_s"] if r["train_time_s"] else None
-            r["speedup_rollout_vs_grpo"] = base["rollout_time_s"] / r["rollout_time_s"] if r["rollout_time_s"] else None
-            r["speedup_total_vs_grpo"] = base["wall_s"] / r["wall_s"]
-            r["policy_token_ratio_vs_grpo"] = r["policy_tokens"] / base["policy_tokens"]
-            r["rollout_token_ratio_vs_grpo"] = r["rollout_tokens"] / base["rollout_tokens"]
-    if args.json:
-        print(json.dumps({"config": vars(args), "results": results}, indent=1))
+    set_accelerator(args.device)
+    torch.set_num_threads(args.threads)
+    initialize_distributed(timeout_minutes=30)
+    seed = args.worker_seed
+    acc = get_accelerator()
+    out = {"records": {}, "device_name": torch.cuda.get_device_name() if acc.kind == "cuda" else platform.processor()}
+    run_mode("grpo", args, seed=seed, budget_s=None, warmup=True)  # first-call costs, discarded
+    for mode in args.modes:
+        budget = None
+        if mode != "grpo" and args.match_time and out["records"].get("grpo"):
+            budget = out["records"]["grpo"][-1]["cum_time_s"]
+        t = time.perf_counter()
+        recs = run_mode(mode, args, seed=seed, budget_s=budget)
+        for r in recs:
+            r["round"] = args.worker_round
+        out["records"][mode] = recs
+        if dist.get_rank() == 0:
+            print(f"[bench_grpo] seed {seed} round {args.worker_round} {mode}: {len(recs) - 1} steps, train "
+                  f"{recs[-1]['cum_time_s']:.1f}s, held-out {recs[-1].get('heldout_reward', float('nan')):.3f} "
+                  f"({time.perf_counter() - t:.0f}s with evaluation)", flush=True)
+    if dist.get_rank() == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------- parent
+def launch(args, argv: list[str], *, seed: int, rnd: int, out_path: str) -> None:
+    here = os.path.abspath(__file__)
+    worker = [here, *argv, "--worker-seed", str(seed), "--worker-round", str(rnd), "--worker-out", out_path]
+    nproc = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *worker]
     else:
-        for mode, r in results.items():
-            print(mode, " ".join(f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float)))
-    return 0
+        cmd = [sys.executable, *worker]
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if nproc == 1:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(29500 + (os.getpid() + seed + rnd) % 2000))
+    print(f"[bench_grpo] seed {seed} round {rnd}: {' '.join(cmd[:6])} ...", flush=True)
+    subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
+
+
+def _heldout_at(records: list[dict], *, time_s: float | None = None, step: int | None = None) -> float | None:
+    """Held-out reward at training time ``time_s`` (linear between evaluations; the last value after
+    the run's end) or at the evaluation after ``step``."""
+    evals = [r for r in records if "heldout_reward" in r]
+    if not evals:
+        return None
+    if step is not None:
+        hits = [r for r in evals if r["step"] == step]
+        return hits[0]["heldout_reward"] if hits else None
+    for a, b in zip(evals, evals[1:]):
+        if a["cum_time_s"] <= time_s <= b["cum_time_s"]:
+            span = b["cum_time_s"] - a["cum_time_s"]
+            f = (time_s - a["cum_time_s"]) / span if span else 1.0
+            return a["heldout_reward"] + f * (b["heldout_reward"] - a["heldout_reward"])
+    return evals[-1]["heldout_reward"] if time_s >= evals[-1]["cum_time_s"] else evals[0]["heldout_reward"]
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def _std(values):
+    values = [v for v in values if v is not None]
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarise(records: dict[str, list[dict]], args) -> dict:
+    """Per-mode summary (records: mode -> step records of every seed and round)."""
+    seeds = sorted({r["seed"] for recs in records.values() for r in recs})
+    rounds = sorted({r.get("round", 0) for recs in records.values() for r in recs})
+
+    def runs(mode):
+        return [[r for r in records[mode] if r["seed"] == s and r.get("round", 0) == k] for s in seeds for k in rounds]
+
+    def timed(mode):  # steps within --steps (equal-steps statistics)
+        return [r for r in records[mode] if r["step"] >= 0 and not r.get("beyond_steps")]
+
+    grpo_runs = [run for run in runs("grpo") if run]
+    grpo_time = _mean([run[-1]["cum_time_s"] for run in grpo_runs])
+    base_step = statistics.median(r["time_s"] for r in timed("grpo")) if timed("grpo") else None
+    out = {}
+    for mode in records:
+        steps = timed(mode)
+        if not steps:
+            continue
+        median_step = statistics.median(r["time_s"] for r in steps)
+        finals = [next((r["heldout_reward"] for r in reversed(run) if "heldout_reward" in r), None)
+                  for run in runs(mode) if run]
+        at_time = [_heldout_at(run, time_s=grpo_time) for run in runs(mode) if run]
+        at_steps = [_heldout_at(run, step=args.steps - 1) for run in runs(mode) if run]
+        s = {
+            "speedup_vs_grpo": base_step / median_step if base_step else None,
+            "step_time_s": median_step,
+            "heldout_reward_final": _mean(finals), "heldout_reward_final_std": _std(finals),
+            "heldout_reward_at_grpo_time": _mean(at_time), "heldout_reward_at_grpo_time_std": _std(at_time),
+            "heldout_reward_at_grpo_steps": _mean(at_steps), "heldout_reward_at_grpo_steps_std": _std(at_steps),
+            "heldout_reward_at_grpo_time_by_seed": at_time, "heldout_reward_at_grpo_steps_by_seed": at_steps,
+            "steps_run_mean": _mean([len([r for r in run if r["step"] >= 0]) for run in runs(mode) if run]),
+        }
+        for key in (*PHASES, "train_tokens", "rollout_tokens", "density", "kept_prompt_fraction",
+                    "kept_completion_fraction", "weight_max", "weight_mean", "zero_variance_groups"):
+            s[key] = _mean([r.get(key) for r in steps])
+        s["weight_max_max"] = max(r["weight_max"] for r in steps)
+        for key in ("grad_rel_mse", "grad_rel_bias"):
+            vals = [r[key] for r in records[mode] if key in r]
+            if vals:
+                s[key] = _mean(vals)
+        s["records"] = records[mode]
+        out[mode] = s
+    if "grpo" in out:
+        for mode, s in out.items():
+            for key in ("train_tokens", "rollout_tokens"):
+                base = out["grpo"][key]
+                s[f"{key}_vs_grpo"] = s[key] / base if base else None
+    return out
+
+
+def table(modes: dict) -> str:
+    cols = [("speedup", "speedup_vs_grpo", "{:.2f}x"), ("step s", "step_time_s", "{:.3f}"),
+            ("rollout s", "rollout_time_s", "{:.3f}"), ("train s", "update_time_s", "{:.3f}"),
+            ("roll tok", "rollout_tokens_vs_grpo", "{:.2f}"), ("train tok", "train_tokens_vs_grpo", "{:.2f}"),
+            ("density", "density", "{:.2f}"), ("w max", "weight_max_max", "{:.1f}"),
+            ("@steps", "heldout_reward_at_grpo_steps", "{:.3f}"), ("@time", "heldout_reward_at_grpo_time", "{:.3f}"),
+            ("final", "heldout_reward_final", "{:.3f}"), ("gvar", "grad_rel_mse", "{:.2f}")]
+    lines = [f"{'mode':<16}" + "".join(f"{c[0]:>11}" for c in cols)]
+    for mode, s in modes.items():
+        cells = []
+        for _, key, fmt in cols:
+            v = s.get(key)
+            cells.append(f"{fmt.format(v) if isinstance(v, (int, float)) else 'n/a':>11}")
+        lines.append(f"{mode:<16}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot(modes: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    horizon = max(r["cum_time_s"] for s in modes.values() for r in s["records"])
+    grid = [horizon * k / 100 for k in range(101)]
+    for mode, s in modes.items():
+        keys = sorted({(r["seed"], r.get("round", 0)) for r in s["records"]})
+        curves = []
+        for seed, rnd in keys:
+            run = [r for r in s["records"] if r["seed"] == seed and r.get("round", 0) == rnd]
+            end = run[-1]["cum_time_s"]
+            curves.append([_heldout_at(run, time_s=t) if t <= end * 1.0001 else None for t in grid])
+        xs, mean, lo, hi = [], [], [], []
+        for k, t in enumerate(grid):
+            vals = [c[k] for c in curves if c[k] is not None]
+            if len(vals) == len(curves):  # every seed still running
+                xs.append(t)
+                mean.append(sum(vals) / len(vals))
+                lo.append(min(vals))
+                hi.append(max(vals))
+        (line,) = ax.plot(xs, mean, label=f"{mode} ({len(curves)} runs)")
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("cumulative training wall-clock (s; evaluation excluded)")
+    ax.set_ylabel("held-out reward (mean; band: min-max over seeds)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.worker_out:
+        run_worker(args)
+        return {}
+    worker_argv = [a for a in argv]
+    for flag in ("--json", "--plot"):
+        if flag in worker_argv:
+            i = worker_argv.index(flag)
+            del worker_argv[i : i + 2]
+    seeds = [args.seed + k for k in range(args.seeds)]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    config = {k: v for k, v in vars(args).items() if not k.startswith("worker")}
+    config.update(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), loadavg_start=load,
+                  command=" ".join(["python", "tools/bench_grpo.py", *argv]))
+    result: dict = {"config": config, "modes": {}}
+    records: dict[str, list[dict]] = {m: [] for m in args.modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for seed in seeds:
+                out = os.path.join(tmp, f"{rnd}-{seed}.json")
+                t = time.perf_counter()
+                try:
+                    launch(args, worker_argv, seed=seed, rnd=rnd, out_path=out)
+                except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+                    print(f"[bench_grpo] seed {seed} round {rnd}: FAILED ({exc})", flush=True)
+                    result.setdefault("failed", []).append({"seed": seed, "round": rnd, "error": str(exc)})
+                    continue
+                with open(out) as f:
+                    raw = json.load(f)
+                config["device_name"] = raw.get("device_name")
+                for mode, recs in raw["records"].items():
+                    records[mode].extend(recs)
+                print(f"[bench_grpo] seed {seed} round {rnd}: done in {time.perf_counter() - t:.0f}s", flush=True)
+                result["modes"] = summarise({m: r for m, r in records.items() if r}, args)
+                config["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+                if args.json:
+                    _write_json(args.json, result)
+    if result["modes"]:
+        print(table(result["modes"]))
+    if args.json:
+        _write_json(args.json, result)
+        print(f"[bench_grpo] wrote {args.json}")
+    if args.plot and result["modes"]:
+        plot(result["modes"], args.plot,
+             f"GRPO vs DPPO, task {args.task}, {args.seeds} seeds x {args.rounds} rounds, lr {args.lr:g}")
+        print(f"[bench_grpo] wrote {args.plot}")
+    if result.get("failed"):
+        raise SystemExit(f"[bench_grpo] {len(result['failed'])} runs failed (their output is above)")
+    return result
+
+
+def _write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
