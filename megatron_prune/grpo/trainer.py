@@ -40,6 +40,7 @@ from megatron_prune.grpo.rollout import Completion, SamplingSettings, generate
 from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
 from megatron_prune.training import session
 from megatron_prune.training.loop import train
+from megatron_prune.training.parallel import is_logging_rank
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class Prompt:
     prompt_id: int
     tokens: tuple[int, ...]
     answer: str
+    truncated: bool = False
+    """Its template-rendered tokens were left-truncated to fit (BOS and the template head kept)."""
 
 
 class PromptSource:
@@ -91,19 +94,23 @@ def toy_source(*, vocab_size: int, num_prompts: int, seed: int, num_digits: int 
                         pad_id=task.config.pad_token_id)
 
 
-def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: int | None) -> PromptSource:
+def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: int,
+                skip_invalid: bool = False) -> PromptSource:
+    """Problems of ``paths`` as chat-templated prompts of at most ``max_prompt_length`` tokens
+    (longer ones are left-truncated, keeping BOS and the template's preamble, and flagged)."""
     from megatron_prune.data.math import MathDataConfig, MathDataset
+    from megatron_prune.data.preference import prompt_head_length, truncate_prompt
     from megatron_prune.grpo.rewards import get_reward
 
-    dataset = MathDataset(paths, config=MathDataConfig(format=task))
+    dataset = MathDataset(paths, config=MathDataConfig(format=task, skip_invalid=skip_invalid))
     reward = get_reward(task)
+    head = prompt_head_length(tokenizer)
 
     def get(i: int) -> Prompt:
         problem = dataset[i]
         ids = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text}], tokenize=True)
-        if max_prompt_length:
-            ids = ids[-max_prompt_length:]
-        return Prompt(i, tuple(ids), problem.answer)
+        kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head)
+        return Prompt(i, tuple(kept), problem.answer, truncated=len(kept) < len(ids))
 
     def score(prompt: Prompt, completion: list[int]) -> float:
         if completion and completion[-1] == tokenizer.eos_id:
@@ -215,17 +222,26 @@ class GRPOObjective:
         metrics = self._rollout_metrics(rewards=rewards, num_prompts=len(ids), kept_prompts=len(kept_ids),
                                         minibatches=minibatches, completions=completions)
         metrics["rollout_time_s"] = rollout_time
+        metrics["truncated_prompts"] = float(sum(prompts[i].truncated for i in ids))
+        if metrics["truncated_prompts"] and is_logging_rank():
+            logger.warning("rollout %d: %d of %d prompts were longer than the prompt budget and were left-truncated "
+                           "(BOS and the chat template's head kept); set --max-prompt-length or a longer --seq-length",
+                           rollout, int(metrics["truncated_prompts"]), len(ids))
 
+        forward_only = 0  # this rank's tokens of the forward-only passes; summed over DP in train_step
         timer = time.perf_counter()
         if self.grpo.kl_beta > 0:
             for items in minibatches:
-                self.runner.score(self._mine(items), which="ref")
+                if self._mine(items):  # a minibatch (or a rank's share) may lose every completion to pruning
+                    forward_only += self.runner.score(self._mine(items), which="ref").valid_tokens
         metrics["reference_time_s"] = time.perf_counter() - timer
         timer = time.perf_counter()
         if self.grpo.updates_per_rollout > 1:
             for items in minibatches:
-                self.runner.score(self._mine(items), which="old")
+                if self._mine(items):
+                    forward_only += self.runner.score(self._mine(items), which="old").valid_tokens
         metrics["old_logprob_time_s"] = time.perf_counter() - timer
+        metrics["forward_only_tokens"] = float(forward_only)
         return RolloutBuffer(rollout, minibatches, normalisers, metrics)
 
     def _rollout_metrics(self, *, rewards, num_prompts, kept_prompts, minibatches, completions) -> dict[str, float]:
@@ -260,17 +276,23 @@ class GRPOObjective:
         metrics, layout = self.runner.train(self._mine(self.buffer.minibatches[minibatch]),
                                             normaliser=self.buffer.normalisers[minibatch])
         train_time = time.perf_counter() - timer
-        counts = torch.tensor([layout.valid_tokens, layout.row_tokens], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
         rollout_metrics = dict(self.buffer.metrics)
         if not fresh:  # phases that ran at an earlier step cost nothing now
-            for key in ("rollout_time_s", "reference_time_s", "old_logprob_time_s"):
+            for key in ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "forward_only_tokens"):
                 rollout_metrics[key] = 0.0
+        counts = torch.tensor([layout.valid_tokens, layout.row_tokens, rollout_metrics["forward_only_tokens"]],
+                              dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        if rollout_metrics["zero_variance_groups"] == 1.0 and self.grpo.kl_beta == 0 and is_logging_rank():
+            logger.warning("step %d: every group's rewards are equal (zero variance), so every advantage is 0: "
+                           "loss and gradient are 0 and this step does not change the policy", step)
         return {
             **metrics, **rollout_metrics,
             "train_time_s": train_time + rollout_metrics["old_logprob_time_s"],
             "policy_tokens": float(counts[0]),
+            "train_tokens": float(counts[0]),
+            "forward_only_tokens": float(counts[2]),
             "density": float(counts[0] / counts[1]) if counts[1] else 1.0,
             "fresh_rollout": float(fresh),
         }
@@ -306,8 +328,10 @@ def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: Ch
     tokenizer = load_tokenizer(session.resolve_tokenizer(model_cfg, ckpt_cfg))
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
-    return math_source(task=grpo.task, paths=grpo.data_path, tokenizer=tokenizer,
-                       max_prompt_length=train_cfg.max_prompt_length)
+    # Without --max-prompt-length a prompt may use whatever the completion leaves of --seq-length.
+    limit = train_cfg.max_prompt_length or train_cfg.seq_length - grpo.max_new_tokens
+    return math_source(task=grpo.task, paths=grpo.data_path, tokenizer=tokenizer, max_prompt_length=limit,
+                       skip_invalid=grpo.skip_invalid)
 
 
 def build_objective(*, configs: dict[str, Any], arch, policy, reference, source: PromptSource) -> GRPOObjective:

@@ -1,0 +1,393 @@
+"""The GRPO objective as the trainer computes it: DPPO is unbiased through ``GRPOObjective`` and
+``GRPOStep``, and the unpruned trainer step is plain GRPO.
+
+* **Unbiasedness by exact enumeration, through the trainer.** The objective is built with
+  ``build_objective`` on the tiny preset (toy task, a fixed rollout so that every keep pattern
+  sees the same completions), prompt and completion pruning on, a prompt history that puts some
+  prompts below keep probability 1, the KL term on (a reference model) and clipping active (two
+  updates per rollout, old log-probs taken from a perturbed policy). The keep draws are
+  controlled at the draw function only (``megatron_prune.grpo.dppo.keep_uniform``): for every
+  uniform the trainer asks for, the test enumerates the intervals of [0, 1) on which the keep
+  pattern is constant (breakpoints ``p`` for an independent draw; the fractional parts of the
+  group's partial sums of keep probabilities for a systematic draw), runs the real
+  ``train_step`` with the interval's midpoint, and weights the gradient by the interval's
+  length. ``sum P(pattern) * gradient(pattern)`` must equal the gradient of the same step with
+  both rates 0.
+* **The unpruned step is GRPO.** With both rates 0, the loss and gradients of one trainer step
+  equal an independent reference: plain PyTorch on the same model (full logits, ``log_softmax``,
+  gather), group advantages ``(r - mean) / (std + 1e-6)``, the clipped surrogate plus ``beta *
+  k3``, summed over tokens and divided by ``prompts x G x max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+SEED = 2024
+NUM_PROMPTS, GROUP, MAX_NEW = 3, 2, 3
+KL_BETA = 0.1
+PROMPT_RATE, PROMPT_FLOOR = 0.3, 0.2
+COMPLETION_RATE, COMPLETION_FLOOR = 0.4, 0.25
+OLD_POLICY_NOISE = 0.5  # relative perturbation of the weights that produce the old log-probs
+
+
+# ---------------------------------------------------------------------------------------
+# the objective under test
+# ---------------------------------------------------------------------------------------
+
+
+def _token_of_class(digit: int, k: int) -> int:
+    """A toy-task token of digit class ``digit`` (ids from 4 up; class = (id - 4) % 10)."""
+    return 4 + digit + 10 * k
+
+
+def fixed_rollout(source) -> dict[int, list[list[int]]]:
+    """Completions of each prompt, chosen for their rewards (fraction of right-class tokens):
+    prompt 0 (1, 1/3); prompt 1 (0, 0): a zero-variance group; prompt 2 (1/2, 0)."""
+    eos = source.eos_id
+    table = {}
+    for prompt_id in range(NUM_PROMPTS):
+        digit = int(source.get(prompt_id).answer)
+        right = functools.partial(_token_of_class, digit)
+        wrong = functools.partial(_token_of_class, (digit + 1) % 10)
+        table[prompt_id] = {
+            0: [[right(1), right(7), eos], [right(2), wrong(3), wrong(5)]],
+            1: [[wrong(4), wrong(8), wrong(1)], [wrong(6), eos]],
+            2: [[right(3), wrong(2), eos], [wrong(9), wrong(11), wrong(2)]],
+        }[prompt_id]
+    return table
+
+
+class Harness:
+    """One ``GRPOObjective`` whose every ``train_step(0)`` starts from the same state."""
+
+    def __init__(self, *, policy, reference, arch, source, prompt_rate: float, completion_rate: float,
+                 dense_packing: bool, sampling: str | None) -> None:
+        from megatron_prune.config import TrainConfig
+        from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+        from megatron_prune.grpo.trainer import build_objective
+
+        dppo = dict(prompt_prune_rate=prompt_rate, completion_prune_rate=completion_rate,
+                    prompt_floor=PROMPT_FLOOR, completion_floor=COMPLETION_FLOOR, dense_packing=dense_packing)
+        if sampling is not None and "sampling" in {f.name for f in dataclasses.fields(DPPOArgs)}:
+            dppo["sampling"] = sampling
+        configs = {
+            "TrainConfig": TrainConfig(global_batch_size=NUM_PROMPTS, micro_batch_size=2, seq_length=16, seed=SEED),
+            "GRPOConfig": GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, kl_beta=KL_BETA, ppo_epochs=2,
+                                     clip_eps_low=0.1, clip_eps_high=0.1, toy_num_prompts=NUM_PROMPTS),
+            "DPPOArgs": DPPOArgs(**dppo),
+        }
+        self.policy = policy
+        self.objective = build_objective(configs=configs, arch=arch, policy=policy, reference=reference,
+                                         source=source)
+        history = self.objective.pruner.history  # prompt 0 unseen (p = 1), prompt 1 always solved, prompt 2 mixed
+        history.update(1, torch.tensor([1.0, 1.0]))
+        history.update(2, torch.tensor([0.0, 1.0]))
+        self.start = (self.objective.sampler.state_dict(), self.objective.pruner.state_dict())
+        self.decisions: dict[str, object] = {}
+        pruner = self.objective.pruner
+        for name in ("select_prompts", "select_completions"):
+            original = getattr(pruner, name)
+
+            def spy(*args, _original=original, _name=name, **kwargs):
+                decision = _original(*args, **kwargs)
+                self.decisions[_name] = decision
+                return decision
+
+            setattr(pruner, name, spy)
+        runner = self.objective.runner
+        original_score = runner.score
+
+        def score(items, *, which):  # the rollout policy differs from the current one: ratios != 1
+            if which != "old":
+                return original_score(items, which=which)
+            with perturbed(policy):
+                return original_score(items, which=which)
+
+        runner.score = score
+
+    def step(self) -> tuple[dict, torch.Tensor]:
+        """Metrics and the flat float64 gradient of ``train_step(0)`` from the saved state."""
+        from megatron_prune.model.global_state import gather_global_state
+
+        sampler, pruner = self.start
+        self.objective.sampler.load_state_dict(sampler)
+        self.objective.pruner.load_state_dict(pruner)
+        self.objective.buffer = None
+        self.decisions.clear()
+        for chunk in self.policy:
+            chunk.zero_grad_buffer()
+        metrics = self.objective.train_step(0)
+        grads = gather_global_state(self.policy, source="main_grad")
+        return metrics, torch.cat([grads[k].flatten().double() for k in sorted(grads)])
+
+
+class perturbed:
+    """Adds a fixed relative perturbation to every policy weight inside the block; restores the
+    exact weights on exit."""
+
+    def __init__(self, policy) -> None:
+        self.params = [p for chunk in policy for p in chunk.parameters()]
+
+    def __enter__(self):
+        generator = torch.Generator().manual_seed(SEED + 7)
+        self.saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p in self.params:
+                noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
+                p.add_(OLD_POLICY_NOISE * noise * p.detach().abs().mean().clamp(min=1e-3))
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for p, saved in zip(self.params, self.saved):
+                p.copy_(saved)
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# enumerating the draws
+# ---------------------------------------------------------------------------------------
+
+
+def _intervals(breakpoints) -> list[tuple[float, float]]:
+    """(midpoint, length) of the pieces of [0, 1) cut at ``breakpoints``."""
+    cuts = sorted({0.0, 1.0, *(b for b in breakpoints if 0.0 < b < 1.0)})
+    return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b - a > 1e-12]
+
+
+def _fractional_partial_sums(probs: list[float]) -> list[float]:
+    """Fractional parts of every subset sum of ``probs``: a superset of the breakpoints of a
+    systematic draw over these items in any order (its cuts are partial sums in its order)."""
+    sums = set()
+    for r in range(1, len(probs) + 1):
+        for subset in itertools.combinations(probs, r):
+            total = math.fsum(subset)
+            sums.add(total - math.floor(total))
+    return sorted(sums)
+
+
+def _breakpoints(key, *, level: str, decision, ids: list) -> list[float]:
+    """Where the keep pattern of the items drawn with the uniform ``key`` can change.
+
+    Keys: an item's own id (independent draws: the item is kept iff ``u < prob``); a prompt id
+    at the completion level (systematic draw over that prompt's group); ``"batch"`` at the
+    prompt level (systematic draw over the batch's prompts)."""
+    probs = decision.probs
+    if level == "prompt":
+        if key == "batch":
+            return _fractional_partial_sums(probs.tolist())
+        return [float(probs[ids.index(key)])]
+    if isinstance(key, tuple):  # (prompt id, j)
+        return [float(probs[ids.index(key[0]), key[1]])]
+    return _fractional_partial_sums(probs[ids.index(key)].tolist())
+
+
+class Draws:
+    """The stand-in for ``keep_uniform``: a table of uniforms (default 0), and the keys asked for."""
+
+    def __init__(self) -> None:
+        self.table: dict = {}
+        self.asked: dict[str, list] = {"prompt": [], "completion": []}
+
+    def __call__(self, *, seed, step, level, item_id):
+        assert seed == SEED and step == 0
+        self.asked[level].append(item_id)
+        return self.table.get((level, item_id), 0.0)
+
+    def enumerate(self, level: str, keys: list, *, decision, ids: list):
+        """Yield (probability, table entries) for every combination of intervals of ``keys``."""
+        choices = [[(key, u, length) for u, length in _intervals(_breakpoints(key, level=level, decision=decision,
+                                                                               ids=ids))] for key in keys]
+        for combo in itertools.product(*choices):
+            yield math.prod(length for *_, length in combo), {(level, key): u for key, u, _ in combo}
+
+
+def enumerate_expected_gradient(harness: Harness, draws: Draws) -> dict:
+    """``sum P(pattern) * gradient(pattern)`` over every prompt and completion keep pattern, the total
+    probability, each item's keep frequency and the number of patterns run."""
+    draws.table.clear()
+    draws.asked = {"prompt": [], "completion": []}
+    harness.step()  # probe: which prompt keys are drawn, and the prompt keep probabilities
+    prompt_decision = harness.decisions["select_prompts"]
+    prompt_ids = list(harness.objective.sampler.epoch_order(0)[:NUM_PROMPTS])
+    prompt_keys = list(dict.fromkeys(draws.asked["prompt"]))
+    expected, total, runs = None, 0.0, 0
+    prompt_freq = torch.zeros(NUM_PROMPTS, dtype=torch.float64)
+    completion_freq: dict[tuple, float] = {}
+    completion_marginal: dict[tuple, float] = {}
+    for p_prompts, prompt_table in draws.enumerate("prompt", prompt_keys, decision=prompt_decision, ids=prompt_ids):
+        draws.table = dict(prompt_table)
+        draws.asked["completion"] = []
+        harness.step()  # probe: the completion keys and probabilities under this prompt pattern
+        kept = harness.decisions["select_prompts"].keep
+        prompt_freq += p_prompts * kept.double()
+        kept_ids = [i for i, k in zip(prompt_ids, kept.tolist()) if k]
+        completion_keys = list(dict.fromkeys(draws.asked["completion"]))
+        decision = harness.decisions["select_completions"]
+        for k, prompt_id in enumerate(kept_ids):
+            for j in range(GROUP):
+                key = (prompt_id, j)
+                completion_marginal[key] = completion_marginal.get(key, 0.0) + p_prompts * float(decision.probs[k, j])
+        for p_completions, table in draws.enumerate("completion", completion_keys, decision=decision, ids=kept_ids):
+            draws.table = {**prompt_table, **table}
+            _, grad = harness.step()
+            runs += 1
+            got = harness.decisions["select_completions"]
+            assert torch.equal(got.probs, decision.probs)
+            probability = p_prompts * p_completions
+            expected = probability * grad if expected is None else expected + probability * grad
+            total += probability
+            for k, prompt_id in enumerate(kept_ids):
+                for j in range(GROUP):
+                    key = (prompt_id, j)
+                    completion_freq[key] = completion_freq.get(key, 0.0) + probability * float(got.keep[k, j])
+    return dict(expected=expected, total=total, runs=runs, prompt_freq=prompt_freq,
+                prompt_probs=prompt_decision.probs, prompt_ids=prompt_ids, completion_freq=completion_freq,
+                completion_marginal=completion_marginal)
+
+
+# ---------------------------------------------------------------------------------------
+# the independent reference of plain GRPO
+# ---------------------------------------------------------------------------------------
+
+
+def reference_grpo(*, policy, reference, arch, source, prompt_ids: list[int], rollout) -> tuple[float, torch.Tensor]:
+    """Loss and flat gradient of one GRPO step in plain PyTorch on the same model (no project code
+    but the model): full logits, log_softmax, gather; advantages on the full group; clipped
+    surrogate + beta * k3; token sum / (prompts x G x max_new_tokens)."""
+    from megatron_prune.model.global_state import gather_global_state
+
+    def completion_logprobs(model, prompt, completion, *, grad: bool):
+        tokens = torch.tensor([prompt + completion])
+        positions = torch.arange(tokens.shape[1])[None]
+        with torch.enable_grad() if grad else torch.no_grad():
+            logits = model(tokens, positions, None)[0, :, : arch.vocab_size].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            where = torch.arange(len(completion)) + len(prompt) - 1
+            return logp[where, torch.tensor(completion)]
+
+    for chunk in policy:
+        chunk.zero_grad_buffer()
+    total = torch.zeros(())
+    normaliser = NUM_PROMPTS * GROUP * MAX_NEW
+    for prompt_id in prompt_ids:
+        prompt = list(source.get(prompt_id).tokens)
+        completions = rollout[prompt_id]
+        rewards = torch.tensor([source.score(source.get(prompt_id), c) for c in completions], dtype=torch.float64)
+        advantages = ((rewards - rewards.mean()) / (rewards.std(correction=0) + 1e-6)).float()
+        for completion, advantage in zip(completions, advantages):
+            with perturbed(policy):
+                old = completion_logprobs(policy[0], prompt, completion, grad=False)
+            ref = completion_logprobs(reference[0], prompt, completion, grad=False)
+            logp = completion_logprobs(policy[0], prompt, completion, grad=True)
+            ratio = torch.exp(logp - old)
+            surrogate = -torch.minimum(ratio * advantage, ratio.clamp(0.9, 1.1) * advantage)
+            k3 = torch.exp(ref - logp) - (ref - logp) - 1
+            loss = (surrogate + KL_BETA * k3).sum() / normaliser
+            loss.backward()  # Megatron's DDP hooks accumulate into main_grad
+            total = total + loss.detach()
+    grads = gather_global_state(policy, source="main_grad")
+    return float(total), torch.cat([grads[k].flatten().double() for k in sorted(grads)])
+
+
+# ---------------------------------------------------------------------------------------
+# the runs (one spawned rank)
+# ---------------------------------------------------------------------------------------
+
+
+def _objective_checks(*, sampling_modes: tuple) -> dict:
+    import megatron_prune.grpo.dppo as dppo
+    import megatron_prune.grpo.trainer as trainer
+    from megatron_prune.grpo.rollout import Completion
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    out: dict = {}
+    original_generate, original_uniform = trainer.generate, dppo.keep_uniform
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, par, seed=SEED)
+        reference = setup_model(arch, par, seed=SEED + 1, trainable=False)
+        source = trainer.toy_source(vocab_size=arch.vocab_size, num_prompts=NUM_PROMPTS, seed=SEED, prompt_length=4)
+        rollout = fixed_rollout(source)
+
+        def generate(*, model, prompts, group_size, settings, step):
+            assert group_size == GROUP
+            return [[Completion(prompt_id=pid, index=j, tokens=list(rollout[pid][j])) for j in range(group_size)]
+                    for pid, _ in prompts]
+
+        draws = Draws()
+        trainer.generate, dppo.keep_uniform = generate, draws
+        try:
+            build = functools.partial(Harness, policy=policy, reference=reference, arch=arch, source=source)
+            full = build(prompt_rate=0.0, completion_rate=0.0, dense_packing=False, sampling=None)
+            metrics, grad = full.step()
+            out["full"] = dict(metrics=metrics, grad=grad, prompt_ids=full.objective.sampler.epoch_order(0))
+            for mode in sampling_modes:
+                pruned = build(prompt_rate=PROMPT_RATE, completion_rate=COMPLETION_RATE, dense_packing=True,
+                               sampling=mode)
+                out[mode] = enumerate_expected_gradient(pruned, draws)
+        finally:
+            trainer.generate, dppo.keep_uniform = original_generate, original_uniform
+        loss, grad = reference_grpo(policy=policy, reference=reference, arch=arch, source=source,
+                                    prompt_ids=out["full"]["prompt_ids"][:NUM_PROMPTS], rollout=rollout)
+        out["reference"] = dict(loss=loss, grad=grad)
+    return out
+
+
+SAMPLING_MODES = ("independent",)
+
+
+@functools.lru_cache(maxsize=1)
+def results() -> dict:
+    return run_distributed(_objective_checks, 1, sampling_modes=SAMPLING_MODES)[0]
+
+
+def _assert_grad_close(got: torch.Tensor, expected: torch.Tensor, label: str, *, rtol: float) -> None:
+    scale = float(expected.abs().max())
+    assert scale > 1e-4, f"{label}: the expected gradient is ~0: the test would prove nothing"
+    error = float((got - expected).abs().max())
+    assert error <= rtol * scale, f"{label}: max |difference| {error:.3g} > {rtol} x max |gradient| {scale:.3g}"
+
+
+def test_unpruned_trainer_step_is_plain_grpo():
+    """Rates 0: the trainer's loss and every gradient equal the plain-PyTorch GRPO reference, with
+    the KL term on and clipping active."""
+    got = results()
+    full, ref = got["full"], got["reference"]
+    assert full["metrics"]["clip_fraction"] > 0.0, f"the old policy should be far enough to clip: {full['metrics']}"
+    assert full["metrics"]["kl_loss"] > 0.0
+    torch.testing.assert_close(full["metrics"]["loss"], ref["loss"], rtol=1e-5, atol=1e-7)
+    _assert_grad_close(full["grad"], ref["grad"], "trainer vs reference", rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", SAMPLING_MODES)
+def test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration(mode):
+    """E over every prompt and completion keep pattern of the trainer's DPPO gradient = the unpruned
+    trainer gradient; every item's keep frequency equals its keep probability."""
+    got = results()
+    result = got[mode]
+    assert abs(result["total"] - 1.0) < 1e-9, result["total"]
+    probs = result["prompt_probs"]
+    assert probs.min() < 1.0 and (probs < 1.0).sum() >= 2, f"some prompts must be pruned: {probs.tolist()}"
+    torch.testing.assert_close(result["prompt_freq"], probs, rtol=0, atol=1e-9)
+    assert result["runs"] >= 8
+    assert set(result["completion_freq"]) == set(result["completion_marginal"])
+    for key, frequency in result["completion_freq"].items():
+        assert abs(frequency - result["completion_marginal"][key]) < 1e-9, (key, frequency)
+    assert min(result["completion_marginal"].values()) < 0.5
+    _assert_grad_close(result["expected"], got["full"]["grad"], f"{mode}: E[DPPO] vs GRPO", rtol=1e-4)

@@ -1,0 +1,50 @@
+"""Seeded bugs of the GRPO / DPPO objective and its resume, each with the tests that must catch it.
+
+Format: ``tools/mutants.py`` (``MUTANTS``: name, why, file, old, new, tests).
+"""
+
+from __future__ import annotations
+
+OBJECTIVE = "tests/distributed/test_grpo_objective.py"
+UNBIASED = f"{OBJECTIVE}::test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration"
+PLAIN = f"{OBJECTIVE}::test_unpruned_trainer_step_is_plain_grpo"
+RESUME = "tests/e2e/test_grpo_resume.py"
+
+MUTANTS: list[dict] = [
+    {
+        "name": "grpo-drops-prompt-weight",
+        "why": "the trainer weights kept completions by 1/q only, forgetting the prompt keep probability 1/p",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "weights = combine_weights(prompt_weights=prompt_decision.weights[prompt_decision.keep],",
+        "new": "weights = combine_weights(prompt_weights=torch.ones_like(prompt_decision.weights[prompt_decision.keep]),",
+        "tests": [UNBIASED],
+    },
+    {
+        "name": "grpo-drops-dppo-weights",
+        "why": "kept completions train with weight 1: pruning without importance correction",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "advantage=float(advantages[k, j]), weight=float(weights[k, j]),",
+        "new": "advantage=float(advantages[k, j]), weight=1.0,",
+        "tests": [UNBIASED],
+    },
+    {
+        "name": "grpo-advantages-over-kept-completions",
+        "why": "group advantages recomputed over the kept completions only (they then depend on the keep draws)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "advantage=float(advantages[k, j]), weight=float(weights[k, j]),",
+        "new": (
+            "advantage=float(group_advantages(rewards[k:k + 1, completion_decision.keep[k]],"
+            " config=self.grpo.advantage_config())[0, int(completion_decision.keep[k, :j].sum())]),"
+            " weight=float(weights[k, j]),"
+        ),
+        "tests": [UNBIASED],
+    },
+    {
+        "name": "grpo-normaliser-from-kept-tokens",
+        "why": "the loss is divided by the kept completions' token count instead of the unpruned constant",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "normalisers = [float(per_minibatch * tokens_per)] * self.grpo.minibatches",
+        "new": "normalisers = [float(max(sum(len(it.completion) for it in mb), 1)) for mb in minibatches]",
+        "tests": [UNBIASED],
+    },
+]
