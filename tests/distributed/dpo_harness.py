@@ -34,7 +34,6 @@ def dpo_grads(
     micro_batch_size: int = 2,
     reduction: str = "mean",
     step: int = 0,
-    branch_pattern: tuple[int, ...] | None = None,
     reference_seed: int = SEED + 1,
     preset: str = "tiny",
 ):
@@ -53,7 +52,8 @@ def dpo_grads(
 
     samples, pad_id = sample_pairs()
     par = ParallelConfig(**(parallel or {}))
-    prune_cfg = PruneConfig(**{**dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False), **(prune or {})})
+    off = dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False, branch_chosen_prob=0.5, selective_head=True)
+    prune_cfg = PruneConfig(**{**off, **(prune or {})})
     with model_parallel(par, seed=SEED):
         arch = get_preset(preset)
         policy = setup_model(arch, par, seed=SEED)
@@ -64,16 +64,6 @@ def dpo_grads(
             micro_batch_size=micro_batch_size, pad_id=pad_id,
         )
         runner = DPOStep(settings=settings, policy=policy, reference=reference)
-        if branch_pattern is not None:
-            original = runner.plan
-
-            def forced(step_, samples_):
-                plans = original(step_, samples_)
-                for p in plans:
-                    p.kept_branch = branch_pattern[p.sample_id]
-                return plans
-
-            runner.plan = forced
         mine = dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),
                         dp_size=parallel_state.get_data_parallel_world_size())
         for chunk in policy:
