@@ -32,6 +32,8 @@ class OptimConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """Momentum of SGD (Megatron's default)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
     use_distributed_optimizer: bool = False
@@ -70,6 +72,7 @@ def build_optimizer(model: list[DistributedDataParallel], optim: OptimConfig, *,
         adam_beta1=optim.adam_beta1,
         adam_beta2=optim.adam_beta2,
         adam_eps=optim.adam_eps,
+        sgd_momentum=optim.sgd_momentum,
         clip_grad=optim.clip_grad,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
