@@ -15,7 +15,7 @@
 #   DATA       preference JSONL/Parquet [bundled HH-RLHF sample]
 #   SAVE       checkpoint directory; a rerun resumes from it [none]
 #   TRAIN_ITERS [20]  GBS [8]  MBS [1]  SEQ_LEN [256]  LR [1e-6]
-#   PYTHON     interpreter that runs torchrun [python]
+#   PYTHON     interpreter that runs torchrun [.venv/bin/python when present, else python]
 #   DRY_RUN=1  print the command instead of running it
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,9 @@ TP=${TP:-1}
 PP=${PP:-1}
 MODEL=${MODEL:-tiny}
 DATA=${DATA:-megatron_prune/data/samples/hh_rlhf_sample.jsonl}
-PYTHON=${PYTHON:-python}
+if [ -z "${PYTHON:-}" ]; then
+  if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
 
 if [ -d "$MODEL" ]; then MODEL_ARGS=(--hf-model "$MODEL"); else MODEL_ARGS=(--model-preset "$MODEL"); fi
 

@@ -8,6 +8,8 @@
 # EXTRA (more flags), DRY_RUN=1 (print the command only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The project's environment (created by examples/quickstart.sh), unless one is active already.
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 HF_MODEL=${HF_MODEL:?set HF_MODEL to a local HF directory, e.g. /models/Qwen3-4B}
 DATA=${DATA:?set DATA to a preference file (JSONL/Parquet)}
 GPUS=${GPUS:-8}; TP=${TP:-2}; PP=${PP:-1}

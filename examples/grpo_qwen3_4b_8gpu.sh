@@ -4,6 +4,9 @@
 #   HF_MODEL=/models/Qwen3-4B DATA=../shared/data/gsm8k/train.jsonl TASK=gsm8k ITERS=500
 #   PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 OUT=runs/grpo_qwen3_4b DRY_RUN=1 (print the command only)
 set -euo pipefail
+cd "$(dirname "$0")/.."
+# The project's environment (created by examples/quickstart.sh), unless one is active already.
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 GPUS=${GPUS:-8}; NODES=${NODES:-1}; NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}; MASTER_PORT=${MASTER_PORT:-29500}
 TP=${TP:-2}; PP=${PP:-1}; ITERS=${ITERS:-500}

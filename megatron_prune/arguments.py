@@ -7,34 +7,96 @@ field's docstring is its help text. Values are validated by the dataclasses' ``_
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import functools
-import inspect
+import json
 import os
+import subprocess
 import sys
-import textwrap
+import time
 import types
 import typing
 from typing import Any
 
+from megatron_prune.config import field_docs, flag_of
 
-@functools.lru_cache(maxsize=None)
-def field_docs(cls: type) -> dict[str, str]:
-    """Map each dataclass field to the string literal that follows it in the class body."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
+__all__ = ["UsageError", "add_dataclass_group", "build_parser", "configs_from_args", "fail_usage", "field_docs",
+           "flag_of", "parse_configs"]
+
+
+class UsageError(ValueError):
+    """A flag or layout problem found before any rank does work."""
+
+
+_REPEAT_AFTER_LAUNCHER = """
+import os, sys, time
+pid, message = int(sys.argv[1]), sys.argv[2]
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                break
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            pass
+    time.sleep(0.02)
+sys.stderr.write(message + "\\n")
+sys.stderr.flush()
+"""
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _record_for_torchrun(message: str) -> None:
+    """Under torchrun: hand ``message`` to the launcher's failure report (its root-cause entry shows
+    it instead of a pointer to the elastic docs) and repeat it once the launcher has printed that
+    report and exited, so the message is the last thing on the terminal."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w", encoding="utf-8") as handle:
+                json.dump(record, handle)
+        except OSError:
+            pass
+    try:
+        subprocess.Popen([sys.executable, "-c", _REPEAT_AFTER_LAUNCHER, str(os.getppid()), message],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    except OSError:
+        pass
+
+
+def fail_usage(exc: Exception | str, *, prefix: str = "megatron-prune: error: ") -> None:
+    """One clear message from rank 0, exit code 2, before any collective.
+
+    Every rank finds the same error, but torchrun stops all ranks as soon as one exits: the
+    other ranks wait (up to 20 s) so that rank 0 is not killed before it has printed. Under
+    torchrun the message is also repeated after the launcher's own failure report.
+    """
+    message = f"{prefix}{exc}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+        if _under_torchrun():
+            _record_for_torchrun(message)
+    else:
+        time.sleep(20.0)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump, once per launch) instead of the full usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        fail_usage(f"{message} (run with --help to see every flag, its choices and default)",
+                   prefix=f"{self.prog}: error: ")
+        raise AssertionError("unreachable")
 
 
 def _base_type(annotation: Any) -> tuple[type, bool]:
@@ -48,12 +110,23 @@ def _base_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def flag_of(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _metavar(flag: str) -> str:
+    return flag.lstrip("-").upper().replace("-", "_")
 
 
 def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """Add one argument group with a flag per field of ``cls`` (dest = field name)."""
+    """Add one argument group with a flag per field of ``cls`` (dest = field name).
+
+    Help shows each flag's documentation, its allowed values (choices), its default (switches:
+    on/off; ``metadata["shown_default"]`` where the field's own default is a "not given" marker)
+    and a metavar named after the flag.
+    """
     group = parser.add_argument_group(title, (cls.__doc__ or "").strip().splitlines()[0])
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -62,26 +135,32 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str) 
         help_text = docs.get(f.name, "")
         base, is_list = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = f.metadata.get("shown_default", default)
         dest = f"{cls.__name__}.{f.name}"
         if base is bool:
-            group.add_argument(flag, dest=dest, action="store_true", default=default, help=help_text)
+            group.add_argument(flag, dest=dest, action="store_true", default=default,
+                               help=f"{help_text} (default: {_shown(bool(shown))})")
             if "bool_off" in f.metadata:
-                group.add_argument(f.metadata["bool_off"], dest=dest, action="store_false", help=f"Turn off {flag}.")
+                group.add_argument(f.metadata["bool_off"], dest=dest, action="store_false",
+                                   help=f"Turn {flag} off (default: {_shown(bool(shown))}).")
             continue
-        kwargs: dict[str, Any] = dict(dest=dest, type=base, default=default, metavar=f.name.upper(),
-                                      help=f"{help_text} (default: {default})")
+        suffix = "" if shown is None or shown == [] else f" (default: {_shown(shown)})"
+        kwargs: dict[str, Any] = dict(dest=dest, type=base, default=default, help=f"{help_text}{suffix}")
         if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
+            kwargs["choices"] = f.metadata["choices"]  # argparse shows them as {a,b,...}
+        else:
+            kwargs["metavar"] = _metavar(flag)
         if is_list:
             kwargs["nargs"] = f.metadata.get("nargs", "+")
         group.add_argument(flag, **kwargs)
 
 
 def build_parser(prog: str, groups: dict[str, type], description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     for title, cls in groups.items():
         add_dataclass_group(parser, cls, title)
-    parser.add_argument("--dry-run", action="store_true", help="Validate flags and layout, print the plan, exit.")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="Validate flags and layout, print the resolved settings, exit (default: off).")
     return parser
 
 
@@ -121,9 +200,5 @@ def parse_configs(
     try:
         return args, configs_from_args(args, groups)
     except ValueError as exc:
-        from megatron_prune.training.session import fail_usage
-
-        if int(os.environ.get("RANK", "0")) == 0:
-            parser.print_usage(sys.stderr)
         fail_usage(exc)  # one message from rank 0, exit code 2
         raise  # unreachable

@@ -7,19 +7,52 @@ groups from these classes.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
 from dataclasses import dataclass, field
+
+MODEL_PRESETS = ("tiny", "tiny-tied")
+"""Names accepted by --model-preset (megatron_prune.model.arch.PRESETS; kept here so that the flags
+need no model code)."""
 
 
 def _flag(name: str, **extra) -> dict:
     return {"flag": name, **extra}
 
 
+def flag_of(f: dataclasses.Field) -> str:
+    """The command-line name of a config field."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each dataclass field to the string literal that follows it in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Where the model comes from and how it is laid out."""
 
-    model_preset: str | None = field(default=None, metadata=_flag("--model-preset"))
-    """Tiny random-weight preset (tiny, tiny-tied) with its bundled tokenizer."""
+    model_preset: str | None = field(default=None, metadata=_flag("--model-preset", choices=MODEL_PRESETS))
+    """Tiny random-weight model (tiny: 4 Qwen3-shaped layers; tiny-tied: the same with tied embeddings),
+    with its bundled tokenizer; identical at every layout."""
     hf_model: str | None = field(default=None, metadata=_flag("--hf-model"))
     """Local HF model directory (config.json + safetensors): architecture, weights and tokenizer."""
     tokenizer: str | None = field(default=None, metadata=_flag("--tokenizer"))
@@ -41,7 +74,7 @@ class ModelConfig:
     use_distributed_optimizer: bool = field(default=False, metadata=_flag("--use-distributed-optimizer"))
     """Shard optimizer state over data-parallel ranks."""
     device: str = field(default="auto", metadata=_flag("--device", choices=("auto", "cuda", "npu", "cpu")))
-    """Accelerator: auto, cuda, npu or cpu."""
+    """Accelerator (auto: cuda if present, else npu if present, else cpu)."""
 
 
 @dataclass(kw_only=True)
@@ -57,7 +90,8 @@ class TrainConfig:
     seq_length: int = field(default=1024, metadata=_flag("--seq-length"))
     """Maximum tokens of one sequence (prompt + response)."""
     max_prompt_length: int | None = field(default=None, metadata=_flag("--max-prompt-length"))
-    """Prompts are cut from the left to this many tokens (default: no separate limit)."""
+    """Longer prompts are cut from the left to this many tokens, keeping BOS and the chat template's head
+    (default: DPO, no separate limit; GRPO, --seq-length minus --max-new-tokens)."""
     lr: float = field(default=1e-6, metadata=_flag("--lr"))
     """Peak learning rate."""
     min_lr: float = field(default=0.0, metadata=_flag("--min-lr"))
@@ -67,13 +101,15 @@ class TrainConfig:
     lr_decay_style: str = field(default="constant", metadata=_flag("--lr-decay-style", choices=("constant", "linear", "cosine")))
     """Learning-rate decay after warm-up."""
     optimizer: str = field(default="adam", metadata=_flag("--optimizer", choices=("adam", "sgd")))
-    """Optimizer."""
+    """Optimizer: adam (Adam with decoupled weight decay) or sgd (Megatron's SGD, with --sgd-momentum)."""
     weight_decay: float = field(default=0.0, metadata=_flag("--weight-decay"))
     """Decoupled weight decay."""
     adam_beta1: float = field(default=0.9, metadata=_flag("--adam-beta1"))
     """Adam beta1."""
     adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2"))
     """Adam beta2."""
+    sgd_momentum: float = field(default=0.9, metadata=_flag("--sgd-momentum"))
+    """Momentum of --optimizer sgd (Megatron's default 0.9; 0 = plain SGD)."""
     clip_grad: float = field(default=1.0, metadata=_flag("--clip-grad"))
     """Gradient-norm clip (0 = off)."""
     seed: int = field(default=1234, metadata=_flag("--seed"))
@@ -91,6 +127,8 @@ class TrainConfig:
             raise ValueError("--lr and --min-lr must be >= 0")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if not 0.0 <= self.sgd_momentum < 1.0:
+            raise ValueError(f"--sgd-momentum must be in [0, 1), got {self.sgd_momentum}")
 
 
 @dataclass(kw_only=True)
@@ -125,22 +163,42 @@ class LoggingConfig:
     """Console progress line every N steps."""
 
 
+PRUNE_PRESETS: dict[str, dict[str, float | bool]] = {
+    "study": {"position_ratio": 0.6, "seq_min_ratio": 0.5, "branch": True, "branch_chosen_prob": 0.5},
+}
+"""Named pruning settings for --prune-preset; a --prune-* flag given with it overrides its value."""
+PRUNE_OFF: dict[str, float | bool] = {"position_ratio": 1.0, "seq_min_ratio": 1.0, "branch": False,
+                                      "branch_chosen_prob": 0.5}
+"""The defaults: every stochastic pruning off (exact DPO)."""
+
+
 @dataclass(kw_only=True)
 class PruneConfig:
-    """DPO graph pruning (see DESIGN.md §1). Each value at its 'off' setting reproduces the baseline."""
+    """DPO graph pruning (method and bias: docs/dpo.md). Default: exact DPO, only the exact selective head on."""
 
-    position_ratio: float = field(default=0.6, metadata=_flag("--prune-position-ratio"))
-    """alpha: fraction of response positions scored by the LM head (uniform subset); 1 = off."""
-    seq_min_ratio: float = field(default=0.5, metadata=_flag("--prune-seq-min-ratio"))
-    """rho_min: each response keeps a prefix of ratio rho ~ U(rho_min, 1); 1 = off."""
-    branch: bool = field(default=False, metadata=_flag("--prune-branch"))
-    """Branch pruning: only one of chosen/rejected keeps its backward graph, weighted 1/q."""
-    branch_chosen_prob: float = field(default=0.5, metadata=_flag("--prune-branch-chosen-prob"))
-    """q_w: probability of keeping the chosen branch (q_l = 1 - q_w)."""
+    preset: str | None = field(default=None, metadata=_flag("--prune-preset", choices=tuple(PRUNE_PRESETS)))
+    """study: position alpha=0.6, sequence rho_min=0.5, branch with q_w=0.5; a --prune-* flag given as well
+    overrides its value (default: none, every stochastic pruning off)."""
+    position_ratio: float | None = field(default=None, metadata=_flag("--prune-position-ratio", shown_default=1.0))
+    """alpha: fraction of response positions scored by the LM head (uniform subset; unbiased reward); 1 = off."""
+    seq_min_ratio: float | None = field(default=None, metadata=_flag("--prune-seq-min-ratio", shown_default=1.0))
+    """rho_min: each response keeps a prefix of ratio rho ~ U(rho_min, 1) (changes the objective); 1 = off."""
+    branch: bool | None = field(default=None, metadata=_flag("--prune-branch", bool_off="--no-prune-branch",
+                                                             shown_default=False))
+    """Branch pruning: only one of chosen/rejected keeps its backward graph, weighted 1/q (unbiased)."""
+    branch_chosen_prob: float | None = field(default=None, metadata=_flag("--prune-branch-chosen-prob",
+                                                                          shown_default=0.5))
+    """q_w: probability of keeping the chosen branch under --prune-branch (q_l = 1 - q_w)."""
     selective_head: bool = field(default=True, metadata=_flag("--selective-head", bool_off="--no-selective-head"))
-    """Run the LM head only at scored response positions (off: full-vocabulary logits, then index)."""
+    """Run the LM head only at scored response positions (exact; off: full-vocabulary logits, then index)."""
 
     def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRUNE_PRESETS:
+            raise ValueError(f"--prune-preset must be one of {', '.join(PRUNE_PRESETS)}, got {self.preset!r}")
+        base = PRUNE_PRESETS[self.preset] if self.preset else PRUNE_OFF
+        for name, value in base.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if not 0.0 < self.position_ratio <= 1.0:
             raise ValueError(f"--prune-position-ratio must be in (0, 1], got {self.position_ratio}")
         if not 0.0 < self.seq_min_ratio <= 1.0:
@@ -166,7 +224,7 @@ class DPOConfig:
     data_format: str = field(default="auto", metadata=_flag("--data-format", choices=("auto", "explicit", "hh", "helpsteer3")))
     """Record format (auto-detected per record by default)."""
     skip_invalid: bool = field(default=False, metadata=_flag("--skip-invalid-records"))
-    """Skip malformed records with a counted, logged warning instead of stopping."""
+    """Skip malformed records with a counted, logged warning instead of stopping at the first one."""
     beta: float = field(default=1.0, metadata=_flag("--dpo-beta"))
     """beta of the DPO logistic loss."""
     loss_average: str = field(default="mean", metadata=_flag("--dpo-logp-reduction", choices=("mean", "sum")))

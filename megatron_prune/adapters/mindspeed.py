@@ -301,7 +301,7 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> list[str]:
     the parser already has (Megatron-LM's own ``--lr``, ``--seq-length``, ...) is left alone.
     Returns the flags added.
     """
-    from megatron_prune.arguments import field_docs, flag_of
+    from megatron_prune.config import field_docs, flag_of
 
     group = parser.add_argument_group(title="megatron-prune")
     added = []

@@ -104,7 +104,7 @@ class DPOStep:
 
     def reset_counters(self) -> None:
         self.counters = {k: 0 for k in ("policy_tokens", "ref_tokens", "policy_padded_tokens", "ref_padded_tokens",
-                                        "scored_positions", "logits_rows")}
+                                        "scored_positions", "logits_rows", "train_tokens", "forward_only_tokens")}
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, step: int, samples: list[tuple[int, PreferencePair]]) -> list[PlannedPair]:
@@ -175,6 +175,7 @@ class DPOStep:
         batches, seq_length, groups = self._microbatches(plans, lambda p: [CHOSEN, REJECTED])
         outputs = self._forward_only(self.reference, batches, seq_length)
         self.counters["ref_tokens"] += sum(b.executed_tokens for b in batches)
+        self.counters["forward_only_tokens"] += sum(b.executed_tokens for b in batches)
         self.counters["ref_padded_tokens"] += sum(b.tokens.numel() for b in batches)
         if outputs is None:
             return None
@@ -199,7 +200,7 @@ class DPOStep:
         if self.s.prune.branch:
             pruned_batches, pruned_len, pruned_groups = self._microbatches(plans, lambda p: [1 - p.kept_branch])
             outputs = self._forward_only(self.policy, pruned_batches, pruned_len)
-            self._count_policy(pruned_batches)
+            self._count_policy(pruned_batches, backward=False)
             if outputs is not None:
                 pruned_logps = self._by_response(pruned_groups, pruned_batches, outputs)
                 pruned_ratio = {
@@ -211,7 +212,7 @@ class DPOStep:
                 }
         branches_of = (lambda p: [p.kept_branch]) if self.s.prune.branch else (lambda p: [CHOSEN, REJECTED])
         batches, seq_length, groups = self._microbatches(plans, branches_of)
-        self._count_policy(batches)
+        self._count_policy(batches, backward=not forward_only)
         for batch, group in zip(batches, groups):
             batch.extras["loss_func"] = partial(self._loss, group=group, ref=ref, pruned_ratio=pruned_ratio)
         with torch.no_grad() if forward_only else contextlib.nullcontext():
@@ -233,8 +234,13 @@ class DPOStep:
                 return len(p.responses[key[1]])
         raise KeyError(key)
 
-    def _count_policy(self, batches: list[DPOMicrobatch]) -> None:
-        self.counters["policy_tokens"] += sum(b.executed_tokens for b in batches)
+    def _count_policy(self, batches: list[DPOMicrobatch], *, backward: bool) -> None:
+        """Token counters of one policy pass: ``policy_tokens`` counts every policy forward,
+        ``train_tokens`` the passes that run a backward, ``forward_only_tokens`` the others (and,
+        in :meth:`reference_logps`, the reference model's)."""
+        executed = sum(b.executed_tokens for b in batches)
+        self.counters["train_tokens" if backward else "forward_only_tokens"] += executed
+        self.counters["policy_tokens"] += executed
         self.counters["policy_padded_tokens"] += sum(b.tokens.numel() for b in batches)
         n = sum(len(b.selection.index) for b in batches)
         self.counters["scored_positions"] += n

@@ -41,6 +41,7 @@ def run_cli(
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        versions = session.check_versions(kind)
         dp = session.validate(configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"],
                               world_size=world)
         if extra_checks is not None:
@@ -49,7 +50,7 @@ def run_cli(
         session.fail_usage(exc)
     if args.dry_run:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}; configs:")
+            print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}, {versions}; configs:")
             for name, cfg in configs.items():
                 print(f"  {name}: {cfg}")
         return 0
@@ -57,12 +58,24 @@ def run_cli(
 
     try:
         run(configs)
-    except (session.UsageError, DataError, FileNotFoundError) as exc:
+    except DataError as exc:
+        session.fail_usage(with_way_out(exc))
+    except (session.UsageError, FileNotFoundError) as exc:
         session.fail_usage(exc)
     except NonFiniteError as exc:
         print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+SKIP_HINT = ("; to skip such records instead (each one counted and logged), pass --skip-invalid-records")
+
+
+def with_way_out(exc: Exception) -> str:
+    """A data error naming file:line, plus how to go on without the record."""
+    if getattr(exc, "line", None) is None:
+        return str(exc)
+    return f"{exc}{SKIP_HINT}"
 
 
 def _fail_early(exc: Exception) -> None:

@@ -256,6 +256,10 @@ def _progress_line(record: dict[str, Any], total: int) -> str:
         value = record.get(key)
         if isinstance(value, (int, float)):
             shown.append(f"{key} {value:.4g}")
+    for key in ("train_tokens", "forward_only_tokens"):
+        value = record.get(key)
+        if isinstance(value, (int, float)):
+            shown.append(f"{key} {int(value)}")
     if record.get("skipped"):
         shown.append("SKIPPED")
     return "[megatron-prune] " + " | ".join(shown)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 from megatron_prune.accelerator import set_accelerator
+from megatron_prune.arguments import UsageError, fail_usage
 from megatron_prune.config import CheckpointConfig, ModelConfig, TrainConfig
 from megatron_prune.model.arch import ModelArch, get_preset
 from megatron_prune.model.provider import ParallelConfig
@@ -16,8 +16,47 @@ from megatron_prune.training.model_setup import OptimConfig, build_optimizer, se
 logger = logging.getLogger(__name__)
 
 
-class UsageError(ValueError):
-    """A flag or layout problem found before any rank does work."""
+__all__ = ["UsageError", "fail_usage", "check_versions", "validate", "start", "build_parts"]
+
+MEGATRON_CORE_TESTED = ((0, 16), (0, 17))
+"""Megatron-Core releases this plugin is tested with: >= 0.16, < 0.17 (setup.py pins the same range)."""
+MEGATRON_CORE_CHECKED = "0.16.1"
+"""The release every CPU patch and Megatron seam was checked on."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_versions(device: str, *, megatron_version: str | None = None) -> str:
+    """The installed Megatron-Core version, checked against the tested range.
+
+    Outside the range on CPU (where our patches rebind Megatron internals and would not apply)
+    this is a :class:`UsageError`; on an accelerator it is a warning. Returns a one-line report.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = megatron_version or version("megatron-core")
+    except PackageNotFoundError:
+        found = "(not installed)"
+    low, high = MEGATRON_CORE_TESTED
+    tested = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    release = _release(found)
+    if not release or not low <= release[:2] < high:
+        message = (f"megatron-core {found} is installed, but megatron-prune is tested with megatron-core{tested} "
+                   f"(its CPU patches were checked on {MEGATRON_CORE_CHECKED}); "
+                   f"install it with: pip install 'megatron-core=={MEGATRON_CORE_CHECKED}'")
+        if device == "cpu":
+            raise UsageError(message)
+        logger.warning("%s", message)
+    return f"megatron-core {found} (tested: {tested})"
 
 
 def parallel_config(model: ModelConfig) -> ParallelConfig:
@@ -86,21 +125,6 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
     raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
 
 
-def fail_usage(exc: Exception) -> None:
-    """One clear message from rank 0, exit code 2, before any collective.
-
-    Every rank finds the same error, but torchrun stops all ranks as soon as one exits: the
-    other ranks wait (up to 20 s) so that rank 0 is not killed before it has printed.
-    """
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"megatron-prune: error: {exc}", file=sys.stderr, flush=True)
-    else:
-        import time
-
-        time.sleep(20.0)
-    sys.exit(2)
-
-
 def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
     """Choose the device, start torch.distributed and Megatron's parallel state."""
     from megatron_prune.training.parallel import initialize_distributed, initialize_model_parallel
@@ -124,7 +148,8 @@ def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, t
         policy,
         OptimConfig(
             optimizer=train.optimizer, lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
-            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, clip_grad=train.clip_grad,
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, sgd_momentum=train.sgd_momentum,
+            clip_grad=train.clip_grad,
             use_distributed_optimizer=model.use_distributed_optimizer,
         ),
         bf16=model.bf16,

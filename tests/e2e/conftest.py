@@ -24,12 +24,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = str(REPO / "megatron_prune" / "data" / "samples" / "hh_rlhf_sample.jsonl")
 
-# A tiny DPO run with every pruning on (α = 0.6 and ρ_min = 0.5 are the defaults).
+# A tiny DPO run with every pruning on (the defaults are exact DPO: pruning is asked for explicitly).
 TINY_DPO = [
     "--model-preset", "tiny", "--data-path", SAMPLE,
     "--seq-length", "128", "--max-prompt-length", "64",
     "--global-batch-size", "8", "--micro-batch-size", "2",
-    "--lr", "1e-3", "--prune-branch",
+    "--lr", "1e-3", "--prune-position-ratio", "0.6", "--prune-seq-min-ratio", "0.5", "--prune-branch",
 ]
 
 

@@ -9,11 +9,12 @@ is a real 2-rank torchrun launch, to show only rank 0 speaks.
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
 from megatron_prune.model.arch import get_preset
-from tests.e2e.conftest import TINY_DPO, run_dpo
+from tests.e2e.conftest import REPO, TINY_DPO, launch_env, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -85,14 +86,32 @@ def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, caps
     assert _no_process_group()
 
 
-def test_two_ranks_print_one_message(tmp_path):
-    """A real torchrun launch: both ranks exit 2 before starting the process group; one message."""
-    run = run_dpo([*TINY_DPO, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-                  log=tmp_path / "log.txt", timeout=240)
-    assert run.returncode != 0
-    message = "megatron-prune: error: world size 2 is not divisible by tensor-model-parallel-size"
-    assert run.output.count(message) == 1, run.output[-4000:]
-    assert "(exitcode: 2)" in run.output, run.output[-4000:]
+def test_two_ranks_message_is_the_last_line(tmp_path):
+    """A real torchrun launch: both ranks exit 2 before starting the process group; rank 0's one-line
+    message is also the root cause in torchrun's failure report, and it is repeated after that
+    report, so it is the last thing the user reads."""
+    cmd = torchrun_cmd(["-m", "megatron_prune.dpo", *TINY_DPO, "--tensor-model-parallel-size", "2",
+                        "--pipeline-model-parallel-size", "2"])
+    # One pipe for both streams; it closes only when the repeater has written (after torchrun exited).
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode != 0
+    message = ("megatron-prune: error: world size 2 is not divisible by tensor-model-parallel-size x "
+               "pipeline-model-parallel-size = 2 x 2")
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1].startswith(message), out[-4000:]
+    assert "(exitcode: 2)" in out or "exitcode  : 2" in out, out[-4000:]
+    assert f"traceback : {lines[-1]}" in out, out[-4000:]  # the report's root cause is our message
     # No rank printed a traceback (torchrun's own ChildFailedError summary is expected).
-    assert "[rank0]:" not in run.output and "[rank1]:" not in run.output, run.output[-4000:]
-    assert "megatron_prune/" not in run.output and "[megatron-prune] step" not in run.output
+    assert "[rank0]:" not in out and "[rank1]:" not in out, out[-4000:]
+    assert "megatron_prune/" not in out and "[megatron-prune] step" not in out
+
+
+def test_unknown_model_preset_fails_validation_in_one_line(monkeypatch, capsys):
+    """--model-preset big stops at validation, also under --dry-run: one line, no traceback, no usage dump."""
+    code, err = _main([*TINY_DPO[2:], "--model-preset", "big", "--dry-run"], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "megatron-prune-dpo: error: argument --model-preset: invalid choice: 'big' (choose from 'tiny', 'tiny-tied') "
+        "(run with --help to see every flag, its choices and default)"]

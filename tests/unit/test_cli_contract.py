@@ -10,7 +10,19 @@ DPO_FLAGS = [
     "--seed", "--load", "--save", "--save-interval", "--prune-position-ratio", "--prune-seq-min-ratio",
     "--prune-branch", "--prune-branch-chosen-prob", "--dpo-layout", "--dpo-beta", "--ref-mode",
     "--data-path", "--hf-model", "--model-preset", "--metrics-jsonl", "--device", "--dry-run",
+    "--prune-preset", "--no-prune-branch", "--sgd-momentum", "--skip-invalid-records", "--max-prompt-length",
 ]
+GRPO_FLAGS = ["--task", "--group-size", "--max-new-tokens", "--std-normalization", "--no-std-normalization",
+              "--advantage-std", "--skip-invalid-records", "--max-prompt-length", "--sgd-momentum",
+              "--dppo-prompt-prune-rate", "--dppo-completion-prune-rate", "--dense-packing"]
+CHOICES = {
+    "--optimizer": ["adam", "sgd"], "--lr-decay-style": ["constant", "linear", "cosine"],
+    "--data-format": ["auto", "explicit", "hh", "helpsteer3"], "--model-preset": ["tiny", "tiny-tied"],
+    "--device": ["auto", "cuda", "npu", "cpu"], "--prune-preset": ["study"], "--dpo-layout": ["full", "concat"],
+    "--dpo-logp-reduction": ["mean", "sum"], "--ref-mode": ["online", "precomputed"], "--on-nonfinite": ["stop", "skip"],
+}
+GRPO_CHOICES = {"--task": ["toy", "toy-binary", "gsm8k", "math"], "--dppo-history-score": ["std", "informative"],
+                "--advantage-std": ["population", "sample"], "--loss-normalization": ["constant", "sequence"]}
 
 
 def _dpo_parser():
@@ -26,14 +38,49 @@ def test_dpo_contract_flags_exist():
     assert not missing, f"public DPO flags missing: {missing}"
 
 
-def test_defaults_follow_the_study():
+def _grpo_parser():
+    from megatron_prune.arguments import build_parser
+    from megatron_prune.grpo.__main__ import GROUPS
+
+    return build_parser("megatron-prune-grpo", GROUPS, "")
+
+
+def test_grpo_contract_flags_exist():
+    options = set(_grpo_parser()._option_string_actions)
+    missing = [f for f in GRPO_FLAGS if f not in options]
+    assert not missing, f"public GRPO flags missing: {missing}"
+
+
+def test_dpo_defaults_are_exact_dpo():
+    """No --prune-* flag: every stochastic pruning off (the exact selective head stays on)."""
     from megatron_prune.arguments import configs_from_args
     from megatron_prune.dpo.__main__ import GROUPS
 
     configs = configs_from_args(_dpo_parser().parse_args(["--model-preset", "tiny"]), GROUPS)
     prune, dpo = configs["PruneConfig"], configs["DPOConfig"]
-    assert (prune.position_ratio, prune.seq_min_ratio, prune.branch_chosen_prob) == (0.6, 0.5, 0.5)
+    assert (prune.position_ratio, prune.seq_min_ratio, prune.branch) == (1.0, 1.0, False)
+    assert prune.selective_head is True and prune.preset is None
     assert dpo.beta == 1.0 and dpo.loss_average == "mean"
+
+
+@pytest.mark.parametrize("parser, choices", [("dpo", CHOICES), ("grpo", GRPO_CHOICES)])
+def test_help_shows_every_choice_and_switch_default(parser, choices):
+    """--help lists the allowed values of every choice flag, on/off of every switch, and metavars
+    named after their flags; it cites no file outside the repository's docs."""
+    p = _dpo_parser() if parser == "dpo" else _grpo_parser()
+    text = " ".join(p.format_help().split())
+    for flag, values in choices.items():
+        assert f"{flag} {{{','.join(values)}}}" in text, flag
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        if action.nargs == 0:  # a switch
+            assert "(default: on" in action.help or "(default: off" in action.help, action.option_strings
+        elif action.choices is None:
+            assert action.metavar == action.option_strings[0].lstrip("-").upper().replace("-", "_")
+    assert "DESIGN" not in text and "§" not in text
+    if parser == "grpo":
+        assert "--std-normalization Divide" in text and "(default: on)" in text
 
 
 def test_every_flag_has_help():
