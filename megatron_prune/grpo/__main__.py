@@ -25,7 +25,7 @@ GROUPS = {
 
 
 def _checks(configs) -> None:
-    from megatron_prune.training.session import UsageError
+    from megatron_prune.arguments import UsageError
 
     grpo: GRPOConfig = configs["GRPOConfig"]
     if configs["TrainConfig"].global_batch_size % grpo.minibatches:
@@ -33,6 +33,18 @@ def _checks(configs) -> None:
                          f"into --minibatches {grpo.minibatches}")
     if grpo.task not in TOY_TASKS and not grpo.data_path:
         raise UsageError(f"--task {grpo.task} needs --data-path")
+    train = configs["TrainConfig"]
+    room = train.seq_length - grpo.max_new_tokens
+    if room < 1:
+        raise UsageError(f"--seq-length {train.seq_length} leaves no room for a prompt before --max-new-tokens "
+                         f"{grpo.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+    if train.max_prompt_length is not None and train.max_prompt_length > room:
+        raise UsageError(f"--max-prompt-length {train.max_prompt_length} + --max-new-tokens {grpo.max_new_tokens} "
+                         f"exceed --seq-length {train.seq_length}: a prompt and its completion would not fit in one "
+                         f"sequence; lower --max-prompt-length to at most {room} or raise --seq-length")
+    if grpo.task in TOY_TASKS and grpo.toy_prompt_length > room:
+        raise UsageError(f"--toy-prompt-length {grpo.toy_prompt_length} + --max-new-tokens {grpo.max_new_tokens} "
+                         f"exceed --seq-length {train.seq_length}")
     model = configs["ModelConfig"]
     if grpo.kv_cache and (model.pipeline_model_parallel_size > 1 or model.virtual_pipeline_model_parallel_size):
         raise UsageError("--kv-cache needs one pipeline stage (--pipeline-model-parallel-size 1, no virtual "

@@ -16,6 +16,9 @@ from megatron_prune.grpo.loss import GRPOLossConfig
 TASKS = ("toy", "toy-binary", "gsm8k", "math")
 TOY_TASKS = ("toy", "toy-binary")
 NORMALISATIONS = ("constant", "sequence")
+ADVANTAGE_STDS = ("population", "sample")
+ADVANTAGE_EPS = {"population": 1e-6, "sample": 1e-4}
+"""Added to the std before dividing, per --advantage-std."""
 
 
 def _flag(name: str, **extra) -> dict:
@@ -32,6 +35,8 @@ class GRPOConfig:
     answer token is in the class, else 0: whole groups all-right or all-wrong), gsm8k or math."""
     data_path: list[str] = field(default_factory=list, metadata=_flag("--data-path", nargs="+"))
     """GSM8K / MATH problem files (JSONL or Parquet); needed for --task gsm8k|math."""
+    skip_invalid: bool = field(default=False, metadata=_flag("--skip-invalid-records"))
+    """Skip malformed problem records with a counted, logged warning instead of stopping at the first one."""
     toy_num_prompts: int = field(default=256, metadata=_flag("--toy-num-prompts"))
     """Size of the toy task's prompt set (prompts 0..N-1 of its deterministic stream)."""
     toy_num_digits: int = field(default=10, metadata=_flag("--toy-num-digits"))
@@ -60,6 +65,9 @@ class GRPOConfig:
     """Coefficient of the k3 KL to a frozen reference model (online); 0 = no reference model."""
     normalize_std: bool = field(default=True, metadata=_flag("--std-normalization", bool_off="--no-std-normalization"))
     """Divide group-relative advantages by the group's reward std (off: Dr. GRPO's r - mean)."""
+    advantage_std: str = field(default="population", metadata=_flag("--advantage-std", choices=ADVANTAGE_STDS))
+    """Which std --std-normalization divides by: population (divide by G, plus 1e-6) or sample (divide by
+    G - 1, plus 1e-4, as TRL does); they differ by a factor sqrt(G / (G - 1))."""
     loss_normalization: str = field(default="constant", metadata=_flag("--loss-normalization", choices=NORMALISATIONS))
     """Token-loss normaliser from the unpruned batch: constant (prompts x G x max-new-tokens) or sequence (per-sequence mean over prompts x G)."""
     ppo_epochs: int = field(default=1, metadata=_flag("--ppo-epochs"))
@@ -98,7 +106,12 @@ class GRPOConfig:
             raise ValueError(f"--clip-eps-low/--clip-eps-high/--kl-beta: {exc}") from None
 
     def advantage_config(self) -> AdvantageConfig:
-        return AdvantageConfig(normalize_std=self.normalize_std)
+        if self.advantage_std not in ADVANTAGE_STDS:
+            raise ValueError(f"--advantage-std must be one of {', '.join(ADVANTAGE_STDS)}, got {self.advantage_std!r}")
+        if self.normalize_std and self.advantage_std == "sample" and self.group_size < 2:
+            raise ValueError("--advantage-std sample needs --group-size >= 2")
+        return AdvantageConfig(normalize_std=self.normalize_std, unbiased_std=self.advantage_std == "sample",
+                               eps=ADVANTAGE_EPS[self.advantage_std])
 
 
 @dataclass(kw_only=True)
