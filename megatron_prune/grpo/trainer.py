@@ -178,6 +178,7 @@ class GRPOObjective:
         self.sampler = EpochSampler(len(source), seed=train_cfg.seed)
         self.pruner = DPPOPruner(config=dppo.dppo_config(), seed=train_cfg.seed)
         self.buffer: RolloutBuffer | None = None
+        self._steps_done = 0
 
     # -- rollout ----------------------------------------------------------------------------------
     def _generate(self, prompts: list[Prompt], rollout: int) -> dict[Hashable, list[Completion]]:
@@ -264,6 +265,7 @@ class GRPOObjective:
 
     # -- the loop's interface ---------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
+        self._steps_done = step + 1
         updates = self.grpo.updates_per_rollout
         rollout, update = divmod(step, updates)
         fresh = self.buffer is None or self.buffer.index != rollout
@@ -301,13 +303,49 @@ class GRPOObjective:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "dppo": self.pruner.state_dict()}
+        """Sampler position and prompt history; inside a rollout (the next step reuses the current
+        rollout) also that rollout, so a resumed run trains on the same completions, weights and
+        old log-probs. Collective (gathers the log-probs each rank scored): call it on every rank."""
+        state: dict[str, Any] = {"sampler": self.sampler.state_dict(), "dppo": self.pruner.state_dict()}
+        if self.buffer is not None and self._steps_done % self.grpo.updates_per_rollout:
+            state["rollout"] = self._buffer_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sampler" in state:
             self.sampler.load_state_dict(state["sampler"])
         if "dppo" in state:
             self.pruner.load_state_dict(state["dppo"])
+        if "rollout" in state:
+            self.buffer = self._load_buffer(state["rollout"])
+
+    def _buffer_state(self) -> dict[str, Any]:
+        buffer = self.buffer
+        scored = {}  # each rank scored its own share (on the last pipeline stage)
+        for m, items in enumerate(buffer.minibatches):
+            for n, item in enumerate(items):
+                for which in ("old", "ref"):
+                    values = getattr(item, f"{which}_logprobs")
+                    if values is not None:
+                        scored[(m, n, which)] = values.detach().cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, scored)
+            scored = {key: value for part in parts for key, value in part.items()}
+        fields = ("prompt_id", "index", "prompt", "completion", "advantage", "weight")
+        return {
+            "index": buffer.index, "normalisers": list(buffer.normalisers), "metrics": dict(buffer.metrics),
+            "minibatches": [[{name: getattr(item, name) for name in fields} for item in items]
+                            for items in buffer.minibatches],
+            "logprobs": scored,
+        }
+
+    @staticmethod
+    def _load_buffer(state: dict[str, Any]) -> RolloutBuffer:
+        minibatches = [[TrainItem(**item) for item in items] for items in state["minibatches"]]
+        for (m, n, which), values in state["logprobs"].items():
+            setattr(minibatches[m][n], f"{which}_logprobs", values)
+        return RolloutBuffer(state["index"], minibatches, list(state["normalisers"]), dict(state["metrics"]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,11 +400,17 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     arch = session.resolve_arch(model_cfg, ckpt_cfg)
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg)
     parallel = session.start(model_cfg, train_cfg)
-    parts = session.build_parts(arch, parallel, model_cfg, train_cfg)
+    lora = configs.get("LoRAConfig")
+    parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora)
     reference = None
     if grpo.kl_beta > 0:
         ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load)
         parts.extra_meta = {"reference_load": ref_source}
-        reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+        if lora is not None and lora.enabled and not grpo.ref_load:
+            from megatron_prune.model.lora import adapter_off
+
+            reference = adapter_off(parts.model)  # the KL reference: the policy with adapters off
+        else:
+            reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
     objective = build_objective(configs=configs, arch=arch, policy=parts.model, reference=reference, source=source)
     return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg)

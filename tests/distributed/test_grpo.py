@@ -14,6 +14,8 @@ import torch
 
 from tests.dist import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 SEED = 4321
 LAYOUTS = {
     "tp2": dict(tensor_model_parallel_size=2),

@@ -47,4 +47,28 @@ MUTANTS: list[dict] = [
         "new": "normalisers = [float(max(sum(len(it.completion) for it in mb), 1)) for mb in minibatches]",
         "tests": [UNBIASED],
     },
+    {
+        "name": "grpo-resume-sampler-not-restored",
+        "why": "a resumed GRPO run starts the prompt order from the beginning instead of the saved position",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "            self.sampler.load_state_dict(state[\"sampler\"])",
+        "new": "            pass",
+        "tests": [RESUME],
+    },
+    {
+        "name": "grpo-resume-history-not-restored",
+        "why": "a resumed DPPO run forgets the prompt history, so its prompt keep probabilities and draws change",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "            self.pruner.load_state_dict(state[\"dppo\"])",
+        "new": "            pass",
+        "tests": [RESUME],
+    },
+    {
+        "name": "grpo-resume-rollout-not-restored",
+        "why": "a run resumed inside a rollout rolls out again with the current policy instead of reusing the saved rollout",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "            self.buffer = self._load_buffer(state[\"rollout\"])",
+        "new": "            pass",
+        "tests": [RESUME],
+    },
 ]
