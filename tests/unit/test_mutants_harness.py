@@ -1,0 +1,150 @@
+"""tools/mutants.py on a tiny synthetic repository: what counts as killed, survived and error."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL = REPO / "tools" / "mutants.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("mutants_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+CALC = "def add(a, b):\n    # adds\n    return a + b\n"
+TESTS = {
+    "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
+    # Only a child interpreter, started outside the copy, reads the mutated constant: PYTHONPATH
+    # must lead it to the copy (the original tree is not on any path).
+    "tests/test_child.py": textwrap.dedent("""
+        import subprocess
+        import sys
+
+
+        def test_child_process_uses_the_copy():
+            out = subprocess.run([sys.executable, "-c", "import calc; print(calc.TWO)"], cwd="/",
+                                 capture_output=True, text=True, check=True)
+            assert out.stdout.strip() == "2"
+    """),
+}
+CATALOG = textwrap.dedent('''
+    MUTANTS = [
+        {"name": "add-minus", "why": "subtracts", "file": "calc.py", "old": "return a + b", "new": "return a - b",
+         "tests": ["tests/test_calc.py"]},
+        {"name": "child-sees-copy", "why": "a constant read in a child process", "file": "calc.py",
+         "old": "TWO = 2", "new": "TWO = 3", "tests": ["tests/test_child.py"]},
+        {"name": "comment-only", "why": "changes nothing the tests can see", "file": "calc.py",
+         "old": "# adds", "new": "# sums", "tests": ["tests/test_calc.py"]},
+        {"name": "drifted", "why": "old text no longer in the file", "file": "calc.py",
+         "old": "return a * b", "new": "return 0", "tests": ["tests/test_calc.py"]},
+        {"name": "breaks-collection", "why": "a syntax error is not a failing test", "file": "calc.py",
+         "old": "return a + b", "new": "return a +", "tests": ["tests/test_calc.py"]},
+        {"name": "unknown-test", "why": "names a test id that does not exist", "file": "calc.py",
+         "old": "return a + b", "new": "return a - b", "tests": ["tests/test_calc.py::test_nothing"]},
+    ]
+''')
+
+
+@pytest.fixture
+def toy_repo(tmp_path):
+    root = tmp_path / "repo"
+    (root / "tests").mkdir(parents=True)
+    (root / "pytest.ini").write_text("[pytest]\n")
+    (root / "calc.py").write_text(CALC + "TWO = 2\n")
+    for rel, text in TESTS.items():
+        (root / rel).write_text(text)
+    (root / ".gitignore").write_text("ignored/\n")
+    (root / "ignored").mkdir()
+    (root / "ignored" / "calc.py").write_text("raise SystemExit('ignored files must not be copied')\n")
+    (root / "catalog.py").write_text(CATALOG)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    return root
+
+
+def run_tool(root: Path, *args: str) -> tuple[int, str]:
+    out = subprocess.run([sys.executable, str(TOOL), "--root", str(root), "--catalog", str(root / "catalog.py"),
+                          *args], capture_output=True, text=True, timeout=300)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_statuses_exit_code_and_json(toy_repo, tmp_path):
+    report = tmp_path / "report.json"
+    rc, output = run_tool(toy_repo, "--jobs", "2", "--json", str(report))
+    assert rc == 1, output
+    data = json.loads(report.read_text())
+    status = {r["name"]: r["status"] for r in data["results"]}
+    assert status == {
+        "add-minus": "killed",
+        "child-sees-copy": "killed",
+        "comment-only": "survived",
+        "drifted": "error",
+        "breaks-collection": "error",
+        "unknown-test": "error",
+    }, output
+    by_name = {r["name"]: r for r in data["results"]}
+    assert "occurs 0 times in calc.py" in by_name["drifted"]["detail"]
+    assert by_name["breaks-collection"]["returncode"] == 2
+    assert by_name["unknown-test"]["returncode"] == 4
+    assert data["summary"]["killed"] == 2 and data["summary"]["survived"] == 1 and data["summary"]["error"] == 3
+    assert "comment-only" in output and "survived" in output
+    # The original tree is never edited.
+    assert (toy_repo / "calc.py").read_text() == CALC + "TWO = 2\n"
+
+
+def test_only_killed_mutants_exit_zero(toy_repo):
+    rc, output = run_tool(toy_repo, "--only", "add-minus")
+    assert rc == 0, output
+    assert "1 killed, 0 survived, 0 errors" in output
+
+
+def test_unknown_name_and_missing_catalog_are_usage_errors(toy_repo):
+    rc, output = run_tool(toy_repo, "--only", "no-such-mutant")
+    assert rc == 2 and "no mutant named no-such-mutant" in output
+    out = subprocess.run([sys.executable, str(TOOL), "--root", str(toy_repo), "--catalog", "missing.py"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "no such catalog" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"name": "x"}, "needs exactly the keys"),
+        ({"name": "Bad_Name", "why": "w", "file": "f.py", "old": "a", "new": "b", "tests": ["t.py"]}, "kebab-case"),
+        ({"name": "same", "why": "w", "file": "f.py", "old": "a", "new": "a", "tests": ["t.py"]}, "changes nothing"),
+        ({"name": "no-tests", "why": "w", "file": "f.py", "old": "a", "new": "b", "tests": []}, "non-empty list"),
+        ({"name": "abs", "why": "w", "file": "/etc/f.py", "old": "a", "new": "b", "tests": ["t.py"]}, "relative"),
+    ],
+)
+def test_catalog_format_errors_name_the_mutant(tmp_path, entry, message):
+    tool = load_tool()
+    path = tmp_path / "catalog_bad.py"
+    path.write_text(f"MUTANTS = [{entry!r}]\n")
+    with pytest.raises(tool.CatalogError, match=message) as info:
+        tool.load_catalog(path, root=tmp_path)
+    assert "catalog_bad.py: MUTANTS[0]" in str(info.value)
+
+
+def test_duplicate_names_and_broken_catalogs_are_errors_not_crashes(tmp_path):
+    tool = load_tool()
+    entry = {"name": "dup", "why": "w", "file": "f.py", "old": "a", "new": "b", "tests": ["t.py"]}
+    (tmp_path / "catalog_a.py").write_text(f"MUTANTS = [{entry!r}]\n")
+    (tmp_path / "catalog_b.py").write_text(f"MUTANTS = [{entry!r}]\n")
+    (tmp_path / "catalog_c.py").write_text("raise ImportError('half-written')\n")
+    paths = sorted(tmp_path.glob("catalog_*.py"))
+    mutants, problems = tool.load_catalogs(paths, root=tmp_path)
+    assert [m.name for m in mutants] == ["dup"]
+    details = " | ".join(p.detail for p in problems)
+    assert "also used in catalog_a.py" in details and "catalog_c.py: importing it failed" in details
+    assert all(p.status == "error" for p in problems)

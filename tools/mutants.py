@@ -1,0 +1,557 @@
+"""Mutation harness: seed one known bug at a time into a copy of the tree and run the tests that must catch it.
+
+A *mutant* is a small, real bug written as a text edit of today's code. For each mutant the
+harness copies the working tree (tracked and untracked, not ignored files, as
+``git ls-files -co --exclude-standard`` lists them), applies the edit to the copy, and runs only
+that mutant's own tests there::
+
+    python -m pytest -q -x -p no:cacheprovider -m "" <tests>
+
+with the copy as working directory and ``PYTHONPATH``, so the copy's code is what the tests, the
+ranks they spawn and the CLIs they launch import (never the checkout the project is
+pip-installed from). A mutant is
+
+- ``killed`` when pytest exits 1 (a test failed): the suite notices the bug;
+- ``survived`` when pytest exits 0: the suite does not notice it;
+- ``error`` for anything else: the edit does not apply (its ``old`` text must occur exactly
+  once), pytest could not collect or run the tests (exit 2-5), the time limit passed, or the copy
+  was not what got imported.
+
+Any survivor or error makes the exit status 1 (2 for a usage error).
+
+Mutants live in catalogs, ``tests/mutation/catalog_*.py``: plain modules defining
+``MUTANTS: list[dict]`` with keys ``name`` (unique, kebab-case), ``why`` (the real bug it stands
+for), ``file`` (relative to the repository root), ``old`` (exact source text, once in the file),
+``new`` (its replacement) and ``tests`` (pytest node ids or paths relative to the root).
+
+    python tools/mutants.py                      # every catalog, every mutant
+    python tools/mutants.py --catalog tests/mutation/catalog_core.py --only packing-causal-mask
+    python tools/mutants.py --list               # what would run
+    python tools/mutants.py --jobs 2 --json mutants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CATALOG_GLOB = "tests/mutation/catalog_*.py"
+KEYS = ("name", "why", "file", "old", "new", "tests")
+NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+COPY_ENV = "MEGATRON_PRUNE_MUTANT_COPY"
+"""Set to the copy's root in every test run; tests can tell they run under the harness."""
+EXPECT_ENV = "MEGATRON_PRUNE_MUTANT_EXPECT"
+GUARD_PLUGIN = "_mutants_import_guard"
+
+# Packages whose source must come from the copy, with the file each must be imported from.
+# ``megatron_prune.patches`` lives in ``patches/`` and the editable install maps it there
+# explicitly (in the real checkout), so the copy gets a ``megatron_prune/patches`` link to its own
+# ``patches/`` that the normal path search finds first.
+COPY_PACKAGES = {
+    "megatron_prune": "megatron_prune/__init__.py",
+    "megatron_prune.patches": "patches/__init__.py",
+}
+PACKAGE_LINKS = {"megatron_prune/patches": "patches"}
+
+PYTEST_ARGS = ["-q", "-x", "-p", "no:cacheprovider", "-m", ""]
+KILLED, SURVIVED, ERROR = "killed", "survived", "error"
+PASSED = "passed"
+"""Status of a baseline run (no edit) whose tests pass."""
+
+
+class CatalogError(ValueError):
+    """A catalog that cannot be loaded or a mutant that breaks the catalog format."""
+
+
+@dataclass
+class Mutant:
+    name: str
+    why: str
+    file: str
+    old: str
+    new: str
+    tests: list[str]
+    catalog: str
+
+
+@dataclass
+class Result:
+    name: str
+    catalog: str
+    file: str
+    tests: list[str]
+    status: str
+    """killed, survived or error."""
+    seconds: float
+    returncode: int | None = None
+    """pytest's exit status (None when pytest did not run or was stopped)."""
+    detail: str = ""
+    """Why it is an error, or what the harness noticed."""
+    output_tail: str = ""
+    """The end of pytest's output (kept for survivors and errors)."""
+
+
+@dataclass
+class Options:
+    root: Path
+    jobs: int = 1
+    timeout: float = 600.0
+    python: str = sys.executable
+    keep: bool = False
+    verbose: bool = False
+    workdir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+
+
+# ---------------------------------------------------------------------------------------------
+# catalogs
+# ---------------------------------------------------------------------------------------------
+
+
+def default_catalogs(root: Path) -> list[Path]:
+    """Every ``tests/mutation/catalog_*.py`` that exists under ``root`` (missing ones are skipped)."""
+    return sorted(root.glob(CATALOG_GLOB))
+
+
+def _display(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def load_catalog(path: Path, *, root: Path) -> list[Mutant]:
+    """The mutants of one catalog file, checked against the format; CatalogError names what is wrong."""
+    label = _display(path, root)
+    spec = importlib.util.spec_from_file_location(f"_mutant_catalog_{abs(hash(str(path)))}", path)
+    if spec is None or spec.loader is None:
+        raise CatalogError(f"{label}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure of a catalog is reported, not raised
+        raise CatalogError(f"{label}: importing it failed: {type(exc).__name__}: {exc}") from None
+    entries = getattr(module, "MUTANTS", None)
+    if not isinstance(entries, list):
+        raise CatalogError(f"{label}: must define MUTANTS as a list of dicts; got {type(entries).__name__}")
+    mutants = []
+    for position, entry in enumerate(entries):
+        mutants.append(_check_entry(entry, label=f"{label}: MUTANTS[{position}]", catalog=label, root=root))
+    return mutants
+
+
+def _check_entry(entry, *, label: str, catalog: str, root: Path) -> Mutant:
+    if not isinstance(entry, dict):
+        raise CatalogError(f"{label}: must be a dict; got {type(entry).__name__}")
+    name = entry.get("name")
+    if isinstance(name, str):
+        label = f"{label} ({name!r})"
+    missing = [k for k in KEYS if k not in entry]
+    extra = sorted(set(entry) - set(KEYS))
+    if missing or extra:
+        raise CatalogError(f"{label}: needs exactly the keys {', '.join(KEYS)}; missing {missing}, unknown {extra}")
+    for key in ("name", "why", "file", "old", "new"):
+        if not isinstance(entry[key], str):
+            raise CatalogError(f"{label}: {key!r} must be a string; got {type(entry[key]).__name__}")
+    if not NAME_RE.match(entry["name"]):
+        raise CatalogError(f"{label}: name must be kebab-case (lower-case words joined by '-')")
+    if not entry["why"].strip():
+        raise CatalogError(f"{label}: 'why' must say which real bug the mutant stands for")
+    if not entry["old"]:
+        raise CatalogError(f"{label}: 'old' is empty")
+    if entry["old"] == entry["new"]:
+        raise CatalogError(f"{label}: 'new' equals 'old' (the mutant changes nothing)")
+    tests = entry["tests"]
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t for t in tests):
+        raise CatalogError(f"{label}: 'tests' must be a non-empty list of pytest node ids or paths")
+    for rel in [entry["file"], *(t.split("::")[0] for t in tests)]:
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CatalogError(f"{label}: {rel!r} must be a path relative to the repository root")
+    return Mutant(catalog=catalog, tests=list(tests), **{k: entry[k] for k in KEYS if k != "tests"})
+
+
+def load_catalogs(paths: list[Path], *, root: Path) -> tuple[list[Mutant], list[Result]]:
+    """Mutants of every catalog, and an error result for each catalog or name that is broken."""
+    mutants: list[Mutant] = []
+    problems: list[Result] = []
+    for path in paths:
+        try:
+            mutants.extend(load_catalog(path, root=root))
+        except CatalogError as exc:
+            label = _display(path, root)
+            problems.append(Result(name=f"<catalog {label}>", catalog=label, file="", tests=[], status=ERROR,
+                                   seconds=0.0, detail=str(exc)))
+    seen: dict[str, str] = {}
+    unique = []
+    for m in mutants:
+        if m.name in seen:
+            problems.append(Result(name=m.name, catalog=m.catalog, file=m.file, tests=m.tests, status=ERROR,
+                                   seconds=0.0, detail=f"name {m.name!r} is also used in {seen[m.name]}"))
+            continue
+        seen[m.name] = m.catalog
+        unique.append(m)
+    return unique, problems
+
+
+# ---------------------------------------------------------------------------------------------
+# the copy
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_files(root: Path) -> list[str]:
+    """Tracked and untracked-but-not-ignored files of the working tree (never ``.venv``)."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True,
+                         check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"git ls-files failed in {root}: {out.stderr.decode(errors='replace').strip()}")
+    files = []
+    for rel in sorted(set(out.stdout.decode().split("\0"))):
+        if not rel or rel.split("/")[0] == ".venv":
+            continue
+        if (root / rel).is_file() or (root / rel).is_symlink():  # deleted-but-tracked files are skipped
+            files.append(rel)
+    return files
+
+
+def snapshot(root: Path, dest: Path) -> None:
+    """Copy the working tree into ``dest`` once; every mutant starts from this snapshot."""
+    for rel in tree_files(root):
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, target, follow_symlinks=False)
+
+
+def prepare_copy(pristine: Path, dest: Path) -> None:
+    shutil.copytree(pristine, dest, symlinks=True)
+    for link, target in PACKAGE_LINKS.items():
+        where = dest / link
+        if (dest / target).is_dir() and where.parent.is_dir() and not where.exists():
+            os.symlink(os.path.relpath(dest / target, where.parent), where)
+
+
+def expected_modules(copy: Path) -> dict[str, str]:
+    """Module -> the file in the copy it must be imported from (packages the copy has)."""
+    return {name: str((copy / rel).resolve()) for name, rel in COPY_PACKAGES.items() if (copy / rel).is_file()}
+
+
+def apply_edit(mutant: Mutant, copy: Path) -> None:
+    path = copy / mutant.file
+    if not path.is_file():
+        raise CatalogError(f"mutant {mutant.name}: file {mutant.file} does not exist")
+    text = path.read_text(encoding="utf-8")
+    count = text.count(mutant.old)
+    if count != 1:
+        snippet = textwrap.shorten(" ".join(mutant.old.split()), 160)
+        raise CatalogError(
+            f"mutant {mutant.name}: its 'old' text occurs {count} times in {mutant.file} (must be exactly once; "
+            f"the catalog has drifted from the code): {snippet!r}"
+        )
+    path.write_text(text.replace(mutant.old, mutant.new), encoding="utf-8")
+
+
+GUARD_SOURCE = f'''
+"""pytest plugin written by tools/mutants.py: fail the run unless the copy's packages are imported."""
+import importlib
+import json
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    expected = json.loads(os.environ.get("{EXPECT_ENV}", "{{}}"))
+    for name, path in expected.items():
+        found = os.path.realpath(importlib.import_module(name).__file__)
+        if found != path:
+            raise pytest.UsageError(f"mutation harness: {{name}} was imported from {{found}}, not the copy's {{path}}")
+'''
+
+
+def write_guard(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{GUARD_PLUGIN}.py").write_text(GUARD_SOURCE, encoding="utf-8")
+
+
+def mutant_env(copy: Path, guard_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
+        env.pop(key, None)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(copy), str(guard_dir)]),
+        **{COPY_ENV: str(copy), EXPECT_ENV: json.dumps(expected_modules(copy))},
+    )
+    return env
+
+
+def check_fresh_interpreter(*, python: str, copy: Path, env: dict[str, str]) -> str | None:
+    """A new interpreter with the test environment (as a spawned rank or torchrun gets) imports
+    the copy's packages; returns what is wrong, or None."""
+    expected = json.loads(env[EXPECT_ENV])
+    if not expected:
+        return None
+    code = ("import importlib, json, os, sys; "
+            "print(json.dumps({n: os.path.realpath(importlib.import_module(n).__file__) for n in sys.argv[1:]}))")
+    out = subprocess.run([python, "-c", code, *expected], cwd=copy.parent, env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    if out.returncode != 0:
+        return f"importing {', '.join(expected)} from the copy failed:\n{out.stderr[-2000:]}"
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    wrong = {n: f for n, f in found.items() if f != expected[n]}
+    if wrong:
+        return f"a fresh interpreter imports these from outside the copy: {wrong}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+# ---------------------------------------------------------------------------------------------
+
+
+_RUNNING: set[subprocess.Popen] = set()
+_RUNNING_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
+def _stop_everything(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    """On SIGTERM/SIGINT stop every running pytest with its ranks (they run in sessions of their
+    own, so a signal to the harness alone would leave them behind), then exit."""
+    _STOPPING.set()
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        _kill_tree(proc)
+    sys.exit(128 + signum)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Stop pytest and everything it started (torchrun ranks start sessions of their own)."""
+    family = []
+    try:
+        import psutil
+
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - psutil missing or the process already gone
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in family:
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001
+            pass
+    proc.wait()
+
+
+def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard_dir: Path, opts: Options,
+               name: str, catalog: str, file: str) -> Result:
+    """Apply ``mutant`` (None: no edit, the baseline) to a fresh copy and run ``tests`` there."""
+    t0 = time.monotonic()
+
+    def result(status: str, *, returncode=None, detail="", output="") -> Result:
+        return Result(name=name, catalog=catalog, file=file, tests=tests, status=status,
+                      seconds=round(time.monotonic() - t0, 1), returncode=returncode, detail=detail,
+                      output_tail=output[-4000:] if status in (SURVIVED, ERROR) or opts.verbose else "")
+
+    if _STOPPING.is_set():
+        return result(ERROR, detail="not run: the harness was stopped")
+    base = Path(tempfile.mkdtemp(prefix=f"mutant-{name}-", dir=opts.workdir))
+    copy = base / "tree"
+    try:
+        prepare_copy(pristine, copy)
+        if mutant is not None:
+            try:
+                apply_edit(mutant, copy)
+            except CatalogError as exc:
+                return result(ERROR, detail=str(exc))
+        missing = [t for t in tests if not (copy / t.split("::")[0]).exists()]
+        if missing:
+            return result(ERROR, detail=f"test paths not found: {missing}")
+        env = mutant_env(copy, guard_dir)
+        problem = check_fresh_interpreter(python=opts.python, copy=copy, env=env)
+        if problem:
+            return result(ERROR, detail=f"the copy is not what gets imported: {problem}")
+        log = base / "pytest.log"
+        cmd = [opts.python, "-m", "pytest", *PYTEST_ARGS, "-p", GUARD_PLUGIN, *tests]
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            with _RUNNING_LOCK:
+                _RUNNING.add(proc)
+            try:
+                rc = proc.wait(timeout=opts.timeout)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc)
+                return result(ERROR, detail=f"timed out after {opts.timeout:g} s (neither killed nor survived)",
+                              output=log.read_text(errors="replace"))
+            finally:
+                with _RUNNING_LOCK:
+                    _RUNNING.discard(proc)
+        output = log.read_text(errors="replace")
+        if rc == 1:
+            return result(KILLED, returncode=rc, output=output)
+        if rc == 0:
+            return result(SURVIVED, returncode=rc, detail="its tests pass with the bug in place", output=output)
+        meaning = {2: "interrupted (collection error?)", 3: "internal error", 4: "usage error (unknown test id?)",
+                   5: "no tests collected"}.get(rc, "unexpected exit status")
+        return result(ERROR, returncode=rc, detail=f"pytest exit {rc}: {meaning}", output=output)
+    finally:
+        if not opts.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def run_all(mutants: list[Mutant], *, opts: Options, baseline: bool = False, progress=print) -> list[Result]:
+    """Run every mutant (``jobs`` at a time) against one snapshot of the tree; results in input order."""
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    top = Path(tempfile.mkdtemp(prefix="mutants-", dir=opts.workdir))
+    if opts.keep:
+        progress(f"[mutants] copies are kept under {top}")
+    lock = threading.Lock()
+    try:
+        pristine = top / "pristine"
+        snapshot(opts.root, pristine)
+        guard_dir = top / "guard"
+        write_guard(guard_dir)
+        jobs: list[tuple[Mutant | None, str, list[str]]] = []
+        if baseline:
+            for m in mutants:
+                jobs.append((None, f"baseline-{m.name}", m.tests))
+        jobs.extend((m, m.name, m.tests) for m in mutants)
+
+        def one(job):
+            mutant, name, tests = job
+            catalog = mutant.catalog if mutant else "(baseline)"
+            file = mutant.file if mutant else ""
+            res = run_mutant(mutant, tests=tests, pristine=pristine, guard_dir=guard_dir, opts=opts, name=name,
+                             catalog=catalog, file=file)
+            if mutant is None:
+                # Unmutated, the tests must pass: a failure there would make a kill meaningless.
+                res.status, res.detail = (PASSED, "") if res.status == SURVIVED else (
+                    ERROR, f"fails without any mutation: {res.detail}".rstrip(": "))
+            with lock:
+                progress(f"[mutants] {res.status:8s} {res.seconds:7.1f}s  {name}" + (
+                    f"  ({res.detail})" if res.detail else ""))
+            return res
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
+            return list(pool.map(one, jobs))
+    finally:
+        if not opts.keep:
+            shutil.rmtree(top, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def table(results: list[Result]) -> str:
+    rows = [("mutant", "catalog", "status", "seconds", "tests")]
+    for r in results:
+        rows.append((r.name, Path(r.catalog).name, r.status, f"{r.seconds:.1f}", ", ".join(r.tests)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 5)
+    return "\n".join(lines)
+
+
+def summary(results: list[Result]) -> dict:
+    counts = {s: sum(r.status == s for r in results) for s in (KILLED, SURVIVED, ERROR, PASSED)}
+    return {**counts, "total": len(results), "seconds": round(sum(r.seconds for r in results), 1)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tools/mutants.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--catalog", action="append", type=Path, metavar="PATH",
+                   help=f"catalog file to run (repeatable); default: every {CATALOG_GLOB} that exists")
+    p.add_argument("--only", metavar="NAME[,NAME]", help="run only these mutants (comma-separated names)")
+    p.add_argument("--list", action="store_true", help="list the selected mutants and their tests; run nothing")
+    p.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per mutant; a mutant still running then is stopped and counts as an error (default 600)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write every result and a summary as JSON")
+    p.add_argument("--baseline", action="store_true",
+                   help="first run each mutant's tests on the unmutated copy; they must pass")
+    p.add_argument("--root", type=Path, default=REPO, help="repository to copy (default: the one holding this tool)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary copies (the folder is printed) for inspection")
+    p.add_argument("--verbose", action="store_true", help="keep pytest's output for killed mutants too")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    root = args.root.resolve()
+    if args.jobs < 1:
+        print("tools/mutants.py: error: --jobs must be >= 1", file=sys.stderr)
+        return 2
+    if args.timeout <= 0:
+        print("tools/mutants.py: error: --timeout must be positive", file=sys.stderr)
+        return 2
+    paths = args.catalog if args.catalog else default_catalogs(root)
+    absent = [str(p) for p in paths if not p.is_file()]
+    if absent:
+        print(f"tools/mutants.py: error: no such catalog: {', '.join(absent)}", file=sys.stderr)
+        return 2
+    if not paths:
+        print(f"tools/mutants.py: error: no catalogs found ({CATALOG_GLOB} under {root})", file=sys.stderr)
+        return 2
+    mutants, problems = load_catalogs([p.resolve() for p in paths], root=root)
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - {m.name for m in mutants})
+        if unknown:
+            print(f"tools/mutants.py: error: no mutant named {', '.join(unknown)} in "
+                  f"{', '.join(_display(p, root) for p in paths)}", file=sys.stderr)
+            return 2
+        mutants = [m for m in mutants if m.name in wanted]
+        problems = [r for r in problems if r.name in wanted or r.name.startswith("<catalog")]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}  [{m.catalog}]  {m.file}\n    why: {m.why}\n    tests: {' '.join(m.tests)}")
+        for r in problems:
+            print(f"ERROR {r.name}: {r.detail}")
+        return 1 if problems else 0
+    opts = Options(root=root, jobs=args.jobs, timeout=args.timeout, keep=args.keep, verbose=args.verbose)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_everything)
+    t0 = time.monotonic()
+    for r in problems:
+        print(f"[mutants] {r.status:8s} {r.seconds:7.1f}s  {r.name}  ({r.detail})", flush=True)
+    results = problems + run_all(mutants, opts=opts, baseline=args.baseline,
+                                 progress=lambda line: print(line, flush=True))
+    wall = round(time.monotonic() - t0, 1)
+    print()
+    print(table(results))
+    stats = {**summary(results), "wall_seconds": wall, "jobs": args.jobs}
+    print(f"\n{stats['killed']} killed, {stats['survived']} survived, {stats['error']} errors "
+          f"of {stats['total']} in {wall:.0f} s (jobs={args.jobs})")
+    for r in results:
+        if r.status in (SURVIVED, ERROR):
+            print(f"\n=== {r.status}: {r.name} ({r.catalog}: {r.file})\n{r.detail}")
+            if r.output_tail:
+                print(r.output_tail[-2500:])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"summary": stats, "results": [asdict(r) for r in results]}, indent=2))
+    return 1 if stats["survived"] or stats["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
