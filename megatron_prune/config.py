@@ -231,8 +231,10 @@ class DPOConfig:
     """Per-response log-ratio: length-averaged (mean, the study's choice) or summed."""
     layout: str = field(default="concat", metadata=_flag("--dpo-layout", choices=("full", "concat")))
     """full: chosen and rejected as padded rows; concat: both packed in one row (block-diagonal mask)."""
-    ref_mode: str = field(default="online", metadata=_flag("--ref-mode", choices=("online", "precomputed")))
-    """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk."""
+    ref_mode: str | None = field(default=None, metadata=_flag("--ref-mode", choices=("online", "precomputed", "adapter-off")))
+    """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk;
+    adapter-off: the policy itself with its LoRA adapters switched off (no second model). Default: adapter-off
+    with --lora-rank > 0, online otherwise."""
     ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))
     """Checkpoint of the reference model (default: the starting model; a resumed run uses the one it recorded)."""
     ref_cache: str | None = field(default=None, metadata=_flag("--ref-cache"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from megatron_prune.config import CheckpointConfig, DPOConfig, LoggingConfig, ModelConfig, PruneConfig, TrainConfig
+from megatron_prune.lora_config import LoRAConfig
 from megatron_prune.training.cli import run_cli
 
 GROUPS = {
@@ -18,6 +19,7 @@ GROUPS = {
     "training": TrainConfig,
     "DPO": DPOConfig,
     "pruning (--prune-*)": PruneConfig,
+    "LoRA (--lora-*)": LoRAConfig,
     "checkpointing": CheckpointConfig,
     "logging": LoggingConfig,
 }

@@ -131,6 +131,12 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     dpo: DPOConfig = configs["DPOConfig"]
     if not dpo.data_path:
         raise session.UsageError("--data-path is required")
+    from megatron_prune.lora_config import resolve_ref_mode
+
+    try:
+        ref_mode = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
+    except ValueError as exc:
+        raise session.UsageError(str(exc)) from None
     arch = session.resolve_arch(model_cfg, ckpt_cfg)
     tokenizer = load_tokenizer(session.resolve_tokenizer(model_cfg, ckpt_cfg))
     if tokenizer.vocab_size > arch.vocab_size:
@@ -144,19 +150,31 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
 
     parallel = session.start(model_cfg, train_cfg)
-    parts = session.build_parts(arch, parallel, model_cfg, train_cfg)
+    lora = configs.get("LoRAConfig")
+    parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load)
     parts.extra_meta = {"reference_load": ref_source}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
                                pad_id=tokenizer.pad_id)
     off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,
                           micro_batch_size=train_cfg.micro_batch_size, pad_id=tokenizer.pad_id)
-    if dpo.ref_mode == "online":
-        reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+
+    def make_reference():
+        # Under LoRA the base weights are the starting model, so the adapter-off policy is the
+        # reference (also for precomputing); online keeps a separate frozen copy.
+        lora_on = lora is not None and lora.enabled
+        if ref_mode == "adapter-off" or (ref_mode == "precomputed" and lora_on and not dpo.ref_load):
+            from megatron_prune.model.lora import adapter_off
+
+            return adapter_off(parts.model)
+        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+
+    if ref_mode in ("online", "adapter-off"):
+        reference = make_reference()
         runner = DPOStep(settings=settings, policy=parts.model, reference=reference)
         eval_runner = DPOStep(settings=off, policy=parts.model, reference=reference)
     else:
-        reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+        reference = make_reference()
         cache_dir = dpo.ref_cache or os.path.join(ckpt_cfg.save or os.path.dirname(os.path.abspath(dpo.data_path[0])),
                                                   "ref_logps")
         fp = _fingerprint(dpo.data_path, f"{arch.to_dict()}|{ref_source}|{train_cfg.seed}|{train_cfg.seq_length}|"

@@ -12,6 +12,7 @@ import sys
 
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
 from megatron_prune.grpo.config import TOY_TASKS, DPPOArgs, GRPOConfig
+from megatron_prune.lora_config import LoRAConfig
 from megatron_prune.training.cli import run_cli
 
 GROUPS = {
@@ -19,6 +20,7 @@ GROUPS = {
     "training": TrainConfig,
     "GRPO": GRPOConfig,
     "DPPO pruning (--dppo-*)": DPPOArgs,
+    "LoRA (--lora-*)": LoRAConfig,
     "checkpointing": CheckpointConfig,
     "logging": LoggingConfig,
 }

@@ -113,8 +113,26 @@ def setup_model(
     seed: int,
     trainable: bool = True,
     use_distributed_optimizer: bool = False,
+    lora=None,
+    load_base=None,
 ) -> list[torch.nn.Module]:
-    """Build and initialise this rank's chunks; DDP-wrapped when ``trainable``, frozen otherwise."""
+    """Build and initialise this rank's chunks; DDP-wrapped when ``trainable``, frozen otherwise.
+
+    With an enabled ``lora`` (:class:`megatron_prune.model.lora.LoRAConfig`) the base weights are
+    first filled by ``load_base(chunks)`` (when given), then adapters are added and everything
+    else is frozen before DDP wraps the chunks.
+    """
+    if lora is not None and lora.enabled:
+        import dataclasses
+
+        from megatron_prune.model.lora import apply_lora
+
+        chunks = build_model_chunks(arch, dataclasses.replace(parallel, transformer_engine=False))
+        init_model_chunks(chunks, seed=seed)
+        if load_base is not None:
+            load_base(chunks)
+        apply_lora(chunks, lora, seed=seed)
+        return wrap_ddp(chunks, use_distributed_optimizer=use_distributed_optimizer)
     chunks = build_model_chunks(arch, parallel)
     init_model_chunks(chunks, seed=seed)
     if not trainable:

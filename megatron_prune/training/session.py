@@ -140,10 +140,16 @@ def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
     return parallel
 
 
-def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> TrainingParts:
-    policy = setup_model(arch, parallel, seed=train.seed, use_distributed_optimizer=model.use_distributed_optimizer)
-    if model.hf_model:
-        load_hf_weights(policy, model.hf_model, arch)
+def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, *,
+                lora=None) -> TrainingParts:
+    if lora is not None and lora.enabled:  # the base is loaded before adapters are added and DDP wraps
+        base = (lambda chunks: load_hf_weights(chunks, model.hf_model, arch)) if model.hf_model else None
+        policy = setup_model(arch, parallel, seed=train.seed, use_distributed_optimizer=model.use_distributed_optimizer,
+                             lora=lora, load_base=base)
+    else:
+        policy = setup_model(arch, parallel, seed=train.seed, use_distributed_optimizer=model.use_distributed_optimizer)
+        if model.hf_model:
+            load_hf_weights(policy, model.hf_model, arch)
     optimizer = build_optimizer(
         policy,
         OptimConfig(

@@ -1,0 +1,69 @@
+"""The LoRA flags (``--lora-*``) as a validated dataclass.
+
+Kept apart from :mod:`megatron_prune.model.lora` so that parsing flags imports no Megatron
+(on Ascend, MindSpeed must load before Megatron does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Linears LoRA can adapt: attention QKV and output projection, MLP fc1 (gate+up) and fc2."""
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """LoRA adapters (rank 0 = off: full-parameter training)."""
+
+    rank: int = field(default=0, metadata={"flag": "--lora-rank"})
+    """LoRA rank r of every adapter; 0 trains all weights (no adapters). With r > 0 only the adapters
+    train and the DPO reference is the model with adapters off (no second copy)."""
+    alpha: float | None = field(default=None, metadata={"flag": "--lora-alpha"})
+    """LoRA alpha: adapter outputs are scaled by alpha / r (default: r, i.e. scale 1)."""
+    dropout: float = field(default=0.0, metadata={"flag": "--lora-dropout"})
+    """Dropout probability on the adapters' input (training passes only)."""
+    targets: str = field(default=",".join(TARGETS), metadata={"flag": "--lora-targets"})
+    """Comma-separated linears that get adapters: any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise ValueError(f"--lora-rank must be an integer >= 0 (0 = off), got {self.rank!r}")
+        if self.alpha is not None and not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"--lora-alpha must be a positive number, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        names = self.target_names
+        if not names:
+            raise ValueError(f"--lora-targets names no linear; choose from {','.join(TARGETS)}")
+        unknown = [n for n in names if n not in TARGETS]
+        if unknown:
+            raise ValueError(f"--lora-targets: unknown target(s) {','.join(unknown)}; choose from {','.join(TARGETS)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-targets names a linear twice: {self.targets}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.targets.split(",") if n.strip())
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else float(self.rank)) / self.rank
+
+
+def resolve_ref_mode(ref_mode: str | None, lora: LoRAConfig | None, *, ref_load: str | None = None) -> str:
+    """The DPO reference mode to run: ``--ref-mode`` if given, else adapter-off under LoRA
+    (online otherwise). Raises ValueError for adapter-off without adapters or with --ref-load."""
+    lora_on = lora is not None and lora.enabled
+    mode = ref_mode or ("adapter-off" if lora_on else "online")
+    if mode == "adapter-off" and not lora_on:
+        raise ValueError("--ref-mode adapter-off needs LoRA adapters (--lora-rank > 0)")
+    if mode == "adapter-off" and ref_load:
+        raise ValueError("--ref-mode adapter-off uses the policy's own base weights as the reference; "
+                         "--ref-load names another model: use --ref-mode online with it")
+    return mode

@@ -1,0 +1,286 @@
+"""LoRA on Megatron's parallel linears (gloo): exactness of a fresh adapter, the adapter-off
+reference, and one DPO step at every layout against the single-rank step."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.distributed.dpo_harness import SEED, sample_pairs
+
+LORA = dict(rank=4, alpha=8.0)
+ADAPTER_KEYS = (".lora_A", ".lora_B")
+
+
+def _is_adapter(key: str) -> bool:
+    return key.endswith(ADAPTER_KEYS)
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+@torch.no_grad()
+def perturb_adapters(chunks, *, seed: int = 7) -> None:
+    """Give every ``B`` a non-zero value, layout-independently (whole tensor from a keyed
+    generator, each rank its slice), so adapters change the output and ``A`` gets a gradient."""
+    from megatron_prune.model.init import global_slice, iter_sharded_tensors
+
+    for chunk in chunks:
+        for sh in iter_sharded_tensors(_unwrap(chunk).sharded_state_dict()):
+            if not sh.key.endswith(".lora_B"):
+                continue
+            p = sh.prepend_axis_num
+            digest = hashlib.sha256(f"{seed}|{sh.key}|{tuple(sh.global_offset[:p])}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            full = torch.randn(tuple(sh.global_shape[p:]), generator=gen) * 0.05
+            sh.data.copy_(global_slice(sh, full))
+
+
+def _settings(prune: dict | None = None, layout: str = "concat"):
+    from megatron_prune.config import DPOConfig, PruneConfig
+    from megatron_prune.dpo.step import DPOStepSettings
+
+    _, pad_id = sample_pairs()
+    prune_cfg = PruneConfig(**{**dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False), **(prune or {})})
+    return DPOStepSettings(dpo=DPOConfig(layout=layout), prune=prune_cfg, seed=SEED, micro_batch_size=2, pad_id=pad_id)
+
+
+def _my_samples():
+    from megatron.core import parallel_state
+
+    from megatron_prune.data.sampler import dp_shard
+
+    samples, _ = sample_pairs()
+    return dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),
+                    dp_size=parallel_state.get_data_parallel_world_size())
+
+
+def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dict | None = None) -> dict:
+    """One DPO step (adapter-off reference, Adam) of a LoRA model: loss, adapter gradients, grad
+    norm and adapters after the step (whole tensors), and what the step did to the base."""
+    from megatron.core import parallel_state
+
+    from megatron_prune.dpo.step import DPOStep
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.lora import LoRAConfig, adapter_off
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
+    from megatron_prune.training.parallel import model_parallel
+    from megatron_prune.training.step import reduce_metrics
+
+    par = ParallelConfig(**(parallel or {}))
+    with model_parallel(par, seed=SEED):
+        policy = setup_model(get_preset("tiny"), par, seed=SEED, use_distributed_optimizer=distopt,
+                             lora=LoRAConfig(**LORA))
+        perturb_adapters(policy)
+        # A large eps keeps Adam's first update a smooth function of the gradient (no sign(g)).
+        optimizer = build_optimizer(
+            policy, OptimConfig(optimizer="adam", lr=1e-2, adam_eps=1e-2, weight_decay=0.1, clip_grad=1.0,
+                                use_distributed_optimizer=distopt), bf16=False)
+        named = [(n, p) for c in policy for n, p in _unwrap(c).named_parameters()]
+        base = {n: p.detach().clone() for n, p in named if not _is_adapter(n)}
+        adapters = [p for n, p in named if _is_adapter(n)]
+        assert base and adapters
+        runner = DPOStep(settings=_settings(prune), policy=policy, reference=adapter_off(policy))
+        for chunk in policy:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        outputs, _ = runner.run(0, _my_samples())
+        metrics = reduce_metrics(outputs)
+        # The distributed optimizer reduce-scatters: each DP rank holds only its shard's summed gradient.
+        grads = None if distopt else {
+            k: v for k, v in gather_global_state(policy, source="main_grad").items() if _is_adapter(k)
+        }
+        success, grad_norm, _ = optimizer.step()
+        after = {k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)}
+
+        adapter_ids = {id(p) for p in adapters}
+        buffered = [p for c in policy for buf in c.buffers for p in buf.params]
+        inner = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        opt_params = [p for o in inner for g in o.param_groups for p in g["params"]]
+        opt_numel = torch.tensor(float(sum(p.numel() for p in opt_params)))
+        state_numel = sum(t.numel() for o in inner for s in o.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor) and t.dim() > 0)
+        if distopt:
+            torch.distributed.all_reduce(opt_numel, group=parallel_state.get_data_parallel_group())
+        frozen = {
+            "base_unchanged": all(torch.equal(p, base[n]) for n, p in named if n in base),
+            "base_requires_grad": [n for n, p in named if n in base and p.requires_grad],
+            "base_main_grad": [n for n, p in named if n in base and hasattr(p, "main_grad")],
+            "buffered_non_adapters": sum(id(p) not in adapter_ids for p in buffered),
+            "buffered_adapters": sum(id(p) in adapter_ids for p in buffered),
+            "optimizer_numel": int(opt_numel),
+            "adapter_numel": sum(p.numel() for p in adapters),
+            "state_numel": state_numel,
+            "local_optimizer_numel": sum(p.numel() for p in opt_params),
+        }
+    return dict(metrics=metrics, grads=grads, after=after, grad_norm=float(grad_norm), success=success,
+                frozen=frozen)
+
+
+def reference_checks(*, parallel: dict | None = None) -> dict:
+    """Reference log-probs from the adapter-off view, from a separate frozen base model, and
+    with adapters on; logits of a fresh LoRA model and of the base model."""
+    from megatron_prune.dpo.step import DPOStep
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.hf_convert import comparison_tokens, megatron_logits
+    from megatron_prune.model.lora import LoRAConfig, adapter_off
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig(**(parallel or {}))
+    arch = get_preset("tiny")
+    with model_parallel(par, seed=SEED):
+        tokens = comparison_tokens(vocab_size=arch.vocab_size, batch_size=2, seq_length=16, seed=3)
+        lora = setup_model(arch, par, seed=SEED, lora=LoRAConfig(**LORA))
+        base = setup_model(arch, par, seed=SEED, trainable=False)
+        fresh_logits, base_logits = megatron_logits(lora, tokens), megatron_logits(base, tokens)
+        perturb_adapters(lora)
+        tuned_logits = megatron_logits(lora, tokens)
+        settings = _settings()
+        runner = DPOStep(settings=settings, policy=lora, reference=base)
+        plans = runner.plan(0, _my_samples())
+        found = {
+            "adapter_off": DPOStep(settings=settings, policy=lora, reference=adapter_off(lora)).reference_logps(plans),
+            "frozen_copy": runner.reference_logps(plans),
+            "adapters_on": DPOStep(settings=settings, policy=lora, reference=lora).reference_logps(plans),
+        }
+        # The view switched the adapters back on afterwards.
+        after_logits = megatron_logits(lora, tokens)
+    return dict(fresh_logits=fresh_logits, base_logits=base_logits, tuned_logits=tuned_logits,
+                after_logits=after_logits, logps=found)
+
+
+def fresh_dpo_loss() -> dict:
+    """DPO loss of a fresh LoRA policy and of the full-parameter policy (same reference)."""
+    from megatron_prune.dpo.step import DPOStep
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.lora import LoRAConfig
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+    from megatron_prune.training.step import reduce_metrics
+
+    par = ParallelConfig()
+    arch = get_preset("tiny")
+    out = {}
+    with model_parallel(par, seed=SEED):
+        reference = setup_model(arch, par, seed=SEED + 1, trainable=False)
+        for name, lora in (("lora", LoRAConfig(**LORA)), ("base", None)):
+            policy = setup_model(arch, par, seed=SEED, lora=lora)
+            outputs, _ = DPOStep(settings=_settings(), policy=policy, reference=reference).run(0, _my_samples())
+            out[name] = reduce_metrics(outputs)
+    return out
+
+
+LAYOUTS_2 = {
+    "dp2": dict(parallel={}),
+    "dp2-distopt": dict(parallel={}, distopt=True),
+    "tp2": dict(parallel=dict(tensor_model_parallel_size=2)),
+    "tp2-sp": dict(parallel=dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2": dict(parallel=dict(pipeline_model_parallel_size=2)),
+}
+LAYOUTS_4 = {
+    "tp2xpp2": dict(parallel=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    "tp2-sp-xpp2-distopt": dict(parallel=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                              sequence_parallel=True), distopt=True),
+}
+
+
+def single_rank() -> dict:
+    return dict(step=lora_step(), ref=reference_checks(), loss=fresh_dpo_loss(), frozen_step=lora_step())
+
+
+def layouts(which: str) -> dict:
+    table = LAYOUTS_2 if which == "2" else LAYOUTS_4
+    out = {name: lora_step(**kw) for name, kw in table.items()}
+    if which == "2":
+        out["ref:tp2-sp"] = reference_checks(parallel=LAYOUTS_2["tp2-sp"]["parallel"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return run_distributed(single_rank, 1)[0]
+
+
+def _assert_step_matches(ref: dict, got: dict, label: str) -> None:
+    torch.testing.assert_close(got["metrics"]["loss"], ref["metrics"]["loss"], rtol=1e-5, atol=1e-7,
+                               msg=f"{label}: loss")
+    assert got["success"] and ref["success"]
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), label
+    assert set(got["after"]) == set(ref["after"])
+    for name in ("grads", "after") if got["grads"] is not None else ("after",):
+        assert set(got[name]) == set(ref[name])
+        for key, expected in ref[name].items():
+            atol = max(1e-7, 1e-5 * float(expected.abs().max()))
+            torch.testing.assert_close(got[name][key], expected, rtol=1e-5, atol=atol,
+                                       msg=lambda m: f"{label}: {name} {key}: {m}")
+
+
+def _assert_only_adapters_train(frozen: dict, label: str, *, distopt: bool = False) -> None:
+    assert frozen["base_unchanged"], f"{label}: a base weight changed in the step"
+    assert not frozen["base_requires_grad"], f"{label}: base weights require grad: {frozen['base_requires_grad'][:3]}"
+    assert not frozen["base_main_grad"], f"{label}: base weights have grad buffers: {frozen['base_main_grad'][:3]}"
+    assert frozen["buffered_non_adapters"] == 0 and frozen["buffered_adapters"] > 0, label
+    # The optimizer holds exactly the adapters (sharded over DP with the distributed optimizer),
+    # and Adam's two moments of exactly those elements.
+    assert frozen["optimizer_numel"] == frozen["adapter_numel"], label
+    assert frozen["state_numel"] == 2 * frozen["local_optimizer_numel"], label
+
+
+@pytest.mark.distributed
+def test_fresh_adapter_is_the_base_model(single):
+    ref = single["ref"]
+    assert torch.equal(ref["fresh_logits"], ref["base_logits"])
+    assert not torch.allclose(ref["tuned_logits"], ref["base_logits"], atol=1e-4), "adapters changed nothing"
+    assert single["loss"]["lora"]["loss"] == single["loss"]["base"]["loss"]
+    assert single["loss"]["lora"]["margin"] == single["loss"]["base"]["margin"]
+
+
+@pytest.mark.distributed
+def test_adapter_off_reference_is_the_frozen_base(single):
+    ref = single["ref"]
+    off, frozen, on = ref["logps"]["adapter_off"], ref["logps"]["frozen_copy"], ref["logps"]["adapters_on"]
+    assert off.keys() == frozen.keys() and len(off) > 0
+    for key in off:
+        torch.testing.assert_close(off[key], frozen[key], rtol=0, atol=1e-6)
+    assert max((on[k] - frozen[k]).abs().max().item() for k in off) > 1e-4, "the adapters changed no log-prob"
+    torch.testing.assert_close(ref["after_logits"], ref["tuned_logits"], rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_only_adapters_train_single_rank(single):
+    _assert_only_adapters_train(single["step"]["frozen"], "single rank")
+    norm = sum(float(g.double().pow(2).sum()) for g in single["step"]["grads"].values()) ** 0.5
+    assert single["step"]["grad_norm"] == pytest.approx(norm, rel=1e-6)
+    assert all(float(g.abs().max()) > 0 for g in single["step"]["grads"].values()), "an adapter got no gradient"
+    # Deterministic: the same step twice gives the same result bit for bit.
+    assert single["frozen_step"]["metrics"] == single["step"]["metrics"]
+
+
+@pytest.mark.distributed
+def test_lora_step_layouts_match_single_rank_2_ranks(single):
+    results = run_distributed(layouts, 2, which="2")[0]
+    for name in LAYOUTS_2:
+        _assert_step_matches(single["step"], results[name], name)
+        _assert_only_adapters_train(results[name]["frozen"], name)
+    ref = results["ref:tp2-sp"]
+    assert torch.equal(ref["fresh_logits"], ref["base_logits"])
+    torch.testing.assert_close(ref["tuned_logits"], single["ref"]["tuned_logits"], rtol=1e-5, atol=1e-5)
+    for key, values in ref["logps"]["adapter_off"].items():
+        torch.testing.assert_close(values, ref["logps"]["frozen_copy"][key], rtol=0, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_lora_step_layouts_match_single_rank_4_ranks(single):
+    results = run_distributed(layouts, 4, which="4")[0]
+    for name in LAYOUTS_4:
+        _assert_step_matches(single["step"], results[name], name)
+        _assert_only_adapters_train(results[name]["frozen"], name)
