@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-length", type=int, default=256, help="gsm8k prompts keep their last N tokens")
     p.add_argument("--prompt-rate", type=float, default=0.5, help="r_q of dppo and dppo_prompt")
     p.add_argument("--completion-rate", type=float, default=0.5, help="r_o of dppo, dppo_completion and cppo")
+    p.add_argument("--dppo-sampling", default=None,
+                   help="DPPO's completion keep draws (the trainer's --dppo-sampling; default: the trainer's default)")
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
@@ -115,7 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the results (rewritten after every run)")
     p.add_argument("--plot", metavar="PATH", help="PNG: held-out reward vs cumulative training time")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per (round, seed) process")
-    p.add_argument("--worker-seed", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--seeds-per-process", type=int, default=1,
+                   help="seeds trained one after another in one worker process (saves start-up time)")
+    p.add_argument("--worker-seeds", help=argparse.SUPPRESS)
     p.add_argument("--worker-round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -126,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seq_length = 64 if toy else 512
     if args.micro_batch_size is None:
         args.micro_batch_size = args.prompts
-    for name in ("seeds", "steps", "rounds", "prompts", "group_size", "eval_every", "eval_prompts", "eval_samples",
+    for name in ("seeds", "seeds_per_process", "steps", "rounds", "prompts", "group_size", "eval_every", "eval_prompts", "eval_samples",
                  "grad_variance_every", "ppo_epochs", "minibatches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -202,7 +206,8 @@ def dppo_args(mode: str, args):
     rates = {"grpo": (0.0, 0.0), "dppo": (args.prompt_rate, args.completion_rate),
              "dppo_completion": (0.0, args.completion_rate), "dppo_prompt": (args.prompt_rate, 0.0),
              "filter": (0.0, 0.0), "cppo": (0.0, 0.0)}[mode]
-    return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo")
+    extra = {"sampling": args.dppo_sampling} if args.dppo_sampling else {}
+    return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo", **extra)
 
 
 # --------------------------------------------------------------------------------------- worker
@@ -414,19 +419,21 @@ def run_worker(args) -> None:
     set_accelerator(args.device)
     torch.set_num_threads(args.threads)
     initialize_distributed(timeout_minutes=30)
-    seed = args.worker_seed
+    seeds = [int(x) for x in args.worker_seeds.split(",")]
     acc = get_accelerator()
-    out = {"records": {}, "device_name": torch.cuda.get_device_name() if acc.kind == "cuda" else platform.processor()}
-    run_mode("grpo", args, seed=seed, budget_s=None, warmup=True)  # first-call costs, discarded
-    for mode in args.modes:
+    out = {"records": {m: [] for m in args.modes},
+           "device_name": torch.cuda.get_device_name() if acc.kind == "cuda" else platform.processor(),
+           "dppo_config": repr(dppo_args("dppo", args).dppo_config())}
+    run_mode("grpo", args, seed=seeds[0], budget_s=None, warmup=True)  # first-call costs, discarded
+    for seed, mode in ((s, m) for s in seeds for m in args.modes):
         budget = None
-        if mode != "grpo" and args.match_time and out["records"].get("grpo"):
+        if mode != "grpo" and args.match_time and out["records"]["grpo"]:
             budget = out["records"]["grpo"][-1]["cum_time_s"]
         t = time.perf_counter()
         recs = run_mode(mode, args, seed=seed, budget_s=budget)
         for r in recs:
             r["round"] = args.worker_round
-        out["records"][mode] = recs
+        out["records"][mode].extend(recs)
         if dist.get_rank() == 0:
             print(f"[bench_grpo] seed {seed} round {args.worker_round} {mode}: {len(recs) - 1} steps, train "
                   f"{recs[-1]['cum_time_s']:.1f}s, held-out {recs[-1].get('heldout_reward', float('nan')):.3f} "
@@ -438,9 +445,10 @@ def run_worker(args) -> None:
 
 
 # --------------------------------------------------------------------------------------- parent
-def launch(args, argv: list[str], *, seed: int, rnd: int, out_path: str) -> None:
+def launch(args, argv: list[str], *, seeds: list[int], rnd: int, out_path: str) -> None:
     here = os.path.abspath(__file__)
-    worker = [here, *argv, "--worker-seed", str(seed), "--worker-round", str(rnd), "--worker-out", out_path]
+    worker = [here, *argv, "--worker-seeds", ",".join(map(str, seeds)), "--worker-round", str(rnd),
+              "--worker-out", out_path]
     nproc = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *worker]
@@ -450,9 +458,13 @@ def launch(args, argv: list[str], *, seed: int, rnd: int, out_path: str) -> None
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
     if nproc == 1:
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(29500 + (os.getpid() + seed + rnd) % 2000))
-    print(f"[bench_grpo] seed {seed} round {rnd}: {' '.join(cmd[:6])} ...", flush=True)
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    print(f"[bench_grpo] seeds {seeds} round {rnd}: {' '.join(cmd[:6])} ...", flush=True)
     subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
 
 
@@ -597,6 +609,7 @@ def main(argv: list[str] | None = None) -> dict:
             i = worker_argv.index(flag)
             del worker_argv[i : i + 2]
     seeds = [args.seed + k for k in range(args.seeds)]
+    chunks = [seeds[k : k + args.seeds_per_process] for k in range(0, len(seeds), args.seeds_per_process)]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     config = {k: v for k, v in vars(args).items() if not k.startswith("worker")}
     config.update(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
@@ -606,21 +619,24 @@ def main(argv: list[str] | None = None) -> dict:
     records: dict[str, list[dict]] = {m: [] for m in args.modes}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
-            for seed in seeds:
-                out = os.path.join(tmp, f"{rnd}-{seed}.json")
+            for chunk in chunks:
+                out = os.path.join(tmp, f"{rnd}-{chunk[0]}.json")
                 t = time.perf_counter()
                 try:
-                    launch(args, worker_argv, seed=seed, rnd=rnd, out_path=out)
+                    launch(args, worker_argv, seeds=chunk, rnd=rnd, out_path=out)
                 except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-                    print(f"[bench_grpo] seed {seed} round {rnd}: FAILED ({exc})", flush=True)
-                    result.setdefault("failed", []).append({"seed": seed, "round": rnd, "error": str(exc)})
+                    print(f"[bench_grpo] seeds {chunk} round {rnd}: FAILED ({exc})", flush=True)
+                    result.setdefault("failed", []).append({"seeds": chunk, "round": rnd, "error": str(exc)})
                     continue
                 with open(out) as f:
                     raw = json.load(f)
                 config["device_name"] = raw.get("device_name")
+                config.setdefault("dppo_config", raw.get("dppo_config"))
+                if config["dppo_config"] != raw.get("dppo_config"):
+                    print(f"[bench_grpo] warning: the DPPO config changed between runs: {raw.get('dppo_config')}")
                 for mode, recs in raw["records"].items():
                     records[mode].extend(recs)
-                print(f"[bench_grpo] seed {seed} round {rnd}: done in {time.perf_counter() - t:.0f}s", flush=True)
+                print(f"[bench_grpo] seeds {chunk} round {rnd}: done in {time.perf_counter() - t:.0f}s", flush=True)
                 result["modes"] = summarise({m: r for m, r in records.items() if r}, args)
                 config["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
                 if args.json:

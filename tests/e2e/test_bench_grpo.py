@@ -1,0 +1,59 @@
+"""Smoke test of tools/bench_grpo.py: one tiny step of every mode through the real tool."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.e2e.conftest import REPO, run_cmd
+
+MODES = ["grpo", "dppo", "dppo_completion", "dppo_prompt", "filter", "cppo"]
+TINY = ["--seeds", "1", "--steps", "1", "--rounds", "1", "--prompts", "4", "--num-prompts", "8", "--group-size", "4",
+        "--max-new-tokens", "3", "--eval-every", "1", "--eval-prompts", "4", "--eval-samples", "2"]
+
+
+def _bench(tmp_path, args, name):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, str(REPO / "tools" / "bench_grpo.py"), *TINY, *args, "--json", str(out),
+           "--plot", str(tmp_path / f"{name}.png")]
+    run_cmd(cmd, log=tmp_path / f"{name}.log", timeout=900).check_ok()
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_every_mode_one_step(tmp_path):
+    # the toy task's fractional reward: groups of 4 almost never tie, so the unpruned gradient is not 0
+    result = _bench(tmp_path, ["--task", "toy", "--modes", *MODES, "--no-match-time", "--kv-cache",
+                               "--grad-variance", "2", "--grad-variance-every", "1"], "modes")
+    assert list(result["modes"]) == MODES
+    for mode, s in result["modes"].items():
+        for key in ("speedup_vs_grpo", "heldout_reward_final", "heldout_reward_at_grpo_time", "records"):
+            assert key in s, (mode, key)
+        steps = [r for r in s["records"] if r["step"] >= 0]
+        assert [r["step"] for r in steps] == [0]
+        for key in ("step", "seed", "time_s", "cum_time_s", "heldout_reward", "train_tokens", "rollout_tokens",
+                    "density", "rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_time_s",
+                    "kept_prompt_fraction", "kept_completion_fraction", "weight_max", "weight_mean"):
+            assert key in steps[0], (mode, key)
+        assert 0.0 <= s["heldout_reward_final"] <= 1.0
+        assert s["records"][0]["step"] == -1 and "heldout_reward" in s["records"][0]  # before training
+        if mode != "grpo":
+            assert s["grad_rel_mse"] >= 0.0
+    modes = result["modes"]
+    assert modes["grpo"]["speedup_vs_grpo"] == 1.0
+    assert modes["grpo"]["weight_max"] == 1.0 and modes["grpo"]["kept_completion_fraction"] == 1.0
+    assert modes["dppo_completion"]["kept_prompt_fraction"] == 1.0
+    assert modes["cppo"]["kept_completion_fraction"] == 0.5 and modes["cppo"]["weight_max"] == 1.0
+    assert modes["grpo"]["heldout_reward_at_grpo_steps"] == modes["grpo"]["heldout_reward_final"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_kl(tmp_path):
+    result = _bench(tmp_path, ["--task", "toy-binary", "--modes", "grpo", "dppo", "--tensor-model-parallel-size", "2",
+                               "--kl-beta", "0.05", "--no-match-time"], "tp2")
+    assert result["config"]["tensor_model_parallel_size"] == 2
+    for s in result["modes"].values():
+        assert s["reference_time_s"] > 0.0
