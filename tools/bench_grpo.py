@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train other modes until their training time reaches GRPO's (same seed and round)")
     p.add_argument("--max-step-factor", type=float, default=4.0, help="with --match-time: at most this x --steps")
     p.add_argument("--prompts", type=int, default=32, help="prompts per step (global batch)")
-    p.add_argument("--num-prompts", type=int, default=64, help="training prompt set (toy tasks)")
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="training prompt set (gsm8k: the first N problems; they recur, so prompt pruning has history)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 4 (toy tasks), 64 (gsm8k)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows per training microbatch (default: --prompts)")
@@ -230,8 +231,8 @@ def _source(args, *, arch, seed: int, heldout: bool):
                            max_prompt_length=args.max_prompt_length)
         n_eval = min(args.eval_prompts, len(full) // 4)
         if not heldout:
-            return PromptSource(size=len(full) - n_eval, get=full.get, score=full.score, eos_id=full.eos_id,
-                                pad_id=full.pad_id)
+            return PromptSource(size=min(len(full) - n_eval, args.num_prompts), get=full.get, score=full.score,
+                                eos_id=full.eos_id, pad_id=full.pad_id)
         src, offset = full, len(full) - n_eval
     return PromptSource(size=src.size - offset, get=lambda i: src.get(offset + i), score=src.score,
                         eos_id=src.eos_id, pad_id=src.pad_id)
