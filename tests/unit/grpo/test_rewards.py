@@ -271,3 +271,23 @@ def test_toy_binary_random_policy_has_whole_group_zero_variance():
     assert 0.06 < rewards.mean().item() < 0.14
     all_wrong = (rewards.sum(dim=1) == 0).double().mean().item()
     assert 0.3 < all_wrong < 0.56, all_wrong
+
+
+def test_toy_binary_is_a_grpo_cli_task():
+    """``--task toy-binary`` builds the toy prompts with the binary reward (and needs no data)."""
+    from megatron_prune.config import CheckpointConfig, ModelConfig, TrainConfig
+    from megatron_prune.grpo.config import TASKS, GRPOConfig
+    from megatron_prune.grpo.trainer import build_source
+    from megatron_prune.model.arch import get_preset
+
+    assert "toy-binary" in TASKS
+    arch = get_preset("tiny")
+    sources = {task: build_source(GRPOConfig(task=task), arch=arch, model_cfg=ModelConfig(), ckpt_cfg=CheckpointConfig(),
+                                  train_cfg=TrainConfig(seed=5)) for task in ("toy", "toy-binary")}
+    prompt = sources["toy-binary"].get(0)
+    assert prompt == sources["toy"].get(0)  # the same prompts
+    task = ToyTask(ToyTaskConfig(vocab_size=arch.vocab_size))
+    right, wrong = task.digit_token_id(int(prompt.answer)), task.digit_token_id((int(prompt.answer) + 1) % 10)
+    assert sources["toy-binary"].score(prompt, [right, wrong, wrong]) == 1.0
+    assert sources["toy-binary"].score(prompt, [wrong, right, right]) == 0.0
+    assert sources["toy"].score(prompt, [wrong, right, right]) == pytest.approx(2 / 3)
