@@ -59,7 +59,8 @@ def _my_samples():
                     dp_size=parallel_state.get_data_parallel_world_size())
 
 
-def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dict | None = None) -> dict:
+def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dict | None = None,
+              lora: dict | None = None, branch_pattern: tuple[int, ...] | None = None) -> dict:
     """One DPO step (adapter-off reference, Adam) of a LoRA model: loss, adapter gradients, grad
     norm and adapters after the step (whole tensors), and what the step did to the base."""
     from megatron.core import parallel_state
@@ -76,7 +77,7 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
     par = ParallelConfig(**(parallel or {}))
     with model_parallel(par, seed=SEED):
         policy = setup_model(get_preset("tiny"), par, seed=SEED, use_distributed_optimizer=distopt,
-                             lora=LoRAConfig(**LORA))
+                             lora=LoRAConfig(**(lora or LORA)))
         perturb_adapters(policy)
         # A large eps keeps Adam's first update a smooth function of the gradient (no sign(g)).
         optimizer = build_optimizer(
@@ -87,6 +88,16 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
         adapters = [p for n, p in named if _is_adapter(n)]
         assert base and adapters
         runner = DPOStep(settings=_settings(prune), policy=policy, reference=adapter_off(policy))
+        if branch_pattern is not None:
+            plan = runner.plan
+
+            def forced(step, samples):
+                plans = plan(step, samples)
+                for p in plans:
+                    p.kept_branch = branch_pattern[p.sample_id]
+                return plans
+
+            runner.plan = forced
         for chunk in policy:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -119,8 +130,18 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
             "state_numel": state_numel,
             "local_optimizer_numel": sum(p.numel() for p in opt_params),
         }
+        # Every TP rank must hold the same replicated adapter weights after the step.
+        replicas_agree = True
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            for p in adapters:
+                if getattr(p, "tensor_model_parallel", False):
+                    continue
+                copies = [torch.empty_like(p) for _ in range(tp_group.size())]
+                torch.distributed.all_gather(copies, p.detach().contiguous(), group=tp_group)
+                replicas_agree &= all(torch.equal(c, copies[0]) for c in copies)
     return dict(metrics=metrics, grads=grads, after=after, grad_norm=float(grad_norm), success=success,
-                frozen=frozen)
+                frozen=frozen, replicas_agree=replicas_agree)
 
 
 def reference_checks(*, parallel: dict | None = None) -> dict:
@@ -202,6 +223,8 @@ def layouts(which: str) -> dict:
     out = {name: lora_step(**kw) for name, kw in table.items()}
     if which == "2":
         out["ref:tp2-sp"] = reference_checks(parallel=LAYOUTS_2["tp2-sp"]["parallel"])
+        for name in ("tp2", "tp2-sp"):
+            out[f"dropout:{name}"] = lora_step(parallel=LAYOUTS_2[name]["parallel"], lora={**LORA, "dropout": 0.3})
     return out
 
 
@@ -271,6 +294,12 @@ def test_lora_step_layouts_match_single_rank_2_ranks(single):
     for name in LAYOUTS_2:
         _assert_step_matches(single["step"], results[name], name)
         _assert_only_adapters_train(results[name]["frozen"], name)
+    for name in ("tp2", "tp2-sp"):
+        assert results[name]["replicas_agree"], name
+        got = results[f"dropout:{name}"]
+        assert got["replicas_agree"], f"dropout under {name}: replicated adapters diverged over TP"
+        assert got["metrics"]["loss"] != pytest.approx(results[name]["metrics"]["loss"], rel=1e-9, abs=0), \
+            "dropout changed nothing"
     ref = results["ref:tp2-sp"]
     assert torch.equal(ref["fresh_logits"], ref["base_logits"])
     torch.testing.assert_close(ref["tuned_logits"], single["ref"]["tuned_logits"], rtol=1e-5, atol=1e-5)
@@ -278,9 +307,47 @@ def test_lora_step_layouts_match_single_rank_2_ranks(single):
         torch.testing.assert_close(values, ref["logps"]["frozen_copy"][key], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # four gloo ranks on a small CPU machine: ~2 min
 @pytest.mark.distributed
 def test_lora_step_layouts_match_single_rank_4_ranks(single):
     results = run_distributed(layouts, 4, which="4")[0]
     for name in LAYOUTS_4:
         _assert_step_matches(single["step"], results[name], name)
         _assert_only_adapters_train(results[name]["frozen"], name)
+
+
+ENUM_PAIRS = 4
+
+
+def branch_enumeration_lora(q_w: float) -> dict:
+    """Σ over every kept-branch pattern of P(pattern) · adapter grad(pattern), and the unpruned grad."""
+    import itertools
+
+    import tests.distributed.dpo_harness as h
+
+    h.NUM_PAIRS = ENUM_PAIRS
+    h.sample_pairs.cache_clear()
+    prune = dict(position_ratio=0.6, seq_min_ratio=0.5)
+    full = lora_step(prune=prune)
+    expected: dict[str, torch.Tensor] = {}
+    total = 0.0
+    for pattern in itertools.product((0, 1), repeat=ENUM_PAIRS):
+        prob = 1.0
+        for kept in pattern:
+            prob *= q_w if kept == 0 else 1.0 - q_w
+        got = lora_step(prune={**prune, "branch": True, "branch_chosen_prob": q_w}, branch_pattern=pattern)
+        for key, grad in got["grads"].items():
+            expected[key] = expected.get(key, 0.0) + prob * grad.double()
+        total += prob
+    return dict(full=full["grads"], expectation=expected, total=total)
+
+
+@pytest.mark.distributed
+def test_branch_pruning_is_unbiased_under_lora():
+    res = run_distributed(branch_enumeration_lora, 1, q_w=0.3)[0]
+    assert abs(res["total"] - 1.0) < 1e-12
+    assert res["full"] and set(res["expectation"]) == set(res["full"])
+    for key, grad in res["full"].items():
+        assert float(grad.abs().max()) > 0
+        torch.testing.assert_close(res["expectation"][key].float(), grad, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m: f"E[branch-pruned adapter grad] != full grad for {key}: {m}")
