@@ -1,0 +1,253 @@
+"""What a new user does first, through the commands they run: the README's commands and the
+example scripts (dry run, and the CPU ones for real with tiny settings), exact DPO by default,
+errors that say the way out, GRPO prompts that do not fit, and the token metrics.
+
+Launches are few and tiny (the tiny preset, 1-2 steps); each costs ~15-40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import REPO, SAMPLE, launch_env, read_jsonl, torchrun_cmd
+
+pytestmark = pytest.mark.e2e
+
+SAMPLES = REPO / "megatron_prune" / "data" / "samples"
+GSM8K = str(SAMPLES / "gsm8k_sample.jsonl")
+TIMING = ("step_time_s", "peak_mem_bytes", "rollout_time_s", "reference_time_s", "old_logprob_time_s", "train_time_s")
+
+
+def _run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run to completion, stdout and stderr in one pipe (in the order the user sees them)."""
+    return subprocess.run(cmd, cwd=REPO, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+
+
+def _dpo(tmp_path: Path, name: str, *extra: str) -> tuple[list[dict], str]:
+    metrics = tmp_path / f"{name}.jsonl"
+    proc = _run([sys.executable, "-m", "megatron_prune.dpo", "--model-preset", "tiny", "--data-path", SAMPLE,
+                 "--device", "cpu", "--seq-length", "128", "--max-prompt-length", "64", "--train-iters", "2",
+                 "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
+                 "--metrics-jsonl", str(metrics), *extra])
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return read_jsonl(metrics), proc.stdout
+
+
+# --------------------------------------------------------------------------- DPO defaults and metrics
+
+
+def test_dpo_without_prune_flags_is_exact_dpo(tmp_path):
+    """No --prune-* flag gives the run of --prune-position-ratio 1 --prune-seq-min-ratio 1, bit for bit;
+    train_tokens / forward_only_tokens are in the JSONL and the progress line, and branch pruning
+    moves the pruned branch's tokens from the first to the second."""
+    default, out = _dpo(tmp_path, "default")
+    explicit, _ = _dpo(tmp_path, "explicit", "--prune-position-ratio", "1", "--prune-seq-min-ratio", "1")
+    assert len(default) == len(explicit) == 2
+    for a, b in zip(default, explicit):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+    assert [r["loss"] for r in default] == [r["loss"] for r in explicit]
+    for r in default:  # exact DPO: every policy token trains; forward-only work is the reference model's
+        assert r["train_tokens"] == r["policy_tokens"] > 0 and r["forward_only_tokens"] == r["ref_tokens"] > 0
+    assert re.search(r"train_tokens \d+ \| forward_only_tokens \d+", out), out[-3000:]
+
+    branch, _ = _dpo(tmp_path, "branch", "--prune-branch")
+    for r in branch:
+        pruned_branch = r["policy_tokens"] - r["train_tokens"]
+        assert 0 < r["train_tokens"] < r["policy_tokens"]
+        assert r["forward_only_tokens"] == r["ref_tokens"] + pruned_branch
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _in_process(module: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    main = __import__(f"megatron_prune.{module}.__main__", fromlist=["main"]).main
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+def test_bad_records_name_file_line_and_the_way_out(tmp_path, monkeypatch, capsys):
+    good = json.dumps({"prompt": "hi", "chosen": "a", "rejected": "b"})
+    cases = [
+        ('{"prompt": "hi", "chosen": "a"', "malformed json"),
+        (json.dumps({"prompt": "hi", "chosen": "a"}), "missing field 'rejected'"),
+        (json.dumps({"chosen": "\n\nHuman: hi\n\nAssistant: a"}), "missing field 'rejected'"),
+    ]
+    for number, (line, reason) in enumerate(cases):
+        path = tmp_path / f"bad{number}.jsonl"
+        path.write_text(f"{good}\n{line}\n")
+        code, err = _in_process("dpo", ["--model-preset", "tiny", "--device", "cpu", "--data-path", str(path),
+                                        "--seq-length", "64"], monkeypatch, capsys)
+        assert code == 2
+        assert f"{path}:2: {reason}" in err, err
+        assert "pass --skip-invalid-records" in err and "Traceback" not in err, err
+
+
+def test_unknown_model_preset_under_torchrun_ends_with_one_line(tmp_path):
+    """A real 2-rank launch: the usage error is the last line the user reads, after torchrun's report."""
+    proc = _run(torchrun_cmd(["-m", "megatron_prune.dpo", "--model-preset", "big", "--data-path", SAMPLE]),
+                timeout=240)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines[-1] == ("megatron-prune-dpo: error: argument --model-preset: invalid choice: 'big' (choose from "
+                         "'tiny', 'tiny-tied') (run with --help to see every flag, its choices and default)"), \
+        proc.stdout[-4000:]
+    assert "usage:" not in proc.stdout and "[rank0]:" not in proc.stdout
+
+
+# --------------------------------------------------------------------------- GRPO prompts and metrics
+
+
+def test_grpo_prompt_budget_refused_before_any_rank_works(monkeypatch, capsys):
+    base = ["--model-preset", "tiny", "--device", "cpu", "--task", "gsm8k", "--data-path", GSM8K]
+    code, err = _in_process("grpo", [*base, "--seq-length", "64", "--max-new-tokens", "8",
+                                     "--max-prompt-length", "60"], monkeypatch, capsys)
+    assert code == 2 and "--max-prompt-length 60 + --max-new-tokens 8 exceed --seq-length 64" in err, err
+    code, err = _in_process("grpo", [*base, "--seq-length", "8", "--max-new-tokens", "8"], monkeypatch, capsys)
+    assert code == 2 and "--seq-length 8 leaves no room for a prompt" in err, err
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
+def test_grpo_left_truncates_long_prompts_and_reports_tokens(tmp_path):
+    """GSM8K prompts are longer than --seq-length minus --max-new-tokens: without --max-prompt-length
+    they are left-truncated (counted in the metrics, logged), the run trains, the JSONL carries
+    train_tokens / forward_only_tokens, and a step where every group has equal rewards says so."""
+    metrics = tmp_path / "grpo.jsonl"
+    proc = _run([sys.executable, "-m", "megatron_prune.grpo", "--model-preset", "tiny", "--device", "cpu",
+                 "--task", "gsm8k", "--data-path", GSM8K, "--seq-length", "48", "--max-new-tokens", "4",
+                 "--group-size", "2", "--global-batch-size", "2", "--micro-batch-size", "2", "--train-iters", "2",
+                 "--ppo-epochs", "2", "--dense-packing", "--temperature", "0", "--metrics-jsonl", str(metrics)])
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    (first, second) = read_jsonl(metrics)
+    assert first["truncated_prompts"] == 2.0
+    assert "2 of 2 prompts were longer than the prompt budget and were left-truncated" in proc.stdout
+    assert first["train_tokens"] == first["policy_tokens"] > 0
+    assert first["forward_only_tokens"] > 0  # old log-probs, scored once for the two updates of the rollout
+    assert second["forward_only_tokens"] == 0
+    # Greedy sampling: a group's completions are identical, so its rewards are equal.
+    assert first["zero_variance_groups"] == 1.0 and first["loss"] == 0.0
+    assert "step 0: every group's rewards are equal (zero variance)" in proc.stdout, proc.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- examples and README
+
+
+def _bare_env(**extra: str) -> dict[str, str]:
+    """A shell as a user has it after the first README command: nothing activated, no torchrun on PATH."""
+    env = {"HOME": os.environ.get("HOME", "/tmp"), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    env.update(extra)
+    return env
+
+
+DRY_RUNS = [
+    ("examples/quickstart.sh", {}, "-m megatron_prune.dpo"),
+    ("examples/grpo_cpu.sh", {}, "-m megatron_prune.grpo"),
+    ("examples/dpo_multinode.sh", {}, "-m megatron_prune.dpo"),
+    ("examples/dpo_qwen3_4b_8gpu.sh", {"HF_MODEL": "/models/Qwen3-4B", "DATA": "prefs.jsonl"}, "-m megatron_prune.dpo"),
+    ("examples/grpo_qwen3_4b_8gpu.sh", {}, "-m megatron_prune.grpo"),
+]
+
+
+@pytest.mark.skipif(not (REPO / ".venv" / "bin" / "python").exists(), reason="needs the project's .venv")
+@pytest.mark.parametrize("script, env, module", DRY_RUNS, ids=[s for s, _, _ in DRY_RUNS])
+def test_example_dry_run_uses_the_project_env(script, env, module):
+    """Each example prints its command in dry-run mode from a shell with nothing activated, and every
+    flag of the command exists (the CPU examples run for real below, which needs .venv's torchrun)."""
+    proc = subprocess.run(["bash", script], cwd=REPO, env=_bare_env(DRY_RUN="1", **env), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = shlex.split(proc.stdout.strip().splitlines()[-1])
+    words = [w for w in words if "=" not in w or w.startswith("-")]  # drop leading VAR=value
+    assert module in " ".join(words)
+    _assert_flags_exist(words)
+
+
+def _assert_flags_exist(words: list[str]) -> None:
+    from megatron_prune.arguments import build_parser
+
+    if "-m" not in words:
+        return
+    at = [i for i, w in enumerate(words[:-1]) if w == "-m"]
+    modules = [(i, words[i + 1]) for i in at if words[i + 1].startswith("megatron_prune.")]
+    if not modules:
+        return
+    i, module = modules[-1]
+    groups = __import__(f"{module}.__main__", fromlist=["GROUPS"]).GROUPS
+    parser = build_parser(module, groups, "")
+    args = [w for w in words[i + 2 :] if w != "..."]
+    _, unknown = parser.parse_known_args(args)
+    assert not [u for u in unknown if u.startswith("--")], f"{module}: unknown flags {unknown}"
+
+
+def _readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.split("  #")[0].strip()
+            if line:
+                commands.append(line)
+    return commands
+
+
+def test_readme_commands_name_real_scripts_and_flags():
+    """Every README command names a script or tool of the repository and only flags that exist."""
+    commands = _readme_commands()
+    assert commands[:2] == ["bash examples/quickstart.sh", "bash tests/run.sh"]
+    assert any(c.startswith(". .venv/bin/activate") for c in commands), "README must say how to use .venv"
+    for command in commands:
+        words = shlex.split(command)
+        for word in words:
+            if word.startswith(("examples/", "tools/", "tests/")) and "/" in word:
+                assert (REPO / word).exists(), f"{command}: {word} does not exist"
+        _assert_flags_exist(words)
+
+
+def test_readme_tools_answer_help():
+    tools = sorted({w for c in _readme_commands() for w in shlex.split(c) if w.startswith("tools/") and
+                    w.endswith(".py")})
+    assert tools
+    for tool in tools:
+        proc = _run([sys.executable, tool, "--help"], timeout=300)
+        assert proc.returncode == 0 and "usage" in proc.stdout.lower(), f"{tool}:\n{proc.stdout[-2000:]}"
+
+
+@pytest.mark.skipif(not (REPO / ".venv" / "bin" / "python").exists(), reason="needs the project's .venv")
+def test_quickstart_runs_and_explains_its_numbers(tmp_path):
+    """The first README command, for real with tiny settings, from a shell with nothing activated."""
+    out = tmp_path / "qs"
+    proc = subprocess.run(["bash", "examples/quickstart.sh"], cwd=REPO, timeout=900, capture_output=True, text=True,
+                          env=_bare_env(STEPS="1", GBS="4", MBS="2", EVAL_INTERVAL="1", OUT=str(out)))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    record = read_jsonl(out / "metrics.jsonl")[-1]
+    assert {"train_tokens", "forward_only_tokens", "eval_reward_accuracy"} <= set(record)
+    tail = proc.stdout.strip().splitlines()[-5:]
+    text = "\n".join(tail)
+    assert "Held-out reward accuracy" in text and "0.5 = chance" in text
+    assert f"Metrics, one JSON line per step: {out / 'metrics.jsonl'}" in text
+    assert "bash examples/grpo_cpu.sh" in text and "tools/bench_dpo.py" in text
+
+
+@pytest.mark.skipif(not (REPO / ".venv" / "bin" / "python").exists(), reason="needs the project's .venv")
+def test_grpo_example_runs(tmp_path):
+    out = tmp_path / "grpo"
+    proc = subprocess.run(["bash", "examples/grpo_cpu.sh"], cwd=REPO, timeout=900, capture_output=True, text=True,
+                          env=_bare_env(ITERS="1", GBS="4", OUT=str(out)))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (record,) = read_jsonl(out / "metrics.jsonl")
+    assert {"reward_mean", "train_tokens", "forward_only_tokens"} <= set(record)
