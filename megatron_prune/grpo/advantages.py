@@ -1,7 +1,10 @@
 """Group-relative advantages for GRPO.
 
 For rewards shaped ``[num_prompts, G]`` (G completions per prompt),
-``A_ij = r_ij - mean_j r_ij``, optionally divided by ``std_j r_ij + eps``.
+``A_ij = r_ij - mean_j r_ij``, optionally divided by ``std_j r_ij + eps``: the population std
+(divide by G) with ``eps = 1e-6`` by default, or the sample std (divide by G - 1) with
+``eps = 1e-4`` as TRL computes it (``--advantage-std sample``); the two differ by a factor
+``sqrt(G / (G - 1))`` whenever the std is not tiny.
 Advantages are always computed on the *full* group, before any completion-level pruning
 (docs/dppo.md explains why this matters for unbiasedness).
 """
