@@ -130,6 +130,14 @@ class DPPOArgs:
     """EMA decay of each prompt's reward-spread history."""
     history_score: str = field(default="std", metadata=_flag("--dppo-history-score", choices=("std", "informative")))
     """Per-group observation feeding the prompt history: reward std, or 1 if the std is nonzero."""
+    sampling: str = field(default="systematic", metadata=_flag("--dppo-sampling", choices=("systematic", "independent")))
+    """Completion keep draws: systematic (one uniform per group, completions in order of advantage: each group keeps
+    a balanced spread of its advantages) or independent (one uniform per completion). Both keep each completion with
+    exactly its probability (unbiased); systematic has the lower variance (docs/dppo.md)."""
+    prompt_sampling: str = field(default="independent",
+                                 metadata=_flag("--dppo-prompt-sampling", choices=("independent", "systematic")))
+    """Prompt keep draws: independent (one uniform per prompt) or systematic (one uniform per batch, prompts in order
+    of keep probability: the number kept is the expected number, rounded)."""
     dense_packing: bool = field(default=False, metadata=_flag("--dense-packing"))
     """Pack the surviving sequences into rows of --seq-length tokens (block-diagonal masks)."""
     pack_window: int = field(default=64, metadata=_flag("--pack-window"))
@@ -146,6 +154,7 @@ class DPPOArgs:
                 prompt_prune_rate=self.prompt_prune_rate, completion_prune_rate=self.completion_prune_rate,
                 prompt_floor=self.prompt_floor, completion_floor=self.completion_floor,
                 history_decay=self.history_decay, history_score=self.history_score,
+                sampling=self.sampling, prompt_sampling=self.prompt_sampling,
             )
         except ValueError as exc:
             raise ValueError(f"--dppo-*: {exc}") from None

@@ -9,9 +9,11 @@
 Both levels use one rule (:func:`solve_keep_probs`): ``prob = clip(c * score, floor, 1)``
 with the multiplier ``c`` found by bisection so that the expected prune fraction
 ``1 - mean(prob)`` equals the target rate. Keep draws are a pure function of
-``(seed, step, level, item id)`` (:func:`keep_uniform`), so every rank and every layout
-draws the same decisions without communication. The estimator and its proof of
-unbiasedness are in docs/dppo.md.
+``(seed, step, level, id)`` (:func:`keep_uniform`), so every rank and every layout
+draws the same decisions without communication. A level draws either independently (one
+uniform per item) or systematically (:func:`systematic_keep`: one uniform per group of
+completions, or per batch of prompts, with every item still kept with exactly its
+probability). The estimator and its proof of unbiasedness are in docs/dppo.md.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "solve_keep_probs",
     "keep_uniform",
     "sample_keep",
+    "systematic_keep",
     "prune_prompts",
     "prune_completions",
     "combine_weights",
@@ -42,6 +45,9 @@ __all__ = [
 PROMPT_LEVEL = "prompt"
 COMPLETION_LEVEL = "completion"
 _HISTORY_SCORES = ("std", "informative")
+SAMPLINGS = ("systematic", "independent")
+PROMPT_BATCH_KEY = "batch"
+"""Id of the one uniform of a systematic prompt-level draw (the level keys it apart from items)."""
 _BISECTION_STEPS = 200
 
 
@@ -63,12 +69,29 @@ class DPPOConfig:
     """Per-group observation: ``std`` (reward std of the group) or ``informative`` (1 if std > 0)."""
     unseen_prompt_score: float | None = None
     """Score of a prompt with no history; None keeps it with probability 1."""
+    sampling: str = "systematic"
+    """Completion keep draws: ``systematic`` (one uniform per group, completions taken in order of
+    advantage, so each group keeps a balanced spread of its advantages) or ``independent`` (one
+    uniform per completion). Both keep every completion with probability exactly ``q_ij``."""
+    prompt_sampling: str = "independent"
+    """Prompt keep draws: ``independent`` (one uniform per prompt) or ``systematic`` (one uniform
+    per batch, prompts in order of keep probability then id: the kept count is ``sum p`` rounded)."""
 
     def __post_init__(self) -> None:
         _check_rate("prompt_prune_rate", self.prompt_prune_rate)
         _check_rate("completion_prune_rate", self.completion_prune_rate)
         _check_floor("prompt_floor", self.prompt_floor)
         _check_floor("completion_floor", self.completion_floor)
+        for level, rate, floor in (("prompt", self.prompt_prune_rate, self.prompt_floor),
+                                   ("completion", self.completion_prune_rate, self.completion_floor)):
+            if rate > 1.0 - floor + 1e-12:
+                raise ValueError(
+                    f"{level}_prune_rate {rate} cannot be reached with {level}_floor {floor}: every item is kept "
+                    f"with probability at least the floor, so at most 1 - floor = {1.0 - floor:.4g} can be pruned"
+                )
+        for name in ("sampling", "prompt_sampling"):
+            if getattr(self, name) not in SAMPLINGS:
+                raise ValueError(f"{name} must be one of {SAMPLINGS}, got {getattr(self, name)!r}")
         if not 0.0 <= self.history_decay < 1.0:
             raise ValueError(f"history_decay must be in [0, 1), got {self.history_decay}")
         if self.history_score not in _HISTORY_SCORES:
@@ -80,6 +103,14 @@ class DPPOConfig:
     def enabled(self) -> bool:
         """Whether any pruning is requested."""
         return self.prompt_prune_rate > 0 or self.completion_prune_rate > 0
+
+    @property
+    def max_weight(self) -> float:
+        """Largest importance weight ``1/(p q)`` a kept completion can get: ``1/floor`` per pruning
+        level (a level at rate 0 keeps everything with probability 1)."""
+        prompt = 1.0 / self.prompt_floor if self.prompt_prune_rate > 0 else 1.0
+        completion = 1.0 / self.completion_floor if self.completion_prune_rate > 0 else 1.0
+        return prompt * completion
 
 
 def _check_rate(name: str, rate: float) -> None:
@@ -201,6 +232,30 @@ def sample_keep(
         [keep_uniform(seed=seed, step=step, level=level, item_id=item_id) for item_id in ids], dtype=torch.float64
     )
     return (uniforms < probs.detach().to(torch.float64).flatten()).reshape(probs.shape)
+
+
+def systematic_keep(probs: torch.Tensor, *, order: Sequence[int], uniform: float) -> torch.Tensor:
+    """Systematic sampling: bool mask of the items of ``probs`` (1-D, each in [0, 1]) that are kept.
+
+    The items are laid end to end on the line in ``order``, item ``k`` covering
+    ``[C_{k-1}, C_k)`` with ``C_k`` the partial sums of the probabilities; the points
+    ``uniform + m`` (m = 0, 1, ...) pick the items they land in. For ``uniform ~ U[0, 1)`` each
+    item is kept with probability exactly its own (its interval has that length and holds at
+    most one point), while the number kept is ``floor`` or ``ceil`` of ``sum(probs)`` and
+    neighbours in ``order`` are rarely kept or pruned together.
+    """
+    values = probs.detach().to(torch.float64).flatten().tolist()
+    if sorted(order) != list(range(len(values))):
+        raise ValueError(f"order must be a permutation of range({len(values)}), got {list(order)}")
+    if not 0.0 <= uniform < 1.0:
+        raise ValueError(f"uniform must be in [0, 1), got {uniform}")
+    keep = [False] * len(values)
+    start = 0.0
+    for k in order:
+        end = start + values[k]
+        keep[k] = math.ceil(end - uniform) > math.ceil(start - uniform)  # a point u + m lies in [start, end)
+        start = end
+    return torch.tensor(keep, dtype=torch.bool).reshape(probs.shape)
 
 
 @dataclass(frozen=True)
@@ -360,7 +415,13 @@ def prune_prompts(
     """
     scores = history.scores(prompt_ids, unseen=config.unseen_prompt_score)
     probs = solve_keep_probs(scores, prune_rate=config.prompt_prune_rate, floor=config.prompt_floor)
-    keep = sample_keep(probs, seed=seed, step=step, level=PROMPT_LEVEL, item_ids=prompt_ids)
+    if config.prompt_sampling == "independent":
+        keep = sample_keep(probs, seed=seed, step=step, level=PROMPT_LEVEL, item_ids=prompt_ids)
+    else:  # one uniform for the batch; a stable order that does not depend on the batch's layout
+        ids = _check_ids(prompt_ids, probs.numel(), PROMPT_LEVEL)
+        order = sorted(range(len(ids)), key=lambda k: (float(probs[k]), repr(ids[k])))
+        uniform = keep_uniform(seed=seed, step=step, level=PROMPT_LEVEL, item_id=PROMPT_BATCH_KEY)
+        keep = systematic_keep(probs, order=order, uniform=uniform)
     return KeepDecision(probs=probs, keep=keep, target_rate=config.prompt_prune_rate)
 
 
@@ -370,16 +431,28 @@ def prune_completions(
     """Completion-level decision ``[P, G]`` from advantages of the full groups of the kept prompts.
 
     ``q_ij = clip(c * |A_ij|, floor, 1)`` with ``c`` shared by the whole batch, so groups
-    with zero advantage give up their completions first. Completion ``j`` of prompt
-    ``i`` draws with the id ``(prompt_ids[i], j)``.
+    with zero advantage give up their completions first. Independent draws: completion ``j``
+    of prompt ``i`` draws with the id ``(prompt_ids[i], j)``. Systematic draws: the group of
+    prompt ``i`` draws one uniform with the id ``prompt_ids[i]`` and takes its completions in
+    order of advantage (then ``j``), so the kept completions spread over the group's
+    advantages and the weighted advantages ``sum_j w_ij A_ij`` stay near their expectation 0.
     """
     if advantages.dim() != 2 or advantages.shape[0] != len(prompt_ids):
         raise ValueError(f"advantages must be [{len(prompt_ids)}, G], got {tuple(advantages.shape)}")
     probs = solve_keep_probs(
         advantages.detach().abs(), prune_rate=config.completion_prune_rate, floor=config.completion_floor
     )
-    item_ids = [(prompt_id, j) for prompt_id in prompt_ids for j in range(advantages.shape[1])]
-    keep = sample_keep(probs, seed=seed, step=step, level=COMPLETION_LEVEL, item_ids=item_ids)
+    if config.sampling == "independent":
+        item_ids = [(prompt_id, j) for prompt_id in prompt_ids for j in range(advantages.shape[1])]
+        keep = sample_keep(probs, seed=seed, step=step, level=COMPLETION_LEVEL, item_ids=item_ids)
+    else:
+        ids = _check_ids(prompt_ids, len(prompt_ids), COMPLETION_LEVEL)
+        keep = torch.zeros(probs.shape, dtype=torch.bool)
+        for k, prompt_id in enumerate(ids):
+            row = advantages[k].detach().to(torch.float64).tolist()
+            order = sorted(range(len(row)), key=lambda j: (row[j], j))
+            uniform = keep_uniform(seed=seed, step=step, level=COMPLETION_LEVEL, item_id=prompt_id)
+            keep[k] = systematic_keep(probs[k], order=order, uniform=uniform)
     return KeepDecision(probs=probs, keep=keep, target_rate=config.completion_prune_rate)
 
 

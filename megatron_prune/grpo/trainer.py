@@ -223,6 +223,10 @@ class GRPOObjective:
         metrics = self._rollout_metrics(rewards=rewards, num_prompts=len(ids), kept_prompts=len(kept_ids),
                                         minibatches=minibatches, completions=completions)
         metrics["rollout_time_s"] = rollout_time
+        # Unbiased all-prompt mean reward (reward_mean averages the rolled-out prompts only): every
+        # completion of a rolled-out prompt is scored, so the prompt weight 1/p is the only correction.
+        prompt_weights = prompt_decision.weights[prompt_decision.keep]
+        metrics["reward_mean_weighted"] = float((prompt_weights[:, None] * rewards.double()).sum()) / (len(ids) * G)
         metrics["truncated_prompts"] = float(sum(prompts[i].truncated for i in ids))
         if metrics["truncated_prompts"] and is_logging_rank():
             logger.warning("rollout %d: %d of %d prompts were longer than the prompt budget and were left-truncated "

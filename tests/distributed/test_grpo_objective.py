@@ -17,11 +17,12 @@
   equal an independent reference: plain PyTorch on the same model (full logits, ``log_softmax``,
   gather), group advantages ``(r - mean) / (std + 1e-6)``, the clipped surrogate plus ``beta *
   k3``, summed over tokens and divided by ``prompts x G x max_new_tokens``.
+* ``reward_mean_weighted`` (rewards of the rolled-out prompts weighted by ``1/p``, over all
+  prompts) has the unpruned ``reward_mean`` as its expectation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -79,8 +80,8 @@ class Harness:
 
         dppo = dict(prompt_prune_rate=prompt_rate, completion_prune_rate=completion_rate,
                     prompt_floor=PROMPT_FLOOR, completion_floor=COMPLETION_FLOOR, dense_packing=dense_packing)
-        if sampling is not None and "sampling" in {f.name for f in dataclasses.fields(DPPOArgs)}:
-            dppo["sampling"] = sampling
+        if sampling is not None:  # the same rule at both levels
+            dppo.update(sampling=sampling, prompt_sampling=sampling)
         configs = {
             "TrainConfig": TrainConfig(global_batch_size=NUM_PROMPTS, micro_batch_size=2, seq_length=16, seed=SEED),
             "GRPOConfig": GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, kl_beta=KL_BETA, ppo_epochs=2,
@@ -222,7 +223,7 @@ def enumerate_expected_gradient(harness: Harness, draws: Draws) -> dict:
     prompt_decision = harness.decisions["select_prompts"]
     prompt_ids = list(harness.objective.sampler.epoch_order(0)[:NUM_PROMPTS])
     prompt_keys = list(dict.fromkeys(draws.asked["prompt"]))
-    expected, total, runs = None, 0.0, 0
+    expected, total, runs, reward = None, 0.0, 0, 0.0
     prompt_freq = torch.zeros(NUM_PROMPTS, dtype=torch.float64)
     completion_freq: dict[tuple, float] = {}
     completion_marginal: dict[tuple, float] = {}
@@ -241,20 +242,21 @@ def enumerate_expected_gradient(harness: Harness, draws: Draws) -> dict:
                 completion_marginal[key] = completion_marginal.get(key, 0.0) + p_prompts * float(decision.probs[k, j])
         for p_completions, table in draws.enumerate("completion", completion_keys, decision=decision, ids=kept_ids):
             draws.table = {**prompt_table, **table}
-            _, grad = harness.step()
+            metrics, grad = harness.step()
             runs += 1
             got = harness.decisions["select_completions"]
             assert torch.equal(got.probs, decision.probs)
             probability = p_prompts * p_completions
             expected = probability * grad if expected is None else expected + probability * grad
             total += probability
+            reward += probability * metrics["reward_mean_weighted"]
             for k, prompt_id in enumerate(kept_ids):
                 for j in range(GROUP):
                     key = (prompt_id, j)
                     completion_freq[key] = completion_freq.get(key, 0.0) + probability * float(got.keep[k, j])
     return dict(expected=expected, total=total, runs=runs, prompt_freq=prompt_freq,
                 prompt_probs=prompt_decision.probs, prompt_ids=prompt_ids, completion_freq=completion_freq,
-                completion_marginal=completion_marginal)
+                completion_marginal=completion_marginal, reward_mean_weighted=reward)
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,7 +351,7 @@ def _objective_checks(*, sampling_modes: tuple) -> dict:
     return out
 
 
-SAMPLING_MODES = ("independent",)
+SAMPLING_MODES = ("independent", "systematic")
 
 
 @functools.lru_cache(maxsize=1)
@@ -372,6 +374,7 @@ def test_unpruned_trainer_step_is_plain_grpo():
     assert full["metrics"]["clip_fraction"] > 0.0, f"the old policy should be far enough to clip: {full['metrics']}"
     assert full["metrics"]["kl_loss"] > 0.0
     torch.testing.assert_close(full["metrics"]["loss"], ref["loss"], rtol=1e-5, atol=1e-7)
+    assert full["metrics"]["reward_mean_weighted"] == pytest.approx(full["metrics"]["reward_mean"], abs=1e-7)
     _assert_grad_close(full["grad"], ref["grad"], "trainer vs reference", rtol=1e-4)
 
 
@@ -391,3 +394,5 @@ def test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration(mode):
         assert abs(frequency - result["completion_marginal"][key]) < 1e-9, (key, frequency)
     assert min(result["completion_marginal"].values()) < 0.5
     _assert_grad_close(result["expected"], got["full"]["grad"], f"{mode}: E[DPPO] vs GRPO", rtol=1e-4)
+    # the weighted reward estimates the all-prompt mean reward without bias
+    assert result["reward_mean_weighted"] == pytest.approx(got["full"]["metrics"]["reward_mean"], abs=1e-7)

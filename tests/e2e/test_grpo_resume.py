@@ -28,8 +28,8 @@ ARGS = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--toy-num
         "--dppo-prompt-prune-rate", "0.5", "--dppo-completion-prune-rate", "0.5", "--dense-packing",
         "--train-iters", str(STEPS), "--save-interval", "3"]
 # Checkpoints at steps 3 and 9 fall inside a rollout (two updates per rollout), 6 between rollouts.
-SAME = ("loss", "policy_loss", "grad_norm", "lr", "reward_mean", "kept_prompt_fraction", "kept_completion_fraction",
-        "policy_tokens", "rollout_tokens", "density", "clip_fraction", "ratio_mean")
+SAME = ("loss", "policy_loss", "grad_norm", "lr", "reward_mean", "reward_mean_weighted", "kept_prompt_fraction",
+        "kept_completion_fraction", "policy_tokens", "rollout_tokens", "density", "clip_fraction", "ratio_mean")
 
 
 def _grpo(args: list[str]) -> list[str]:

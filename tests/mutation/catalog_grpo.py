@@ -9,6 +9,7 @@ OBJECTIVE = "tests/distributed/test_grpo_objective.py"
 UNBIASED = f"{OBJECTIVE}::test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration"
 PLAIN = f"{OBJECTIVE}::test_unpruned_trainer_step_is_plain_grpo"
 RESUME = "tests/e2e/test_grpo_resume.py"
+DPPO_UNIT = "tests/unit/grpo/test_dppo.py"
 
 MUTANTS: list[dict] = [
     {
@@ -70,5 +71,47 @@ MUTANTS: list[dict] = [
         "old": "            self.buffer = self._load_buffer(state[\"rollout\"])",
         "new": "            pass",
         "tests": [RESUME],
+    },
+    {
+        "name": "dppo-systematic-keyed-by-position",
+        "why": "a group's systematic uniform is keyed by its position in the batch, not its prompt id: another "
+               "batch order, split or layout draws differently",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "uniform = keep_uniform(seed=seed, step=step, level=COMPLETION_LEVEL, item_id=prompt_id)",
+        "new": "uniform = keep_uniform(seed=seed, step=step, level=COMPLETION_LEVEL, item_id=k)",
+        "tests": [f"{DPPO_UNIT}::test_systematic_draws_are_a_pure_function_of_seed_step_and_prompt_id"],
+    },
+    {
+        "name": "dppo-systematic-step-not-in-key",
+        "why": "the group uniform ignores the step: every step repeats the same keep pattern for a prompt",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "uniform = keep_uniform(seed=seed, step=step, level=COMPLETION_LEVEL, item_id=prompt_id)",
+        "new": "uniform = keep_uniform(seed=seed, step=0, level=COMPLETION_LEVEL, item_id=prompt_id)",
+        "tests": [f"{DPPO_UNIT}::test_systematic_draws_are_a_pure_function_of_seed_step_and_prompt_id"],
+    },
+    {
+        "name": "dppo-systematic-not-ordered-by-advantage",
+        "why": "systematic completion draws walk the group in index order: still unbiased, but the kept "
+               "completions no longer balance the group's advantages (the variance reduction is lost)",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "order = sorted(range(len(row)), key=lambda j: (row[j], j))",
+        "new": "order = list(range(len(row)))",
+        "tests": [f"{DPPO_UNIT}::test_systematic_keeps_each_groups_weighted_advantages_balanced"],
+    },
+    {
+        "name": "dppo-systematic-prompt-order-by-position",
+        "why": "systematic prompt draws walk the batch in its given order: the decisions depend on the batch layout",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "order = sorted(range(len(ids)), key=lambda k: (float(probs[k]), repr(ids[k])))",
+        "new": "order = list(range(len(ids)))",
+        "tests": [f"{DPPO_UNIT}::test_systematic_prompt_draws_do_not_depend_on_batch_order"],
+    },
+    {
+        "name": "grpo-kl-term-sign",
+        "why": "the KL penalty is subtracted from the loss: the policy is pushed away from the reference",
+        "file": "megatron_prune/grpo/loss.py",
+        "old": "loss = loss + kl_loss",
+        "new": "loss = loss - kl_loss",
+        "tests": [PLAIN],
     },
 ]

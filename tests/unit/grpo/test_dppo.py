@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 
 import pytest
@@ -23,6 +24,7 @@ from megatron_prune.grpo.dppo import (
     prune_prompts,
     sample_keep,
     solve_keep_probs,
+    systematic_keep,
 )
 
 scores_strategy = st.lists(
@@ -294,3 +296,156 @@ def test_pruner_resume_reproduces_decisions():
     assert torch.equal(c.keep, d.keep)
     with pytest.raises(ValueError, match="seed"):
         DPPOPruner(config=config, seed=12).load_state_dict(state)
+
+
+# --- systematic (balanced) draws --------------------------------------------------------------
+
+
+def _pieces(probs: list[float]) -> list[tuple[float, float]]:
+    """(midpoint, length) of the pieces of [0, 1) between the fractional parts of every subset sum of
+    ``probs``: a systematic draw over these items, in any order, is constant on each piece."""
+    cuts = {0.0, 1.0}
+    for r in range(1, len(probs) + 1):
+        for subset in itertools.combinations(probs, r):
+            total = math.fsum(subset)
+            cuts.add(total - math.floor(total))
+    cuts = sorted(c for c in cuts if 0.0 <= c <= 1.0)
+    return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b - a > 1e-12]
+
+
+GROUPS = [
+    [0.5, 0.5, 0.5, 0.5],
+    [0.25, 0.25],
+    [0.1, 1.0, 0.7, 0.35, 0.9],
+    [0.6, 0.6, 0.6],
+    [1.0, 1.0],
+    [0.15, 0.15, 0.15],
+]
+
+
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: "-".join(map(str, g)))
+def test_systematic_completion_keep_frequency_is_its_probability_by_exact_enumeration(group, monkeypatch):
+    """Through prune_completions: the group uniform, enumerated over the pieces of [0, 1) where the
+    pattern is constant, keeps every completion with exactly its probability q_ij, and the number
+    kept is floor or ceil of sum q."""
+    import megatron_prune.grpo.dppo as dppo
+
+    config = DPPOConfig(completion_prune_rate=0.3, completion_floor=0.05, sampling="systematic")
+    advantages = torch.tensor([[0.3, -1.2, 2.0, 0.7, -0.4][: len(group)]])
+    probs = torch.tensor([group], dtype=torch.float64)
+    monkeypatch.setattr(dppo, "solve_keep_probs", lambda scores, **_: probs.clone())
+    frequency = torch.zeros(len(group), dtype=torch.float64)
+    for u, length in _pieces(group):
+        monkeypatch.setattr(dppo, "keep_uniform", lambda *, seed, step, level, item_id, u=u: u)
+        decision = prune_completions(advantages=advantages, prompt_ids=[7], config=config, seed=0, step=0)
+        kept = int(decision.keep.sum())
+        assert math.floor(sum(group) + 1e-9) <= kept <= math.ceil(sum(group) - 1e-9)
+        frequency += length * decision.keep[0].double()
+    torch.testing.assert_close(frequency, torch.tensor(group, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_systematic_prompt_keep_frequency_is_its_probability_by_exact_enumeration(monkeypatch):
+    import megatron_prune.grpo.dppo as dppo
+
+    config = DPPOConfig(prompt_prune_rate=0.4, prompt_floor=0.1, prompt_sampling="systematic")
+    history = PromptHistory.from_config(config)
+    for prompt_id, rewards in ((3, [1.0, 1.0]), (1, [0.0, 1.0]), (8, [0.0, 0.5]), (5, [0.2, 0.3])):
+        history.update(prompt_id, torch.tensor(rewards))
+    ids = [3, 1, 8, 5, 11]  # 11 is unseen: always kept
+    probs = prune_prompts(prompt_ids=ids, history=history, config=config, seed=0, step=0).probs
+    assert 0.1 <= probs.min() < probs.max() <= 1.0
+    frequency = torch.zeros(len(ids), dtype=torch.float64)
+    for u, length in _pieces(probs.tolist()):
+        monkeypatch.setattr(dppo, "keep_uniform", lambda *, seed, step, level, item_id, u=u: u)
+        decision = prune_prompts(prompt_ids=ids, history=history, config=config, seed=0, step=0)
+        assert math.floor(probs.sum() + 1e-9) <= int(decision.keep.sum()) <= math.ceil(probs.sum() - 1e-9)
+        frequency += length * decision.keep.double()
+    torch.testing.assert_close(frequency, probs, rtol=0, atol=1e-12)
+
+
+def test_systematic_keeps_each_groups_weighted_advantages_balanced():
+    """Completions taken in order of advantage: with q = 1/2 a group of two positive and two negative
+    advantages always keeps one of each, so sum_j w_ij A_ij = 0 for every draw; independent draws
+    do not (and a draw in index order would not either)."""
+    advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0]] * 64)
+    ids = list(range(64))
+    for sampling, balanced in (("systematic", True), ("independent", False)):
+        config = DPPOConfig(completion_prune_rate=0.5, completion_floor=0.1, sampling=sampling)
+        decision = prune_completions(advantages=advantages, prompt_ids=ids, config=config, seed=3, step=1)
+        assert torch.all(decision.probs == 0.5)
+        weighted = (decision.weights * advantages.double()).sum(dim=1)
+        assert bool(torch.all(weighted == 0)) is balanced, (sampling, weighted.abs().mean())
+
+
+def test_systematic_draws_are_a_pure_function_of_seed_step_and_prompt_id():
+    """Per-prompt decisions do not depend on the batch's order or split (layouts agree), repeat for the
+    same (seed, step) (resume agrees), and change with the step and the seed."""
+    config = DPPOConfig(completion_prune_rate=0.5, completion_floor=0.1)
+    assert config.sampling == "systematic"
+    generator = torch.Generator().manual_seed(0)
+    advantages = torch.randn(12, 4, generator=generator, dtype=torch.float64)
+    advantages[3] = 0.0
+    ids = [100 + 3 * k for k in range(12)]
+    # one shared multiplier c needs the whole batch: the probabilities are taken from it
+    whole = prune_completions(advantages=advantages, prompt_ids=ids, config=config, seed=5, step=9)
+    again = prune_completions(advantages=advantages, prompt_ids=ids, config=config, seed=5, step=9)
+    assert torch.equal(whole.keep, again.keep)
+    perm = torch.randperm(12, generator=generator)
+    permuted = prune_completions(advantages=advantages[perm], prompt_ids=[ids[k] for k in perm], config=config,
+                                 seed=5, step=9)
+    assert torch.equal(permuted.keep, whole.keep[perm])
+    assert torch.equal(permuted.probs, whole.probs[perm])
+    steps = torch.stack([prune_completions(advantages=advantages, prompt_ids=ids, config=config, seed=5,
+                                           step=s).keep for s in range(200)]).double()
+    frequency = steps.mean(dim=0)
+    sigma = (whole.probs * (1 - whole.probs) / 200).sqrt()
+    assert torch.all((frequency - whole.probs).abs() <= 5 * sigma + 1e-12), (frequency - whole.probs).abs().max()
+    other_seed = prune_completions(advantages=advantages, prompt_ids=ids, config=config, seed=6, step=9)
+    assert not torch.equal(other_seed.keep, whole.keep)
+
+
+def test_systematic_prompt_draws_do_not_depend_on_batch_order():
+    config = DPPOConfig(prompt_prune_rate=0.5, prompt_floor=0.1, prompt_sampling="systematic")
+    history = PromptHistory.from_config(config)
+    history.update_batch(list(range(10)), torch.rand(10, 4, generator=torch.Generator().manual_seed(1)))
+    ids = list(range(10))
+    a = prune_prompts(prompt_ids=ids, history=history, config=config, seed=2, step=4)
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(2)).tolist()
+    b = prune_prompts(prompt_ids=[ids[k] for k in perm], history=history, config=config, seed=2, step=4)
+    assert torch.equal(b.keep, a.keep[perm])
+    assert int(a.keep.sum()) in (math.floor(a.probs.sum()), math.ceil(a.probs.sum()))
+
+
+def test_systematic_keep_checks_its_arguments():
+    with pytest.raises(ValueError, match="permutation"):
+        systematic_keep(torch.tensor([0.5, 0.5]), order=[0, 0], uniform=0.3)
+    with pytest.raises(ValueError, match="uniform"):
+        systematic_keep(torch.tensor([0.5]), order=[0], uniform=1.0)
+    assert systematic_keep(torch.tensor([0.5, 0.5, 1.0]), order=[2, 0, 1], uniform=0.0).tolist() == [True, False, True]
+
+
+def test_rates_the_floor_cannot_reach_and_bad_samplings_raise():
+    with pytest.raises(ValueError, match="at most 1 - floor"):
+        DPPOConfig(completion_prune_rate=0.95, completion_floor=0.1)
+    with pytest.raises(ValueError, match="prompt_prune_rate"):
+        DPPOConfig(prompt_prune_rate=0.6, prompt_floor=0.5)
+    DPPOConfig(prompt_prune_rate=0.5, prompt_floor=0.5)  # exactly reachable: every prompt at the floor
+    with pytest.raises(ValueError, match="sampling"):
+        DPPOConfig(sampling="stratified")
+    with pytest.raises(ValueError, match="prompt_sampling"):
+        DPPOConfig(prompt_sampling="balanced")
+
+
+def test_max_weight_bounds_every_combined_weight():
+    config = DPPOConfig(prompt_prune_rate=0.5, completion_prune_rate=0.7, prompt_floor=0.2, completion_floor=0.25)
+    assert config.max_weight == pytest.approx(20.0)
+    assert DPPOConfig(completion_prune_rate=0.5, completion_floor=0.25).max_weight == pytest.approx(4.0)
+    assert DPPOConfig().max_weight == 1.0
+    history = PromptHistory.from_config(config)
+    history.update_batch(list(range(6)), torch.tensor([[1.0, 1.0]] * 3 + [[0.0, 1.0]] * 3))
+    prompts = prune_prompts(prompt_ids=list(range(8)), history=history, config=config, seed=0, step=0)
+    advantages = torch.cat([torch.zeros(4, 3), torch.randn(4, 3, generator=torch.Generator().manual_seed(0))])
+    completions = prune_completions(advantages=advantages, prompt_ids=list(range(8)), config=config, seed=0, step=0)
+    combined = (1.0 / prompts.probs)[:, None] * (1.0 / completions.probs)
+    assert combined.max() <= config.max_weight + 1e-9
+    assert combined.max() == pytest.approx(config.max_weight)  # a floored prompt with a zero-advantage completion

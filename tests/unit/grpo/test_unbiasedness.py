@@ -4,13 +4,15 @@ Every keep pattern of prompts and completions is enumerated and weighted by its
 probability. The importance-weighted gradient of each pruned batch is computed by
 autograd through ``grpo_loss``, and the expectation must equal the full-batch GRPO
 gradient. The KL term is on, so some per-completion terms are nonzero at zero
-advantage. A biased filter (DAPO-style: drop zero-variance groups, no correction) must
+advantage. Independent draws enumerate Bernoulli patterns; systematic (dependent) draws
+enumerate each group's uniform over the pieces of [0, 1) where the keep pattern is constant. A biased filter (DAPO-style: drop zero-variance groups, no correction) must
 fail the same equality.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -305,3 +307,67 @@ def test_unbiased_over_rollouts_with_a_constant_normaliser():
         tokens = float(r0.mask.sum().item() + r1.mask.sum().item())
         full_token_mean += p0 * p1 * full_gradient([r0, r1], normaliser=tokens)
     assert (biased - full_token_mean).abs().max() > 1e-5
+
+
+# --- dependent (systematic) draws --------------------------------------------------------------
+
+
+def _pieces(probs: list[float]) -> list[tuple[float, float]]:
+    """(midpoint, length) of the pieces of [0, 1) cut at the fractional parts of every subset sum of
+    ``probs``: a systematic draw over these items (in any order) is constant on each piece."""
+    cuts = {0.0, 1.0}
+    for r in range(1, len(probs) + 1):
+        for subset in itertools.combinations(probs, r):
+            total = sum(subset)
+            cuts.add(total - int(total))
+    cuts = sorted(cuts)
+    return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b - a > 1e-12]
+
+
+@pytest.mark.parametrize("prompt_sampling", ["independent", "systematic"])
+def test_dppo_gradient_is_unbiased_with_systematic_draws(prompt_sampling, monkeypatch):
+    """Systematic draws make the keeps within a group (or batch) dependent; unbiasedness needs only
+    each item's marginal keep probability. Exact enumeration of the group uniforms (and of the prompt
+    draws) through prune_prompts / prune_completions, with the uniforms set at keep_uniform."""
+    import megatron_prune.grpo.dppo as dppo
+
+    config = DPPOConfig(prompt_prune_rate=0.4, completion_prune_rate=0.5, prompt_floor=0.2, completion_floor=0.15,
+                        sampling="systematic", prompt_sampling=prompt_sampling)
+    history = PromptHistory.from_config(config)
+    history.update(0, torch.tensor([1.0, 1.0, 1.0]))
+    history.update(1, torch.tensor([1.0, 0.0, 1.0]))
+    history.update(2, torch.tensor([0.0, 1.0, 0.0]))
+    advantages = group_advantages(torch.stack([r.rewards for r in ROLLOUTS]), config=AdvantageConfig())
+    table: dict = {}
+    monkeypatch.setattr(dppo, "keep_uniform", lambda *, seed, step, level, item_id: table.get((level, item_id), 0.0))
+    ids = [0, 1, 2]
+    probs = prune_prompts(prompt_ids=ids, history=history, config=DPPOConfig(
+        prompt_prune_rate=0.4, prompt_floor=0.2), seed=0, step=0).probs.tolist()
+    if prompt_sampling == "systematic":
+        prompt_draws = [({("prompt", "batch"): u}, length) for u, length in _pieces(probs)]
+    else:
+        prompt_draws = [({("prompt", i): u for i, u in zip(ids, us)}, math.prod(ls))
+                        for combo in itertools.product(*[[(0.0, p), ((1 + p) / 2, 1 - p)] for p in probs])
+                        for us, ls in [zip(*combo)]]
+    expected, total = torch.zeros_like(THETA), 0.0
+    for prompt_table, prompt_probability in prompt_draws:
+        if prompt_probability <= 0:
+            continue
+        table.clear()
+        table.update(prompt_table)
+        prompts = prune_prompts(prompt_ids=ids, history=history, config=config, seed=0, step=0)
+        kept = [i for i in ids if prompts.keep[i]]
+        q = prune_completions(advantages=advantages[kept], prompt_ids=kept, config=DPPOConfig(
+            completion_prune_rate=0.5, completion_floor=0.15), seed=0, step=0).probs
+        for combo in itertools.product(*[_pieces(q[k].tolist()) for k in range(len(kept))]):
+            table.update({("completion", i): u for i, (u, _) in zip(kept, combo)})
+            decision = prune_completions(advantages=advantages[kept], prompt_ids=kept, config=config, seed=0, step=0)
+            rows = [(i, j) for k, i in enumerate(kept) for j in range(GROUP) if decision.keep[k, j]]
+            weights = [1.0 / (probs[i] * float(q[kept.index(i), j])) for i, j in rows]
+            gradient = pruned_gradient(rollouts=ROLLOUTS, advantages=advantages, rows=rows, weights=weights,
+                                       normaliser=FULL_TOKENS)
+            probability = prompt_probability * math.prod(length for _, length in combo)
+            expected += probability * gradient
+            total += probability
+    assert abs(total - 1.0) < 1e-12
+    torch.testing.assert_close(expected, full_gradient(ROLLOUTS, normaliser=FULL_TOKENS), rtol=1e-10, atol=1e-12)
