@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -148,3 +149,33 @@ def test_duplicate_names_and_broken_catalogs_are_errors_not_crashes(tmp_path):
     details = " | ".join(p.detail for p in problems)
     assert "also used in catalog_a.py" in details and "catalog_c.py: importing it failed" in details
     assert all(p.status == "error" for p in problems)
+
+
+@pytest.mark.parametrize("linked", [True, False], ids=["with-link", "without-link"])
+def test_copy_imports_its_own_packages_or_the_run_is_refused(tmp_path, monkeypatch, linked):
+    """``megatron_prune.patches`` lives in ``patches/``; the editable install maps it to the real
+    checkout. The copy's link makes the copy's ``patches/`` win, in a fresh interpreter and in the
+    pytest process; without it, both checks refuse the run (an error, never a kill)."""
+    tool = load_tool()
+    pristine = tmp_path / "pristine"
+    for package in ("megatron_prune", "patches"):
+        shutil.copytree(REPO / package, pristine / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (pristine / "tests").mkdir()
+    (pristine / "tests" / "test_trivial.py").write_text("def test_nothing():\n    pass\n")
+    if not linked:
+        monkeypatch.setattr(tool, "PACKAGE_LINKS", {})
+    copy = tmp_path / "copy"
+    tool.prepare_copy(pristine, copy)
+    guard = tmp_path / "guard"
+    tool.write_guard(guard)
+    env = tool.mutant_env(copy, guard)
+    assert set(json.loads(env[tool.EXPECT_ENV])) == {"megatron_prune", "megatron_prune.patches"}
+    problem = tool.check_fresh_interpreter(python=sys.executable, copy=copy, env=env)
+    run = subprocess.run([sys.executable, "-m", "pytest", *tool.PYTEST_ARGS, "-p", tool.GUARD_PLUGIN,
+                          "tests/test_trivial.py"], cwd=copy, env=env, capture_output=True, text=True, timeout=120)
+    if linked:
+        assert problem is None
+        assert run.returncode == 0, run.stdout + run.stderr
+    else:
+        assert problem is not None and "megatron_prune.patches" in problem
+        assert run.returncode == 4 and "megatron_prune.patches was imported from" in run.stdout + run.stderr

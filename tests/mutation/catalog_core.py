@@ -1,0 +1,132 @@
+"""Seeded bugs of the shared core (log-prob op, packing masks, draws, sampler, reference) and the
+tests that must catch each; two canaries check the harness itself.
+
+Format: ``tools/mutants.py`` (``MUTANTS``: name, why, file, old, new, tests).
+"""
+
+from __future__ import annotations
+
+OP = "megatron_prune/ops/vocab_parallel_logprobs.py"
+OP_UNIT = "tests/unit/ops/test_vocab_parallel_logprobs.py"
+OP_TP2 = "tests/distributed/test_logprobs_op.py::test_tp2_matches_single_process_reference"
+INVARIANTS = "tests/distributed/test_core_invariants.py"
+DRAWS_AGREE = f"{INVARIANTS}::test_pruning_draws_are_the_same_on_every_rank"
+REFERENCE_FROZEN = f"{INVARIANTS}::test_reference_stays_the_starting_policy_while_the_policy_trains"
+
+MUTANTS: list[dict] = [
+    {
+        "name": "logprobs-padded-vocab-in-normaliser",
+        "why": "the forward visits every local weight row, so padded vocabulary rows enter the log-sum-exp",
+        "file": OP,
+        "old": "    for start, stop in _blocks(shard.valid_rows, chunk_size):\n"
+               "        logits = _logits(x, weight[start:stop], temperature)",
+        "new": "    for start, stop in _blocks(weight.shape[0], chunk_size):\n"
+               "        logits = _logits(x, weight[start:stop], temperature)",
+        "tests": [f"{OP_UNIT}::test_padded_vocab_matches_unpadded_reference"],
+    },
+    {
+        "name": "logprobs-tp-shard-offset",
+        "why": "TP rank r's first global row is computed from the unpadded vocabulary (r * V // tp), "
+               "so rank 1 reads the wrong labels whenever the vocabulary is padded",
+        "file": OP,
+        "old": "    start = tp_rank * local_rows\n",
+        "new": "    start = tp_rank * (vocab_size // tp_size)\n",
+        "tests": [OP_TP2],
+    },
+    {
+        "name": "logprobs-chunk-local-lse",
+        "why": "the online log-sum-exp does not rescale earlier vocabulary chunks when the running max grows",
+        "file": OP,
+        "old": "        sumexp.mul_(torch.exp(running_max - new_max))\n",
+        "new": "",
+        "tests": [f"{OP_UNIT}::test_fp32_matches_reference"],
+    },
+    {
+        "name": "logprobs-shard-local-max",
+        "why": "no MAX all-reduce over TP: each rank rescales its sum-exp by its own max before the SUM",
+        "file": OP,
+        "old": "    _all_reduce(global_max, group, dist.ReduceOp.MAX)\n",
+        "new": "",
+        "tests": [OP_TP2],
+    },
+    {
+        "name": "logprobs-no-tp-sum",
+        "why": "the sum-exp and target logit are not all-reduced over TP: each rank normalises over its shard only",
+        "file": OP,
+        "old": "    _all_reduce(sums, group, dist.ReduceOp.SUM)\n",
+        "new": "",
+        "tests": [OP_TP2],
+    },
+    {
+        "name": "logprobs-no-tp-grad-hidden-sum",
+        "why": "the backward does not all-reduce grad_hidden over TP: each rank returns its shard's part only",
+        "file": OP,
+        "old": "            _all_reduce(grad_x, ctx.shard.group, dist.ReduceOp.SUM)\n",
+        "new": "",
+        "tests": [OP_TP2],
+    },
+    {
+        "name": "packing-causal-mask",
+        "why": "a packed row gets one causal mask over the whole row instead of a block-diagonal one: "
+               "each sequence attends to the sequences packed before it",
+        "file": "megatron_prune/data/packing.py",
+        "old": "    return ~(same_segment & causal)\n",
+        "new": "    return ~causal\n",
+        "tests": ["tests/unit/test_packing.py::test_row_tensors",
+                  "tests/unit/test_packing.py::test_packed_attention_equals_separate_runs"],
+    },
+    {
+        "name": "dpo-concat-causal-mask",
+        "why": "a concat row (chosen and rejected packed together) is masked causally over the whole row, "
+               "so the rejected sequence attends to the chosen one",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "                mask[row, 0, start:end, start:end] = ~torch.ones(len(seq), len(seq), dtype=torch.bool).tril()\n",
+        "new": "                mask[row, 0, start:end, :end] = ~torch.ones(len(seq), end, dtype=torch.bool).tril(start)\n",
+        "tests": ["tests/unit/test_core_invariants.py::test_concat_rows_mask_each_sequence_from_the_others"],
+    },
+    {
+        "name": "rho-draw-depends-on-rank",
+        "why": "the sequence-pruning ratio rho is drawn with the rank in its key: TP/PP peers truncate "
+               "differently and DP ranks optimise another objective than the single-rank run",
+        "file": "megatron_prune/sampling.py",
+        "old": "    rho = min_ratio + (1.0 - min_ratio) * uniform(seed, step, sample_id, what)\n",
+        "new": "    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0\n"
+               "    rho = min_ratio + (1.0 - min_ratio) * uniform(seed + rank, step, sample_id, what)\n",
+        "tests": [DRAWS_AGREE],
+    },
+    {
+        "name": "sampler-position-not-restored",
+        "why": "a resumed sampler restores the epoch but restarts it from position 0 (samples seen twice)",
+        "file": "megatron_prune/data/sampler.py",
+        "old": "        self.epoch, self.position, self._order = epoch, position, None\n",
+        "new": "        self.epoch, self.position, self._order = epoch, 0, None\n",
+        "tests": ["tests/unit/data/test_sampler.py::test_sampler_resumes_exactly"],
+    },
+    {
+        "name": "reference-shares-policy",
+        "why": "the DPO trainer's reference is the policy itself (shared parameters): every log-ratio stays 0",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)\n",
+        "new": "        return parts.model\n",
+        "tests": [REFERENCE_FROZEN],
+    },
+    {
+        "name": "canary-spawned-ranks-import-copy",
+        "why": "harness self-check: ranks spawned by tests/dist.py must import the copy's "
+               "megatron_prune.patches (the editable install maps it to the real patches/); if this "
+               "survives, no mutant of patches/ is ever tested",
+        "file": "patches/__init__.py",
+        "old": '    return apply_patches("cpu")\n',
+        "new": '    raise RuntimeError("mutation canary: the copy\'s patches were imported")\n',
+        "tests": [DRAWS_AGREE],
+    },
+    {
+        "name": "canary-torchrun-imports-copy",
+        "why": "harness self-check: a CLI launched through torchrun must run the copy's megatron_prune "
+               "(here: --dry-run no longer lists the configs); if this survives, e2e tests see no mutant",
+        "file": "megatron_prune/training/cli.py",
+        "old": '                print(f"  {name}: {cfg}")\n',
+        "new": "                pass\n",
+        "tests": ["tests/e2e/test_grpo_cli.py::test_dry_run_and_bad_flags"],
+    },
+]
