@@ -263,6 +263,20 @@ def apply_edit(mutant: Mutant, copy: Path) -> None:
     path.write_text(text.replace(mutant.old, mutant.new), encoding="utf-8")
 
 
+def applicability(mutant: Mutant, root: Path) -> str | None:
+    """Why ``mutant`` cannot run against the tree at ``root`` (its edit or test paths), or None."""
+    path = root / mutant.file
+    if not path.is_file():
+        return f"file {mutant.file} does not exist"
+    count = path.read_text(encoding="utf-8").count(mutant.old)
+    if count != 1:
+        return f"its 'old' text occurs {count} times in {mutant.file} (must be exactly once)"
+    missing = [t for t in mutant.tests if not (root / t.split("::")[0]).exists()]
+    if missing:
+        return f"test paths not found: {missing}"
+    return None
+
+
 GUARD_SOURCE = f'''
 """pytest plugin written by tools/mutants.py: fail the run unless the copy's packages are imported."""
 import importlib
@@ -416,6 +430,11 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
             shutil.rmtree(base, ignore_errors=True)
 
 
+def expected_cost(tests: list[str]) -> int:
+    """A rough rank of how long ``tests`` take: end-to-end launches > spawned ranks > the rest."""
+    return max(2 if t.startswith("tests/e2e/") else 1 if t.startswith("tests/distributed/") else 0 for t in tests)
+
+
 def run_all(mutants: list[Mutant], *, opts: Options, baseline: bool = False, progress=print) -> list[Result]:
     """Run every mutant (``jobs`` at a time) against one snapshot of the tree; results in input order."""
     opts.workdir.mkdir(parents=True, exist_ok=True)
@@ -449,8 +468,11 @@ def run_all(mutants: list[Mutant], *, opts: Options, baseline: bool = False, pro
                     f"  ({res.detail})" if res.detail else ""))
             return res
 
+        # Longest first (CLI launches, then spawned ranks, then the rest) shortens the parallel run.
+        order = sorted(range(len(jobs)), key=lambda i: -expected_cost(jobs[i][2]))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
-            return list(pool.map(one, jobs))
+            futures = {i: pool.submit(one, jobs[i]) for i in order}
+            return [futures[i].result() for i in range(len(jobs))]
     finally:
         if not opts.keep:
             shutil.rmtree(top, ignore_errors=True)
@@ -482,7 +504,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--catalog", action="append", type=Path, metavar="PATH",
                    help=f"catalog file to run (repeatable); default: every {CATALOG_GLOB} that exists")
     p.add_argument("--only", metavar="NAME[,NAME]", help="run only these mutants (comma-separated names)")
-    p.add_argument("--list", action="store_true", help="list the selected mutants and their tests; run nothing")
+    p.add_argument("--list", action="store_true",
+                   help="list the selected mutants and their tests, and check that each edit applies; run nothing")
     p.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per mutant; a mutant still running then is stopped and counts as an error (default 600)")
@@ -523,11 +546,16 @@ def main(argv: list[str] | None = None) -> int:
         mutants = [m for m in mutants if m.name in wanted]
         problems = [r for r in problems if r.name in wanted or r.name.startswith("<catalog")]
     if args.list:
+        drifted = 0
         for m in mutants:
             print(f"{m.name}  [{m.catalog}]  {m.file}\n    why: {m.why}\n    tests: {' '.join(m.tests)}")
+            problem = applicability(m, root)
+            if problem:
+                drifted += 1
+                print(f"    ERROR: {problem}")
         for r in problems:
             print(f"ERROR {r.name}: {r.detail}")
-        return 1 if problems else 0
+        return 1 if problems or drifted else 0
     opts = Options(root=root, jobs=args.jobs, timeout=args.timeout, keep=args.keep, verbose=args.verbose)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop_everything)

@@ -110,6 +110,14 @@ def test_only_killed_mutants_exit_zero(toy_repo):
     assert "1 killed, 0 survived, 0 errors" in output
 
 
+def test_list_runs_nothing_and_flags_a_drifted_edit(toy_repo):
+    rc, output = run_tool(toy_repo, "--list")
+    assert rc == 1 and "add-minus" in output and "unknown-test" in output
+    assert "ERROR: its 'old' text occurs 0 times in calc.py" in output
+    rc, output = run_tool(toy_repo, "--list", "--only", "add-minus,comment-only")
+    assert rc == 0 and "ERROR" not in output
+
+
 def test_unknown_name_and_missing_catalog_are_usage_errors(toy_repo):
     rc, output = run_tool(toy_repo, "--only", "no-such-mutant")
     assert rc == 2 and "no mutant named no-such-mutant" in output
