@@ -33,7 +33,7 @@ setup(
         "einops",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis", "pyarrow", "matplotlib"],
+        "test": ["pytest>=7", "hypothesis", "pyarrow", "matplotlib", "peft"],
         "gpu": ["transformer-engine[pytorch]"],
         # MindSpeed and torch_npu come from Ascend's own channels, matching the CANN version;
         # they cannot be installed from PyPI (the PyPI `mindspeed` is an empty placeholder).

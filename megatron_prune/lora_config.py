@@ -67,3 +67,32 @@ def resolve_ref_mode(ref_mode: str | None, lora: LoRAConfig | None, *, ref_load:
         raise ValueError("--ref-mode adapter-off uses the policy's own base weights as the reference; "
                          "--ref-load names another model: use --ref-mode online with it")
     return mode
+
+
+def lora_meta(lora: LoRAConfig | None) -> dict:
+    """What a training checkpoint records about its adapters (empty without LoRA)."""
+    if lora is None or not lora.enabled:
+        return {}
+    return {"lora": {"rank": lora.rank, "alpha": lora.rank * lora.scale, "dropout": lora.dropout,
+                     "targets": list(lora.target_names)}}
+
+
+def check_load(load: str | None, lora: LoRAConfig | None) -> None:
+    """Refuse to resume a checkpoint with other adapters than the flags ask for (ValueError)."""
+    if not load:
+        return
+    from megatron_prune.training.checkpoint import read_meta
+
+    meta = read_meta(load)
+    recorded = meta.get("lora")
+    lora_on = lora is not None and lora.enabled
+    if recorded and not lora_on:
+        raise ValueError(f"--load {load} holds LoRA adapters (rank {recorded['rank']}, targets "
+                         f"{','.join(recorded['targets'])}); pass the same --lora-rank and --lora-targets to resume it")
+    if recorded and (recorded["rank"] != lora.rank or list(recorded["targets"]) != list(lora.target_names)):
+        raise ValueError(f"--load {load} holds LoRA adapters of rank {recorded['rank']} on "
+                         f"{','.join(recorded['targets'])}, but the flags ask for rank {lora.rank} on {lora.targets}")
+    if not recorded and lora_on:
+        kind = "a full-parameter training checkpoint" if meta.get("has_optimizer") else "a converted model"
+        raise ValueError(f"--load {load} is {kind}: LoRA cannot start from it yet; start LoRA from --hf-model "
+                         "(or --model-preset)")

@@ -2,6 +2,7 @@
 
     python tools/convert_megatron_to_hf.py --load OUT --hf-out HF2 [--dtype auto|fp32|bf16]
         [--max-shard-size 5GB] [--hf-assets DIR]
+    python tools/convert_megatron_to_hf.py --load LORA_CKPT [--hf-out HF2 --merge-lora] [--peft-out DIR]
 
 Reads the newest complete checkpoint under --load (saved at any layout), one layer at a time,
 and writes config.json (the original one, with its dtype set), model.safetensors (sharded with
@@ -21,13 +22,25 @@ import warnings
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (a save root or one iter_* directory)")
-    p.add_argument("--hf-out", required=True, help="new (or empty) directory for the HF model")
+    p.add_argument("--hf-out", default=None, help="new (or empty) directory for the HF model")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA checkpoint: write base weights with the adapters merged in (W + alpha/r * B A)")
+    p.add_argument("--peft-out", default=None,
+                   help="a LoRA checkpoint: write its adapters as a PEFT directory (adapter_config.json + "
+                        "adapter_model.safetensors) for the HF base model")
+    p.add_argument("--base-hf", default=None,
+                   help="with --peft-out: the HF base model directory recorded as base_model_name_or_path")
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="dtype of the written weights; auto keeps the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 4GiB")
     p.add_argument("--hf-assets", default=None,
                    help="directory with the original config.json and tokenizer files (default: OUT/hf_assets)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.hf_out is None and args.peft_out is None:
+        p.error("give --hf-out DIR (HF model) and/or --peft-out DIR (LoRA adapters)")
+    if args.merge_lora and args.hf_out is None:
+        p.error("--merge-lora writes to --hf-out DIR")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +55,22 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_prune.training.parallel import initialize_distributed
 
         initialize_distributed()
-        files = export_megatron_to_hf(load_dir=args.load, hf_out=args.hf_out, dtype=args.dtype,
-                                      max_shard_size=args.max_shard_size, hf_assets=args.hf_assets)
+        files = []
+        from megatron_prune.model.lora_export import checkpoint_lora, export_merged, export_peft
+        from megatron_prune.training.checkpoint import read_meta
+
+        lora = checkpoint_lora(read_meta(args.load))
+        if lora is not None and args.hf_out and not args.merge_lora:
+            raise ValueError(f"{args.load} holds LoRA adapters (rank {lora['rank']}): pass --merge-lora to write "
+                             "merged HF weights, or --peft-out DIR for the adapters alone")
+        if args.merge_lora:
+            files += export_merged(load_dir=args.load, hf_out=args.hf_out, dtype=args.dtype,
+                                   max_shard_size=args.max_shard_size, hf_assets=args.hf_assets)
+        elif args.hf_out:
+            files += export_megatron_to_hf(load_dir=args.load, hf_out=args.hf_out, dtype=args.dtype,
+                                           max_shard_size=args.max_shard_size, hf_assets=args.hf_assets)
+        if args.peft_out:
+            files += export_peft(load_dir=args.load, peft_out=args.peft_out, dtype=args.dtype, base_model=args.base_hf)
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         from megatron_prune.training.session import fail_usage
 
@@ -51,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"wrote {args.hf_out}: {', '.join(files)}")
+        print(f"wrote {', '.join(d for d in (args.hf_out, args.peft_out) if d)}: {', '.join(files)}")
     return 0
 
 

@@ -131,10 +131,11 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     dpo: DPOConfig = configs["DPOConfig"]
     if not dpo.data_path:
         raise session.UsageError("--data-path is required")
-    from megatron_prune.lora_config import resolve_ref_mode
+    from megatron_prune.lora_config import check_load, lora_meta, resolve_ref_mode
 
     try:
         ref_mode = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
+        check_load(ckpt_cfg.load, configs.get("LoRAConfig"))
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
     arch = session.resolve_arch(model_cfg, ckpt_cfg)
@@ -153,7 +154,7 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load)
-    parts.extra_meta = {"reference_load": ref_source}
+    parts.extra_meta = {"reference_load": ref_source, **lora_meta(lora)}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
                                pad_id=tokenizer.pad_id)
     off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,

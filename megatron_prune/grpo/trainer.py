@@ -402,6 +402,12 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     log_cfg: LoggingConfig = configs["LoggingConfig"]
     grpo: GRPOConfig = configs["GRPOConfig"]
     arch = session.resolve_arch(model_cfg, ckpt_cfg)
+    from megatron_prune.lora_config import check_load, lora_meta
+
+    try:
+        check_load(ckpt_cfg.load, configs.get("LoRAConfig"))
+    except ValueError as exc:
+        raise session.UsageError(str(exc)) from None
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg)
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
@@ -416,5 +422,6 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
             reference = adapter_off(parts.model)  # the KL reference: the policy with adapters off
         else:
             reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+    parts.extra_meta.update(lora_meta(lora))
     objective = build_objective(configs=configs, arch=arch, policy=parts.model, reference=reference, source=source)
     return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg)

@@ -12,6 +12,7 @@ from tests.dist import run_distributed
 from tests.distributed.dpo_harness import SEED, sample_pairs
 
 LORA = dict(rank=4, alpha=8.0)
+EXPORT_TOLERANCE = 1e-5
 ADAPTER_KEYS = (".lora_A", ".lora_B")
 
 
@@ -214,8 +215,73 @@ LAYOUTS_4 = {
 }
 
 
+def _peft_logits(base_hf: str, peft_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_hf, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, peft_dir).eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+def export_checks() -> dict:
+    """A LoRA checkpoint (saved at the current layout) exported merged and as PEFT adapters,
+    compared in transformers / peft with the LoRA model's own logits; plus a PEFT directory
+    whose k and v adapters are swapped (must not match)."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.hf_convert import (
+        compare_logits, comparison_tokens, export_megatron_to_hf, hf_logits, megatron_logits,
+    )
+    from megatron_prune.model.lora import LoRAConfig
+    from megatron_prune.model.lora_export import export_merged, export_peft, lora_meta
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.checkpoint import save_checkpoint
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    arch = get_preset("tiny")
+    cfg = LoRAConfig(**LORA)
+    with tempfile.TemporaryDirectory() as tmp, model_parallel(par, seed=SEED):
+        d = {name: os.path.join(tmp, name) for name in ("lora", "base", "base_hf", "merged", "peft", "swapped")}
+        lora = setup_model(arch, par, seed=SEED, lora=cfg)
+        perturb_adapters(lora)
+        base = setup_model(arch, par, seed=SEED, trainable=False)
+        save_checkpoint(d["lora"], iteration=1, model=lora, arch=arch, extra_meta=lora_meta(cfg))
+        save_checkpoint(d["base"], iteration=1, model=base, arch=arch)
+        export_megatron_to_hf(load_dir=d["base"], hf_out=d["base_hf"])
+        export_merged(load_dir=d["lora"], hf_out=d["merged"])
+        export_peft(load_dir=d["lora"], peft_out=d["peft"], base_model=d["base_hf"])
+        shutil.copytree(d["peft"], d["swapped"])
+        path = os.path.join(d["swapped"], "adapter_model.safetensors")
+        tensors = load_file(path)
+        k = "base_model.model.model.layers.0.self_attn.{}_proj.lora_B.weight"
+        tensors[k.format("k")], tensors[k.format("v")] = tensors[k.format("v")], tensors[k.format("k")]
+        save_file(tensors, path)
+        tokens = comparison_tokens(vocab_size=arch.vocab_size, batch_size=2, seq_length=16, seed=5)
+        megatron = megatron_logits(lora, tokens)
+        with open(os.path.join(d["peft"], "adapter_config.json")) as f:
+            peft_config = __import__("json").load(f)
+        return dict(
+            merged=compare_logits(hf_logits(d["merged"], tokens), megatron),
+            peft=compare_logits(_peft_logits(d["base_hf"], d["peft"], tokens), megatron),
+            swapped=compare_logits(_peft_logits(d["base_hf"], d["swapped"], tokens), megatron),
+            base=compare_logits(hf_logits(d["base_hf"], tokens), megatron),
+            peft_keys=sorted(load_file(os.path.join(d["peft"], "adapter_model.safetensors"))),
+            peft_config=peft_config,
+        )
+
+
 def single_rank() -> dict:
-    return dict(step=lora_step(), ref=reference_checks(), loss=fresh_dpo_loss(), frozen_step=lora_step())
+    return dict(step=lora_step(), ref=reference_checks(), loss=fresh_dpo_loss(), frozen_step=lora_step(),
+                export=export_checks())
 
 
 def layouts(which: str) -> dict:
@@ -351,3 +417,19 @@ def test_branch_pruning_is_unbiased_under_lora():
         assert float(grad.abs().max()) > 0
         torch.testing.assert_close(res["expectation"][key].float(), grad, rtol=1e-4, atol=1e-7,
                                    msg=lambda m: f"E[branch-pruned adapter grad] != full grad for {key}: {m}")
+
+
+@pytest.mark.distributed
+def test_merged_and_peft_exports_match_the_lora_model(single):
+    pytest.importorskip("peft")
+    res = single["export"]
+    assert res["merged"].max_abs_diff <= EXPORT_TOLERANCE, res["merged"].summary()
+    assert res["peft"].max_abs_diff <= EXPORT_TOLERANCE, res["peft"].summary()
+    # Negative controls: the adapters matter, and swapped k/v adapters are caught.
+    assert res["base"].max_abs_diff > 100 * EXPORT_TOLERANCE
+    assert res["swapped"].max_abs_diff > 100 * EXPORT_TOLERANCE
+    layer0 = [k for k in res["peft_keys"] if ".layers.0." in k]
+    assert len(layer0) == 2 * 7 and "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight" in layer0
+    assert res["peft_config"]["r"] == LORA["rank"] and res["peft_config"]["lora_alpha"] == LORA["alpha"]
+    assert sorted(res["peft_config"]["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
