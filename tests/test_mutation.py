@@ -32,7 +32,9 @@ def test_every_mutant_is_killed(tmp_path):
         harness.terminate()  # the harness stops the test runs it started, then exits
         stdout, stderr = harness.communicate(timeout=60)
         pytest.fail(f"the mutation harness ran over an hour:\n{stdout[-6000:]}")
-    assert report.exists(), f"the harness wrote no report (exit {harness.returncode}):\n{stdout[-6000:]}{stderr[-3000:]}"
+    assert report.exists(), (
+        f"the harness wrote no report (exit {harness.returncode}):\n{stdout[-6000:]}{stderr[-3000:]}"
+    )
     results = json.loads(report.read_text())["results"]
     failed = [f"{r['name']} ({r['catalog']}): {r['status']}: {r['detail']}" for r in results
               if r["status"] in ("survived", "error")]

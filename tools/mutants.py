@@ -98,6 +98,8 @@ class Result:
     status: str
     """killed, survived or error."""
     seconds: float
+    why: str = ""
+    """The real bug the mutant stands for."""
     returncode: int | None = None
     """pytest's exit status (None when pytest did not run or was stopped)."""
     detail: str = ""
@@ -150,11 +152,11 @@ def load_catalog(path: Path, *, root: Path) -> list[Mutant]:
         raise CatalogError(f"{label}: must define MUTANTS as a list of dicts; got {type(entries).__name__}")
     mutants = []
     for position, entry in enumerate(entries):
-        mutants.append(_check_entry(entry, label=f"{label}: MUTANTS[{position}]", catalog=label, root=root))
+        mutants.append(_check_entry(entry, label=f"{label}: MUTANTS[{position}]", catalog=label))
     return mutants
 
 
-def _check_entry(entry, *, label: str, catalog: str, root: Path) -> Mutant:
+def _check_entry(entry, *, label: str, catalog: str) -> Mutant:
     if not isinstance(entry, dict):
         raise CatalogError(f"{label}: must be a dict; got {type(entry).__name__}")
     name = entry.get("name")
@@ -380,7 +382,8 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
 
     def result(status: str, *, returncode=None, detail="", output="") -> Result:
         return Result(name=name, catalog=catalog, file=file, tests=tests, status=status,
-                      seconds=round(time.monotonic() - t0, 1), returncode=returncode, detail=detail,
+                      why=mutant.why if mutant else "", seconds=round(time.monotonic() - t0, 1),
+                      returncode=returncode, detail=detail,
                       output_tail=output[-4000:] if status in (SURVIVED, ERROR) or opts.verbose else "")
 
     if _STOPPING.is_set():
@@ -457,8 +460,12 @@ def run_all(mutants: list[Mutant], *, opts: Options, baseline: bool = False, pro
             mutant, name, tests = job
             catalog = mutant.catalog if mutant else "(baseline)"
             file = mutant.file if mutant else ""
-            res = run_mutant(mutant, tests=tests, pristine=pristine, guard_dir=guard_dir, opts=opts, name=name,
-                             catalog=catalog, file=file)
+            try:
+                res = run_mutant(mutant, tests=tests, pristine=pristine, guard_dir=guard_dir, opts=opts, name=name,
+                                 catalog=catalog, file=file)
+            except Exception as exc:  # noqa: BLE001 - one broken run must not hide the others' results
+                res = Result(name=name, catalog=catalog, file=file, tests=tests, status=ERROR, seconds=0.0,
+                             detail=f"the harness failed on this mutant: {type(exc).__name__}: {exc}")
             if mutant is None:
                 # Unmutated, the tests must pass: a failure there would make a kill meaningless.
                 res.status, res.detail = (PASSED, "") if res.status == SURVIVED else (
@@ -508,12 +515,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="list the selected mutants and their tests, and check that each edit applies; run nothing")
     p.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds per mutant; a mutant still running then is stopped and counts as an error (default 600)")
+                   help="seconds per mutant; a mutant still running then is stopped and counts as an error "
+                        "(default 600)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write every result and a summary as JSON")
     p.add_argument("--baseline", action="store_true",
                    help="first run each mutant's tests on the unmutated copy; they must pass")
     p.add_argument("--root", type=Path, default=REPO, help="repository to copy (default: the one holding this tool)")
-    p.add_argument("--keep", action="store_true", help="keep the temporary copies (the folder is printed) for inspection")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temporary copies (the folder is printed) for inspection")
     p.add_argument("--verbose", action="store_true", help="keep pytest's output for killed mutants too")
     return p.parse_args(argv)
 
