@@ -106,6 +106,8 @@ class Result:
     """Why it is an error, or what the harness noticed."""
     output_tail: str = ""
     """The end of pytest's output (kept for survivors and errors)."""
+    cpu_seconds: float | None = None
+    """CPU time of the test run (pytest and every process it waited for), independent of load."""
 
 
 @dataclass
@@ -375,6 +377,23 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _wait_with_cpu(proc: subprocess.Popen, *, timeout: float) -> tuple[int, float]:
+    """Wait for ``proc``; its exit code and the CPU seconds it and the children it waited for used.
+
+    CPU time does not grow with the machine's load, unlike wall time, so it is what tells whether
+    a catalog fits its budget on a quiet CI machine.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.1)
+
+
 def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard_dir: Path, opts: Options,
                name: str, catalog: str, file: str) -> Result:
     """Apply ``mutant`` (None: no edit, the baseline) to a fresh copy and run ``tests`` there."""
@@ -412,7 +431,7 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
             with _RUNNING_LOCK:
                 _RUNNING.add(proc)
             try:
-                rc = proc.wait(timeout=opts.timeout)
+                rc, cpu = _wait_with_cpu(proc, timeout=opts.timeout)
             except subprocess.TimeoutExpired:
                 _kill_tree(proc)
                 return result(ERROR, detail=f"timed out after {opts.timeout:g} s (neither killed nor survived)",
@@ -422,12 +441,15 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
                     _RUNNING.discard(proc)
         output = log.read_text(errors="replace")
         if rc == 1:
-            return result(KILLED, returncode=rc, output=output)
-        if rc == 0:
-            return result(SURVIVED, returncode=rc, detail="its tests pass with the bug in place", output=output)
-        meaning = {2: "interrupted (collection error?)", 3: "internal error", 4: "usage error (unknown test id?)",
-                   5: "no tests collected"}.get(rc, "unexpected exit status")
-        return result(ERROR, returncode=rc, detail=f"pytest exit {rc}: {meaning}", output=output)
+            res = result(KILLED, returncode=rc, output=output)
+        elif rc == 0:
+            res = result(SURVIVED, returncode=rc, detail="its tests pass with the bug in place", output=output)
+        else:
+            meaning = {2: "interrupted (collection error?)", 3: "internal error",
+                       4: "usage error (unknown test id?)", 5: "no tests collected"}.get(rc, "unexpected exit status")
+            res = result(ERROR, returncode=rc, detail=f"pytest exit {rc}: {meaning}", output=output)
+        res.cpu_seconds = round(cpu, 1)
+        return res
     finally:
         if not opts.keep:
             shutil.rmtree(base, ignore_errors=True)
@@ -491,18 +513,20 @@ def run_all(mutants: list[Mutant], *, opts: Options, baseline: bool = False, pro
 
 
 def table(results: list[Result]) -> str:
-    rows = [("mutant", "catalog", "status", "seconds", "tests")]
+    rows = [("mutant", "catalog", "status", "seconds", "cpu s", "tests")]
     for r in results:
-        rows.append((r.name, Path(r.catalog).name, r.status, f"{r.seconds:.1f}", ", ".join(r.tests)))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
+        cpu = "-" if r.cpu_seconds is None else f"{r.cpu_seconds:.1f}"
+        rows.append((r.name, Path(r.catalog).name, r.status, f"{r.seconds:.1f}", cpu, ", ".join(r.tests)))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 5)
     return "\n".join(lines)
 
 
 def summary(results: list[Result]) -> dict:
     counts = {s: sum(r.status == s for r in results) for s in (KILLED, SURVIVED, ERROR, PASSED)}
-    return {**counts, "total": len(results), "seconds": round(sum(r.seconds for r in results), 1)}
+    return {**counts, "total": len(results), "seconds": round(sum(r.seconds for r in results), 1),
+            "cpu_seconds": round(sum(r.cpu_seconds or 0.0 for r in results), 1)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -578,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     stats = {**summary(results), "wall_seconds": wall, "jobs": args.jobs}
     print(f"\n{stats['killed']} killed, {stats['survived']} survived, {stats['error']} errors "
-          f"of {stats['total']} in {wall:.0f} s (jobs={args.jobs})")
+          f"of {stats['total']} in {wall:.0f} s (jobs={args.jobs}; {stats['cpu_seconds']:.0f} CPU seconds)")
     for r in results:
         if r.status in (SURVIVED, ERROR):
             print(f"\n=== {r.status}: {r.name} ({r.catalog}: {r.file})\n{r.detail}")
