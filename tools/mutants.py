@@ -218,8 +218,11 @@ def load_catalogs(paths: list[Path], *, root: Path) -> tuple[list[Mutant], list[
 
 def tree_files(root: Path) -> list[str]:
     """Tracked and untracked-but-not-ignored files of the working tree (never ``.venv``)."""
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True,
-                         check=False)
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True,
+                             check=False)
+    except FileNotFoundError:
+        raise RuntimeError("git is needed to list the working tree's files") from None
     if out.returncode != 0:
         raise RuntimeError(f"git ls-files failed in {root}: {out.stderr.decode(errors='replace').strip()}")
     files = []
@@ -595,8 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for r in problems:
         print(f"[mutants] {r.status:8s} {r.seconds:7.1f}s  {r.name}  ({r.detail})", flush=True)
-    results = problems + run_all(mutants, opts=opts, baseline=args.baseline,
-                                 progress=lambda line: print(line, flush=True))
+    try:
+        results = problems + run_all(mutants, opts=opts, baseline=args.baseline,
+                                     progress=lambda line: print(line, flush=True))
+    except RuntimeError as exc:  # the tree cannot be listed (not a git checkout, no git)
+        print(f"tools/mutants.py: error: {exc}", file=sys.stderr)
+        return 2
     wall = round(time.monotonic() - t0, 1)
     print()
     print(table(results))
