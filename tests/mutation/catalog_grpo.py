@@ -6,7 +6,7 @@ Format: ``tools/mutants.py`` (``MUTANTS``: name, why, file, old, new, tests).
 from __future__ import annotations
 
 OBJECTIVE = "tests/distributed/test_grpo_objective.py"
-UNBIASED = f"{OBJECTIVE}::test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration"
+UNBIASED = f"{OBJECTIVE}::test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration[systematic]"
 PLAIN = f"{OBJECTIVE}::test_unpruned_trainer_step_is_plain_grpo"
 RESUME = "tests/e2e/test_grpo_resume.py"
 DPPO_UNIT = "tests/unit/grpo/test_dppo.py"
