@@ -476,9 +476,10 @@ def run_all(mutants: list[Mutant], *, opts: Options, baseline: bool = False, pro
         guard_dir = top / "guard"
         write_guard(guard_dir)
         jobs: list[tuple[Mutant | None, str, list[str]]] = []
-        if baseline:
-            for m in mutants:
-                jobs.append((None, f"baseline-{m.name}", m.tests))
+        if baseline:  # once per distinct list of tests
+            for tests in dict.fromkeys(tuple(m.tests) for m in mutants):
+                first = next(m.name for m in mutants if tuple(m.tests) == tests)
+                jobs.append((None, f"baseline-{first}", list(tests)))
         jobs.extend((m, m.name, m.tests) for m in mutants)
 
         def one(job):
@@ -608,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results))
     stats = {**summary(results), "wall_seconds": wall, "jobs": args.jobs}
-    print(f"\n{stats['killed']} killed, {stats['survived']} survived, {stats['error']} errors "
+    baselines = f", {stats['passed']} baselines passed" if args.baseline else ""
+    print(f"\n{stats['killed']} killed, {stats['survived']} survived, {stats['error']} errors{baselines} "
           f"of {stats['total']} in {wall:.0f} s (jobs={args.jobs}; {stats['cpu_seconds']:.0f} CPU seconds)")
     for r in results:
         if r.status in (SURVIVED, ERROR):

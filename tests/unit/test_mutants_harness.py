@@ -27,6 +27,7 @@ def load_tool():
 CALC = "def add(a, b):\n    # adds\n    return a + b\n"
 TESTS = {
     "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
+    "tests/test_broken.py": "def test_always_fails():\n    assert False\n",
     # Only a child interpreter, started outside the copy, reads the mutated constant: PYTHONPATH
     # must lead it to the copy (the original tree is not on any path).
     "tests/test_child.py": textwrap.dedent("""
@@ -54,6 +55,8 @@ CATALOG = textwrap.dedent('''
          "old": "return a + b", "new": "return a +", "tests": ["tests/test_calc.py"]},
         {"name": "unknown-test", "why": "names a test id that does not exist", "file": "calc.py",
          "old": "return a + b", "new": "return a - b", "tests": ["tests/test_calc.py::test_nothing"]},
+        {"name": "blames-broken-test", "why": "its test fails with or without the bug", "file": "calc.py",
+         "old": "# adds", "new": "# sums", "tests": ["tests/test_broken.py"]},
     ]
 ''')
 
@@ -82,7 +85,8 @@ def run_tool(root: Path, *args: str) -> tuple[int, str]:
 
 def test_statuses_exit_code_and_json(toy_repo, tmp_path):
     report = tmp_path / "report.json"
-    rc, output = run_tool(toy_repo, "--jobs", "2", "--json", str(report))
+    rc, output = run_tool(toy_repo, "--jobs", "2", "--json", str(report), "--only",
+                          "add-minus,child-sees-copy,comment-only,drifted,breaks-collection,unknown-test")
     assert rc == 1, output
     data = json.loads(report.read_text())
     status = {r["name"]: r["status"] for r in data["results"]}
@@ -108,6 +112,17 @@ def test_only_killed_mutants_exit_zero(toy_repo):
     rc, output = run_tool(toy_repo, "--only", "add-minus")
     assert rc == 0, output
     assert "1 killed, 0 survived, 0 errors" in output
+
+
+def test_baseline_exposes_a_kill_that_means_nothing(toy_repo, tmp_path):
+    """A test that fails without the bug "kills" it; --baseline runs it unmutated first and says so."""
+    report = tmp_path / "report.json"
+    rc, output = run_tool(toy_repo, "--only", "blames-broken-test,add-minus", "--baseline", "--json", str(report))
+    assert rc == 1, output
+    status = {r["name"]: r["status"] for r in json.loads(report.read_text())["results"]}
+    assert status == {"baseline-add-minus": "passed", "baseline-blames-broken-test": "error",
+                      "add-minus": "killed", "blames-broken-test": "killed"}, output
+    assert "fails without any mutation" in output
 
 
 def test_list_runs_nothing_and_flags_a_drifted_edit(toy_repo):
