@@ -41,7 +41,8 @@ rollout (the mode's keep rule with ``K`` independent draws): ``grad_rel_mse = me
 g|^2 / |g|^2`` (variance plus squared bias) and ``grad_rel_bias = |mean_k g_k - g|^2 / |g|^2``.
 
 Output: a table, ``--json`` (contract: ``modes.<mode>.speedup_vs_grpo`` (median per-step
-wall-clock ratio), ``heldout_reward_final``, ``heldout_reward_at_grpo_time``,
+wall-clock ratio), ``heldout_reward_final``, ``heldout_reward_at_grpo_time`` (each seed at the
+training time GRPO needed for its final step with that seed, then the mean over seeds),
 ``heldout_reward_at_grpo_steps``, ``records`` (one dict per step and seed)), and ``--plot``
 (held-out reward vs cumulative training wall-clock, mean and min-max over seeds, per mode).
 
@@ -118,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the results (rewritten after every run)")
     p.add_argument("--plot", metavar="PATH", help="PNG: held-out reward vs cumulative training time")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per (round, seed) process")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="summarise and plot the records of an earlier run's JSON instead of running (its config is kept)")
     p.add_argument("--seeds-per-process", type=int, default=1,
                    help="seeds trained one after another in one worker process (saves start-up time)")
     p.add_argument("--worker-seeds", help=argparse.SUPPRESS)
@@ -507,8 +510,9 @@ def summarise(records: dict[str, list[dict]], args) -> dict:
     def timed(mode):  # steps within --steps (equal-steps statistics)
         return [r for r in records[mode] if r["step"] >= 0 and not r.get("beyond_steps")]
 
-    grpo_runs = [run for run in runs("grpo") if run]
-    grpo_time = _mean([run[-1]["cum_time_s"] for run in grpo_runs])
+    # GRPO's training time of each (seed, round): modes are compared at the time GRPO needed for its
+    # final step in the same worker process (same seed, same stretch of machine load)
+    grpo_time = {(run[-1]["seed"], run[-1].get("round", 0)): run[-1]["cum_time_s"] for run in runs("grpo") if run}
     base_step = statistics.median(r["time_s"] for r in timed("grpo")) if timed("grpo") else None
     out = {}
     for mode in records:
@@ -518,7 +522,8 @@ def summarise(records: dict[str, list[dict]], args) -> dict:
         median_step = statistics.median(r["time_s"] for r in steps)
         finals = [next((r["heldout_reward"] for r in reversed(run) if "heldout_reward" in r), None)
                   for run in runs(mode) if run]
-        at_time = [_heldout_at(run, time_s=grpo_time) for run in runs(mode) if run]
+        at_time = [_heldout_at(run, time_s=grpo_time[(run[-1]["seed"], run[-1].get("round", 0))])
+                   for run in runs(mode) if run and (run[-1]["seed"], run[-1].get("round", 0)) in grpo_time]
         at_steps = [_heldout_at(run, step=args.steps - 1) for run in runs(mode) if run]
         s = {
             "speedup_vs_grpo": base_step / median_step if base_step else None,
@@ -564,38 +569,65 @@ def table(modes: dict) -> str:
     return "\n".join(lines)
 
 
+def _runs_of(records: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for r in records:
+        runs.setdefault((r["seed"], r.get("round", 0)), []).append(r)
+    return runs
+
+
 def plot(modes: dict, path: str, title: str) -> None:
+    """Three panels of held-out reward (mean over seeds; band: min-max): against cumulative training
+    wall-clock, against training time as a fraction of GRPO's with the same seed (the load of the
+    machine cancels), and against training steps. A curve stops where its shortest run ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    horizon = max(r["cum_time_s"] for s in modes.values() for r in s["records"])
-    grid = [horizon * k / 100 for k in range(101)]
-    for mode, s in modes.items():
-        keys = sorted({(r["seed"], r.get("round", 0)) for r in s["records"]})
-        curves = []
-        for seed, rnd in keys:
-            run = [r for r in s["records"] if r["seed"] == seed and r.get("round", 0) == rnd]
-            end = run[-1]["cum_time_s"]
-            curves.append([_heldout_at(run, time_s=t) if t <= end * 1.0001 else None for t in grid])
-        xs, mean, lo, hi = [], [], [], []
-        for k, t in enumerate(grid):
-            vals = [c[k] for c in curves if c[k] is not None]
-            if len(vals) == len(curves):  # every seed still running
-                xs.append(t)
-                mean.append(sum(vals) / len(vals))
-                lo.append(min(vals))
-                hi.append(max(vals))
-        (line,) = ax.plot(xs, mean, label=f"{mode} ({len(curves)} runs)")
-        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("cumulative training wall-clock (s; evaluation excluded)")
-    ax.set_ylabel("held-out reward (mean; band: min-max over seeds)")
-    ax.set_title(title)
-    ax.legend()
+    grpo_time = {key: run[-1]["cum_time_s"] for key, run in _runs_of(modes["grpo"]["records"]).items()} \
+        if "grpo" in modes else {}
+
+    def x_time(key, r):
+        return r["cum_time_s"]
+
+    def x_frac(key, r):
+        return r["cum_time_s"] / grpo_time[key] if grpo_time.get(key) else None
+
+    def x_step(key, r):
+        return r["step"] + 1
+
+    panels = [(x_time, "cumulative training wall-clock (s; evaluation excluded)"),
+              (x_frac, "training time / GRPO's final training time (same seed)"),
+              (x_step, "training steps")]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    for ax, (xfun, label) in zip(axes, panels):
+        for mode, s in modes.items():
+            curves = []
+            for key, run in _runs_of(s["records"]).items():
+                pts = [(xfun(key, r), r["heldout_reward"]) for r in run if "heldout_reward" in r]
+                if pts and all(x is not None for x, _ in pts):
+                    curves.append(pts)
+            if not curves:
+                continue
+            end = min(c[-1][0] for c in curves)
+            grid = [end * k / 100 for k in range(101)]
+
+            def at(c, x):
+                for (x0, y0), (x1, y1) in zip(c, c[1:]):
+                    if x0 <= x <= x1:
+                        return y0 + ((x - x0) / (x1 - x0) if x1 > x0 else 1.0) * (y1 - y0)
+                return c[-1][1] if x >= c[-1][0] else c[0][1]
+
+            vals = [[at(c, x) for c in curves] for x in grid]
+            (line,) = ax.plot(grid, [sum(v) / len(v) for v in vals], label=f"{mode} ({len(curves)} runs)")
+            ax.fill_between(grid, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.12)
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out reward (mean; band: min-max over seeds)")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -618,8 +650,16 @@ def main(argv: list[str] | None = None) -> dict:
                   command=" ".join(["python", "tools/bench_grpo.py", *argv]))
     result: dict = {"config": config, "modes": {}}
     records: dict[str, list[dict]] = {m: [] for m in args.modes}
+    if args.from_json:
+        with open(args.from_json) as f:
+            earlier = json.load(f)
+        result["config"] = config = earlier["config"]
+        args.steps = config["steps"]
+        records = {m: s["records"] for m, s in earlier["modes"].items()}
+        result["modes"] = summarise(records, args)
+        chunks = []
     with tempfile.TemporaryDirectory() as tmp:
-        for rnd in range(args.rounds):
+        for rnd in range(args.rounds if chunks else 0):
             for chunk in chunks:
                 out = os.path.join(tmp, f"{rnd}-{chunk[0]}.json")
                 t = time.perf_counter()
@@ -648,8 +688,8 @@ def main(argv: list[str] | None = None) -> dict:
         _write_json(args.json, result)
         print(f"[bench_grpo] wrote {args.json}")
     if args.plot and result["modes"]:
-        plot(result["modes"], args.plot,
-             f"GRPO vs DPPO, task {args.task}, {args.seeds} seeds x {args.rounds} rounds, lr {args.lr:g}")
+        plot(result["modes"], args.plot, f"GRPO vs DPPO, task {config['task']}, {config['seeds']} seeds x "
+             f"{config['rounds']} rounds, lr {config['lr']:g}")
         print(f"[bench_grpo] wrote {args.plot}")
     if result.get("failed"):
         raise SystemExit(f"[bench_grpo] {len(result['failed'])} runs failed (their output is above)")
