@@ -156,7 +156,7 @@ def test_setup_py_declares_the_tested_range():
 
 
 MODULES = ["megatron_prune.adapters.mindspeed", "megatron_prune.arguments", "megatron_prune.training.session",
-           "megatron_prune.training.cli", "megatron_prune.dpo.__main__", "megatron_prune.grpo.__main__"]
+           "megatron_prune.training.cli"]
 
 
 @pytest.mark.parametrize("module", MODULES)
