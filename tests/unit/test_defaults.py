@@ -179,3 +179,25 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- GRPO prompts
+
+
+def test_grpo_prompts_keep_bos_and_template_head_when_truncated():
+    from megatron_prune.data import GSM8K_SAMPLE
+    from megatron_prune.data.tokenizer import load_tokenizer
+    from megatron_prune.grpo.trainer import math_source
+
+    tokenizer = load_tokenizer("tiny")
+    head = [tokenizer.bos_id] + tokenizer.encode("\n\nHuman:")  # what every plain-template prompt starts with
+    full = math_source(task="gsm8k", paths=[GSM8K_SAMPLE], tokenizer=tokenizer, max_prompt_length=10**6)
+    cut = math_source(task="gsm8k", paths=[GSM8K_SAMPLE], tokenizer=tokenizer, max_prompt_length=24)
+    for i in range(5):
+        whole, short = full.get(i), cut.get(i)
+        assert not whole.truncated and list(whole.tokens[: len(head)]) == head
+        assert short.truncated and len(short.tokens) == 24
+        assert short.tokens[0] == tokenizer.bos_id
+        kept_head = next(n for n in range(24) if short.tokens[n] != whole.tokens[n])
+        assert 1 <= kept_head <= len(head)
+        assert short.tokens[kept_head:] == whole.tokens[-(24 - kept_head):]
