@@ -399,3 +399,70 @@ def test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration(mode):
     _assert_grad_close(result["expected"], got["full"]["grad"], f"{mode}: E[DPPO] vs GRPO", rtol=1e-4)
     # the weighted reward estimates the all-prompt mean reward without bias
     assert result["reward_mean_weighted"] == pytest.approx(got["full"]["metrics"]["reward_mean"], abs=1e-7)
+
+
+# ---------------------------------------------------------------------------------------
+# a checkpoint inside a rollout, on two data-parallel ranks
+# ---------------------------------------------------------------------------------------
+
+
+def _resume_inside_rollout() -> dict:
+    """Objective A runs update 0 of a two-update rollout; its state (taken on every rank, as a save
+    does) is loaded from rank 0 into a fresh objective B, as a resume does; the policy then moves (an
+    optimizer step) and both run update 1. Each DP rank scored only its own share of the old and
+    reference log-probs, so B needs the gathered ones."""
+    import torch.distributed as dist
+
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+    from megatron_prune.grpo.trainer import build_objective, toy_source
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()  # two ranks: DP = 2
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, par, seed=SEED)
+        reference = setup_model(arch, par, seed=SEED + 1, trainable=False)
+        source = toy_source(vocab_size=arch.vocab_size, num_prompts=8, seed=SEED, prompt_length=4)
+        configs = {
+            "TrainConfig": TrainConfig(global_batch_size=4, micro_batch_size=2, seq_length=16, seed=SEED),
+            "GRPOConfig": GRPOConfig(group_size=3, max_new_tokens=3, kl_beta=KL_BETA, ppo_epochs=2, toy_num_prompts=8),
+            "DPPOArgs": DPPOArgs(completion_prune_rate=0.3, dense_packing=True),
+        }
+
+        def build():
+            return build_objective(configs=configs, arch=arch, policy=policy, reference=reference, source=source)
+
+        def step(objective, index):
+            for chunk in policy:
+                chunk.zero_grad_buffer()
+            metrics = objective.train_step(index)
+            grads = gather_global_state(policy, source="main_grad")
+            return metrics, torch.cat([grads[k].flatten().double() for k in sorted(grads)])
+
+        first = build()
+        step(first, 0)
+        state = first.state_dict()
+        saved = [state if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(saved, src=0)
+        resumed = build()
+        resumed.load_state_dict(saved[0])
+        with perturbed(policy):  # the update of step 0 moved the policy
+            uninterrupted = step(first, 1)
+            again = step(resumed, 1)
+    return dict(uninterrupted=uninterrupted, resumed=again, has_rollout="rollout" in state)
+
+
+def test_state_inside_a_rollout_restores_it_on_every_rank():
+    for rank, got in enumerate(run_distributed(_resume_inside_rollout, 2)):
+        assert got["has_rollout"]
+        (metrics, grad), (metrics_resumed, grad_resumed) = got["uninterrupted"], got["resumed"]
+        assert metrics_resumed["fresh_rollout"] == 0.0, "the resumed objective rolled out again"
+        assert metrics["clip_fraction"] > 0.0  # the old log-probs are the rollout policy's, not the current one's
+        for key in ("loss", "policy_loss", "kl_loss", "clip_fraction", "ratio_mean", "policy_tokens"):
+            assert metrics_resumed[key] == metrics[key], (rank, key)
+        assert torch.equal(grad_resumed, grad), rank

@@ -9,6 +9,7 @@ OBJECTIVE = "tests/distributed/test_grpo_objective.py"
 UNBIASED = f"{OBJECTIVE}::test_dppo_trainer_gradient_is_unbiased_by_exact_enumeration[systematic]"
 PLAIN = f"{OBJECTIVE}::test_unpruned_trainer_step_is_plain_grpo"
 RESUME = "tests/e2e/test_grpo_resume.py"
+ROLLOUT_STATE = f"{OBJECTIVE}::test_state_inside_a_rollout_restores_it_on_every_rank"
 DPPO_UNIT = "tests/unit/grpo/test_dppo.py"
 
 MUTANTS: list[dict] = [
@@ -70,7 +71,7 @@ MUTANTS: list[dict] = [
         "file": "megatron_prune/grpo/trainer.py",
         "old": "            self.buffer = self._load_buffer(state[\"rollout\"])",
         "new": "            pass",
-        "tests": [RESUME],
+        "tests": [ROLLOUT_STATE],
     },
     {
         "name": "dppo-systematic-keyed-by-position",
@@ -113,5 +114,14 @@ MUTANTS: list[dict] = [
         "old": "loss = loss + kl_loss",
         "new": "loss = loss - kl_loss",
         "tests": [PLAIN],
+    },
+    {
+        "name": "grpo-resume-logprobs-not-gathered",
+        "why": "a checkpoint inside a rollout keeps only the old/reference log-probs that rank 0 scored: other "
+               "data-parallel ranks resume with the current policy's log-probs (ratio 1, no clipping)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "        if dist.is_initialized() and dist.get_world_size() > 1:\n            parts: list",
+        "new": "        if False:\n            parts: list",
+        "tests": [ROLLOUT_STATE],
     },
 ]
