@@ -56,6 +56,11 @@ def run_cli(
         return 0
     from megatron_prune.training.loop import NonFiniteError
 
+    if int(os.environ.get("RANK", "0")) == 0:
+        import torch
+
+        print(f"[megatron-prune] {prog}: world {world}, data-parallel {dp}, {versions}, torch {torch.__version__}",
+              flush=True)
     try:
         run(configs)
     except DataError as exc:
