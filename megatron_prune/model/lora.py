@@ -9,7 +9,8 @@ Tensor parallelism follows the base layer:
 
 - column-parallel base (``linear_qkv``, ``linear_fc1``): ``A`` is replicated, ``B`` is split
   along its rows like the base's output rows (so the interleaved QKV and gated fc1 layouts need
-  nothing special: B's row ``i`` feeds the base's output row ``i``). The rank-r activation
+  nothing special in training: B's row ``i`` feeds the base's output row ``i``; in the checkpoint
+  a gated fc1's ``B`` is mapped to the global [gate; up] rows like its weight). The rank-r activation
   ``x A^T`` is formed on the local input and then, under sequence parallelism, all-gathered along
   the sequence (the small [s/tp, b, r] tensor, not the [s/tp, b, h] input the base gathers);
   its backward sums the partial gradients of the TP ranks, so ``A``'s gradient is complete;

@@ -61,7 +61,8 @@ def _my_samples():
 
 
 def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dict | None = None,
-              lora: dict | None = None, branch_pattern: tuple[int, ...] | None = None) -> dict:
+              lora: dict | None = None, branch_pattern: tuple[int, ...] | None = None,
+              save_to: str | None = None) -> dict:
     """One DPO step (adapter-off reference, Adam) of a LoRA model: loss, adapter gradients, grad
     norm and adapters after the step (whole tensors), and what the step did to the base."""
     from megatron.core import parallel_state
@@ -110,6 +111,12 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
         }
         success, grad_norm, _ = optimizer.step()
         after = {k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)}
+        if save_to is not None:
+            from megatron_prune.model.lora_export import lora_meta
+            from megatron_prune.training.checkpoint import save_checkpoint
+
+            save_checkpoint(save_to, iteration=1, model=policy, arch=get_preset("tiny"), optimizer=optimizer,
+                            extra_meta=lora_meta(LoRAConfig(**(lora or LORA))))
 
         adapter_ids = {id(p) for p in adapters}
         buffered = [p for c in policy for buf in c.buffers for p in buf.params]
@@ -201,6 +208,27 @@ def fresh_dpo_loss() -> dict:
     return out
 
 
+def reload(*, path: str, parallel: dict, distopt: bool = False) -> dict:
+    """Adapters of a LoRA checkpoint loaded (with its optimizer state) at another layout."""
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.lora import LoRAConfig
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.checkpoint import load_checkpoint
+    from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig(**parallel)
+    arch = get_preset("tiny")
+    with model_parallel(par, seed=SEED):
+        policy = setup_model(arch, par, seed=SEED + 5, use_distributed_optimizer=distopt, lora=LoRAConfig(**LORA))
+        optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", use_distributed_optimizer=distopt),
+                                    bf16=False)
+        meta = load_checkpoint(path, model=policy, arch=arch, optimizer=optimizer)
+        return dict(after={k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)},
+                    lora=meta.get("lora"))
+
+
 LAYOUTS_2 = {
     "dp2": dict(parallel={}),
     "dp2-distopt": dict(parallel={}, distopt=True),
@@ -267,6 +295,13 @@ def export_checks() -> dict:
         save_file(tensors, path)
         tokens = comparison_tokens(vocab_size=arch.vocab_size, batch_size=2, seq_length=16, seed=5)
         megatron = megatron_logits(lora, tokens)
+        # The usual start (--hf-model + --lora-rank): base weights from HF, then fresh adapters.
+        from megatron_prune.training.session import load_hf_weights
+
+        from_hf = setup_model(arch, par, seed=SEED + 9, lora=cfg,
+                              load_base=lambda chunks: load_hf_weights(chunks, d["base_hf"], arch))
+        v = arch.vocab_size  # HF holds no padded vocabulary rows
+        from_hf_equal = torch.equal(megatron_logits(from_hf, tokens)[..., :v], megatron_logits(base, tokens)[..., :v])
         with open(os.path.join(d["peft"], "adapter_config.json")) as f:
             peft_config = __import__("json").load(f)
         return dict(
@@ -276,6 +311,7 @@ def export_checks() -> dict:
             base=compare_logits(hf_logits(d["base_hf"], tokens), megatron),
             peft_keys=sorted(load_file(os.path.join(d["peft"], "adapter_model.safetensors"))),
             peft_config=peft_config,
+            from_hf_equal=from_hf_equal,
         )
 
 
@@ -288,6 +324,14 @@ def layouts(which: str) -> dict:
     table = LAYOUTS_2 if which == "2" else LAYOUTS_4
     out = {name: lora_step(**kw) for name, kw in table.items()}
     if which == "2":
+        import tempfile
+
+        box = [tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        path = box[0] + "/ckpt"
+        out["saved:tp2-sp"] = lora_step(parallel=LAYOUTS_2["tp2-sp"]["parallel"], save_to=path)
+        out["reloaded:pp2"] = reload(path=path, parallel=dict(pipeline_model_parallel_size=2))
+        out["reloaded:dp2"] = reload(path=path, parallel={})
         out["ref:tp2-sp"] = reference_checks(parallel=LAYOUTS_2["tp2-sp"]["parallel"])
         for name in ("tp2", "tp2-sp"):
             out[f"dropout:{name}"] = lora_step(parallel=LAYOUTS_2[name]["parallel"], lora={**LORA, "dropout": 0.3})
@@ -366,6 +410,12 @@ def test_lora_step_layouts_match_single_rank_2_ranks(single):
         assert got["replicas_agree"], f"dropout under {name}: replicated adapters diverged over TP"
         assert got["metrics"]["loss"] != pytest.approx(results[name]["metrics"]["loss"], rel=1e-9, abs=0), \
             "dropout changed nothing"
+    # A checkpoint saved at TP=2+SP (adapters and their optimizer state) loads at PP=2 and at DP=2.
+    saved = results["saved:tp2-sp"]["after"]
+    for name in ("reloaded:pp2", "reloaded:dp2"):
+        assert set(results[name]["after"]) == set(saved) and results[name]["lora"]["rank"] == LORA["rank"]
+        for key, value in saved.items():
+            assert torch.equal(results[name]["after"][key], value), f"{name}: {key}"
     ref = results["ref:tp2-sp"]
     assert torch.equal(ref["fresh_logits"], ref["base_logits"])
     torch.testing.assert_close(ref["tuned_logits"], single["ref"]["tuned_logits"], rtol=1e-5, atol=1e-5)
@@ -423,6 +473,7 @@ def test_branch_pruning_is_unbiased_under_lora():
 def test_merged_and_peft_exports_match_the_lora_model(single):
     pytest.importorskip("peft")
     res = single["export"]
+    assert res["from_hf_equal"], "a fresh LoRA model on HF base weights is not the base model"
     assert res["merged"].max_abs_diff <= EXPORT_TOLERANCE, res["merged"].summary()
     assert res["peft"].max_abs_diff <= EXPORT_TOLERANCE, res["peft"].summary()
     # Negative controls: the adapters matter, and swapped k/v adapters are caught.
