@@ -235,6 +235,8 @@ LAYOUTS_2 = {
     "tp2": dict(parallel=dict(tensor_model_parallel_size=2)),
     "tp2-sp": dict(parallel=dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2": dict(parallel=dict(pipeline_model_parallel_size=2)),
+    # Full recomputation: the first stage's frozen embedding output must still carry the graph.
+    "pp2-recompute": dict(parallel=dict(pipeline_model_parallel_size=2, recompute=True)),
 }
 LAYOUTS_4 = {
     "tp2xpp2": dict(parallel=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
