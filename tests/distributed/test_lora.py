@@ -317,9 +317,46 @@ def export_checks() -> dict:
         )
 
 
+def grpo_kl_reference() -> dict:
+    """One GRPO step (rollout with adapters on, KL > 0) of a LoRA policy with the adapter-off
+    reference, and the same step with a separate frozen copy of the base as the reference."""
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+    from megatron_prune.grpo.trainer import build_objective, toy_source
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.lora import LoRAConfig, adapter_off
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    arch = get_preset("tiny")
+    out = {}
+    with model_parallel(par, seed=SEED):
+        policy = setup_model(arch, par, seed=SEED, lora=LoRAConfig(**LORA))
+        perturb_adapters(policy)
+        references = {"adapter_off": adapter_off(policy),
+                      "frozen_copy": setup_model(arch, par, seed=SEED, trainable=False)}
+        for name, reference in references.items():
+            configs = {
+                "TrainConfig": TrainConfig(global_batch_size=4, micro_batch_size=4, seq_length=48, seed=SEED),
+                "GRPOConfig": GRPOConfig(group_size=4, max_new_tokens=6, kl_beta=0.1),
+                "DPPOArgs": DPPOArgs(completion_prune_rate=0.5, dense_packing=True),
+            }
+            source = toy_source(vocab_size=arch.vocab_size, num_prompts=16, seed=SEED)
+            objective = build_objective(configs=configs, arch=arch, policy=policy, reference=reference, source=source)
+            for chunk in policy:
+                chunk.zero_grad_buffer()
+            metrics = objective.train_step(0)
+            items = [it for mb in objective.buffer.minibatches for it in mb]
+            out[name] = dict(metrics=metrics, completions=[tuple(it.completion) for it in items],
+                             ref=[it.ref_logprobs.clone() for it in items])
+    return out
+
+
 def single_rank() -> dict:
     return dict(step=lora_step(), ref=reference_checks(), loss=fresh_dpo_loss(), frozen_step=lora_step(),
-                export=export_checks())
+                export=export_checks(), grpo=grpo_kl_reference())
 
 
 def layouts(which: str) -> dict:
@@ -388,6 +425,16 @@ def test_adapter_off_reference_is_the_frozen_base(single):
         torch.testing.assert_close(off[key], frozen[key], rtol=0, atol=1e-6)
     assert max((on[k] - frozen[k]).abs().max().item() for k in off) > 1e-4, "the adapters changed no log-prob"
     torch.testing.assert_close(ref["after_logits"], ref["tuned_logits"], rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_grpo_kl_reference_is_the_adapter_off_policy(single):
+    off, frozen = single["grpo"]["adapter_off"], single["grpo"]["frozen_copy"]
+    assert off["completions"] == frozen["completions"] and off["completions"]
+    for a, b in zip(off["ref"], frozen["ref"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert off["metrics"]["kl"] == pytest.approx(frozen["metrics"]["kl"], rel=1e-5)
+    assert off["metrics"]["kl"] > 0, "the adapters moved the policy: the KL to the base must be positive"
 
 
 @pytest.mark.distributed
