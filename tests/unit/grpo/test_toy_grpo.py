@@ -17,7 +17,7 @@ import torch
 from megatron_prune.grpo.advantages import group_advantages
 from megatron_prune.grpo.dppo import DPPOConfig, DPPOPruner, combine_weights
 from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_prune.grpo.rewards import ToyTask
+from megatron_prune.grpo.rewards import ToyTask, ToyTaskConfig
 
 
 class TinyLM(torch.nn.Module):
@@ -58,9 +58,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_grpo_with_dppo_learns_the_toy_task(one_thread):
+@pytest.mark.parametrize("binary", [False, True], ids=["toy", "toy-binary"])
+def test_grpo_with_dppo_learns_the_toy_task(one_thread, binary):
+    """Both toy rewards: the fractional one, and the binary one (1 when the first answer token is
+    in the class), whose groups are often all-wrong at first: it still has signal from step one."""
     torch.manual_seed(0)
-    task = ToyTask()
+    task = ToyTask(ToyTaskConfig(binary=binary))
     model = TinyLM(task.config.vocab_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
     pruner = DPPOPruner(config=DPPOConfig(prompt_prune_rate=0.25, completion_prune_rate=0.5), seed=0)
