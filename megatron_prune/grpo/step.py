@@ -3,7 +3,10 @@
 The surviving completions of a rollout (:class:`TrainItem`) are laid out as rows — one
 padded sequence per row, or densely packed (window-based first-fit-decreasing, block-diagonal
 causal masks, restarting position ids) — and run through the selective head, which scores
-exactly the completion tokens. Forward-only passes (old policy, reference) run under
+exactly the completion tokens. A pass runs only the rows its items need: as few microbatches as
+``micro_batch_size`` allows with the rows spread evenly over them (never padded up to
+``micro_batch_size``; under pipeline parallelism every microbatch has the shape of the largest),
+packed rows as long as the fullest one; ``Layout.density`` is that of what runs. Forward-only passes (old policy, reference) run under
 ``no_grad`` through Megatron's forward-only schedule; the update runs forward-backward with
 the GRPO token loss (:func:`megatron_prune.grpo.loss.grpo_loss`) on the last stage.
 
