@@ -1,9 +1,9 @@
 """LoRA through the CLI: a pruned DPO run at TP=2 with sequence parallelism and adapter dropout,
 SIGKILLed and resumed (bit-exact losses), a wrong --lora-rank refused at resume, and both
-exports of its checkpoint by tools/convert_megatron_to_hf.py.
+exports of its checkpoint by tools/convert_megatron_to_hf.py; the three reference modes agree.
 
 Launches: the uninterrupted run, the killed run, its resume, the refused resume (fails at
-validation), two exports.
+validation), two exports; then one short run per reference mode.
 """
 
 from __future__ import annotations
@@ -57,3 +57,19 @@ def test_lora_dpo_kill_resume_and_export(tmp_path):
     assert (tmp_path / "merged" / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json",
                                                                       "adapter_model.safetensors"]
+
+
+def test_lora_reference_modes_agree(tmp_path):
+    """Under LoRA the base is the starting model: the adapter-off reference, a separate frozen copy
+    (online) and cached log-probs computed with the adapter-off policy (precomputed) give the same run."""
+    runs = {}
+    for mode in ("adapter-off", "online", "precomputed"):
+        d = tmp_path / mode
+        run_dpo(["--model-preset", "tiny", "--data-path", TINY_DPO[TINY_DPO.index("--data-path") + 1],
+                 "--seq-length", "128", "--max-prompt-length", "64", "--global-batch-size", "8",
+                 "--micro-batch-size", "2", "--lr", "1e-3", "--tensor-model-parallel-size", "2",
+                 "--lora-rank", "8", "--train-iters", "3", "--ref-mode", mode, "--ref-cache", str(d / "cache"),
+                 "--metrics-jsonl", str(d / "m.jsonl")], log=tmp_path / f"{mode}.txt").check_ok()
+        runs[mode] = [(r["loss"], r["grad_norm"]) for r in read_jsonl(d / "m.jsonl")]
+    assert len(runs["adapter-off"]) == 3
+    assert runs["online"] == runs["adapter-off"] == runs["precomputed"]
