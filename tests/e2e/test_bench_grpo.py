@@ -53,7 +53,7 @@ def test_every_mode_one_step(tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_with_kl(tmp_path):
     result = _bench(tmp_path, ["--task", "toy-binary", "--modes", "grpo", "dppo", "--tensor-model-parallel-size", "2",
-                               "--kl-beta", "0.05", "--no-match-time"], "tp2")
+                               "--kl-beta", "0.05", "--kv-cache", "--no-match-time"], "tp2")
     assert result["config"]["tensor_model_parallel_size"] == 2
     for s in result["modes"].values():
         assert s["reference_time_s"] > 0.0

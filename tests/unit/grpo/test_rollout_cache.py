@@ -20,7 +20,7 @@ PROMPTS = [(0, (1, 3, 9)), (1, (1, 40, 77, 3, 5)), (2, (1, 3, 6)), (3, (1, 8, 20
            (4, (1, 11, 12, 13, 14, 15, 16, 17, 18, 3, 8)), (5, (1, 60, 3, 4))]
 
 
-def _sample_all() -> dict:
+def _sample_all(tp: int = 1, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)), micro_batches=(None, 7)) -> dict:
     from megatron_prune.grpo import rollout
     from megatron_prune.grpo.rollout import SamplingSettings, generate
     from megatron_prune.model.arch import get_preset
@@ -28,7 +28,7 @@ def _sample_all() -> dict:
     from megatron_prune.training.model_setup import setup_model
     from megatron_prune.training.parallel import model_parallel
 
-    par = ParallelConfig()
+    par = ParallelConfig(tensor_model_parallel_size=tp)
     out: dict = {}
     with model_parallel(par, seed=SEED):
         arch = get_preset("tiny")
@@ -42,8 +42,8 @@ def _sample_all() -> dict:
 
         rollout._cached_batch = counting
         try:
-            for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)):
-                for mbs in (None, 7):
+            for temperature, top_p in cases:
+                for mbs in micro_batches:
                     runs = {}
                     for kv_cache in (False, True):
                         calls.clear()
@@ -59,8 +59,7 @@ def _sample_all() -> dict:
     return out
 
 
-def test_mixed_length_cached_batches_give_the_uncached_tokens():
-    results = run_distributed(_sample_all, 1)[0]
+def _check(results: dict) -> None:
     for (temperature, top_p, mbs), runs in results.items():
         label = f"T={temperature} top_p={top_p} mbs={mbs}"
         (plain_tokens, plain_lps, _), (cached_tokens, cached_lps, batches) = runs[False], runs[True]
@@ -70,10 +69,24 @@ def test_mixed_length_cached_batches_give_the_uncached_tokens():
                                    torch.tensor([lp for g in plain_lps for c in g for lp in c]), rtol=0, atol=1e-5)
         n = len(PROMPTS) * 3  # 18 sequences of 6 prompt lengths
         assert batches == ([n] if mbs is None else [7, 7, 4]), f"{label}: one batch per microbatch, got {batches}"
+
+def test_mixed_length_cached_batches_give_the_uncached_tokens():
+    results = run_distributed(_sample_all, 1)[0]
+    _check(results)
     greedy = results[(0.0, 1.0, None)][True][0]
     sampled = results[(1.0, 1.0, None)][True][0]
     assert all(len({tuple(c) for c in g}) == 1 for g in greedy)  # greedy: a group is one completion
     assert any(len({tuple(c) for c in g}) > 1 for g in sampled)  # sampling: it is not
+
+
+@pytest.mark.distributed
+def test_mixed_length_cached_batches_under_tensor_parallelism():
+    """TP = 2 (vocabulary-parallel logits gathered on the inference path): same tokens as the
+    uncached sampler of the same layout, on both ranks."""
+    results = run_distributed(_sample_all, 2, tp=2, cases=((0.0, 1.0), (1.0, 1.0)), micro_batches=(None,))
+    for rank_results in results:
+        _check(rank_results)
+    assert results[0] == results[1]
 
 
 def test_cache_refused_with_several_model_chunks():
