@@ -380,6 +380,32 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _kill_leftovers(copy: Path) -> int:
+    """Kill processes still running inside ``copy`` after its test run (a rank a test lost track
+    of, waiting forever in a collective). Only this run's copy is searched, so nothing else is
+    touched. Returns how many were killed."""
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    inside = str(copy.resolve())
+    leftovers = []
+    for proc in psutil.process_iter():
+        try:
+            cwd = proc.cwd()
+        except (psutil.Error, OSError):
+            continue
+        if cwd == inside or cwd.startswith(inside + os.sep):
+            leftovers.append(proc)
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(leftovers, timeout=30)
+    return len(leftovers)
+
+
 def _wait_with_cpu(proc: subprocess.Popen, *, timeout: float) -> tuple[int, float]:
     """Wait for ``proc``; its exit code and the CPU seconds it and the children it waited for used.
 
@@ -442,6 +468,7 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
             finally:
                 with _RUNNING_LOCK:
                     _RUNNING.discard(proc)
+                stray = _kill_leftovers(copy)
         output = log.read_text(errors="replace")
         if rc == 1:
             res = result(KILLED, returncode=rc, output=output)
@@ -452,6 +479,8 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
                        4: "usage error (unknown test id?)", 5: "no tests collected"}.get(rc, "unexpected exit status")
             res = result(ERROR, returncode=rc, detail=f"pytest exit {rc}: {meaning}", output=output)
         res.cpu_seconds = round(cpu, 1)
+        if stray:
+            res.detail = "; ".join(filter(None, [res.detail, f"stopped {stray} process(es) the tests left running"]))
         return res
     finally:
         if not opts.keep:

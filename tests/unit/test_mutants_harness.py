@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +29,19 @@ CALC = "def add(a, b):\n    # adds\n    return a + b\n"
 TESTS = {
     "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
     "tests/test_broken.py": "def test_always_fails():\n    assert False\n",
+    # Leaves a process behind in the copy (as a test that loses track of a rank would).
+    "tests/test_leak.py": textwrap.dedent("""
+        import subprocess
+        import sys
+
+        from calc import add
+
+
+        def test_add_leaving_a_sleeper():
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "mutants-leak-marker"],
+                             start_new_session=True)
+            assert add(2, 3) == 5
+    """),
     # Only a child interpreter, started outside the copy, reads the mutated constant: PYTHONPATH
     # must lead it to the copy (the original tree is not on any path).
     "tests/test_child.py": textwrap.dedent("""
@@ -55,6 +69,8 @@ CATALOG = textwrap.dedent('''
          "old": "return a + b", "new": "return a +", "tests": ["tests/test_calc.py"]},
         {"name": "unknown-test", "why": "names a test id that does not exist", "file": "calc.py",
          "old": "return a + b", "new": "return a - b", "tests": ["tests/test_calc.py::test_nothing"]},
+        {"name": "leaves-a-process", "why": "its test leaves a process running", "file": "calc.py",
+         "old": "return a + b", "new": "return a - b", "tests": ["tests/test_leak.py"]},
         {"name": "blames-broken-test", "why": "its test fails with or without the bug", "file": "calc.py",
          "old": "# adds", "new": "# sums", "tests": ["tests/test_broken.py"]},
     ]
@@ -86,7 +102,8 @@ def run_tool(root: Path, *args: str) -> tuple[int, str]:
 def test_statuses_exit_code_and_json(toy_repo, tmp_path):
     report = tmp_path / "report.json"
     rc, output = run_tool(toy_repo, "--jobs", "2", "--json", str(report), "--only",
-                          "add-minus,child-sees-copy,comment-only,drifted,breaks-collection,unknown-test")
+                          "add-minus,child-sees-copy,comment-only,drifted,breaks-collection,unknown-test,"
+                          "leaves-a-process")
     assert rc == 1, output
     data = json.loads(report.read_text())
     status = {r["name"]: r["status"] for r in data["results"]}
@@ -97,12 +114,16 @@ def test_statuses_exit_code_and_json(toy_repo, tmp_path):
         "drifted": "error",
         "breaks-collection": "error",
         "unknown-test": "error",
+        "leaves-a-process": "killed",
     }, output
     by_name = {r["name"]: r for r in data["results"]}
     assert "occurs 0 times in calc.py" in by_name["drifted"]["detail"]
     assert by_name["breaks-collection"]["returncode"] == 2
     assert by_name["unknown-test"]["returncode"] == 4
-    assert data["summary"]["killed"] == 2 and data["summary"]["survived"] == 1 and data["summary"]["error"] == 3
+    assert data["summary"]["killed"] == 3 and data["summary"]["survived"] == 1 and data["summary"]["error"] == 3
+    # The process a test left running in the copy is stopped with it.
+    assert "stopped 1 process(es)" in by_name["leaves-a-process"]["detail"]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "mutants-leak-marker" in (p.info["cmdline"] or [])]
     assert "comment-only" in output and "survived" in output
     # The original tree is never edited.
     assert (toy_repo / "calc.py").read_text() == CALC + "TWO = 2\n"
