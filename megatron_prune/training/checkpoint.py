@@ -101,6 +101,95 @@ def _model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
+# How optimizer state is laid out on disk (recorded in meta.json): a distributed (ZeRO-1)
+# optimizer writes its shards gathered back into per-parameter tensors ("fully reshardable"),
+# which any TP x PP x DP layout of a distributed optimizer can read back; the two kinds of
+# optimizer do not read each other's state.
+LOCAL_OPTIMIZER = "local"
+DISTRIBUTED_OPTIMIZER = "distributed/fully_reshardable"
+
+
+def _chained(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_format(optimizer) -> str:
+    """How ``optimizer`` saves its state: ``DISTRIBUTED_OPTIMIZER`` or ``LOCAL_OPTIMIZER``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    kinds = {isinstance(o, DistributedOptimizer) for o in _chained(optimizer)}
+    assert len(kinds) == 1, "a mix of distributed and local optimizers"
+    return DISTRIBUTED_OPTIMIZER if kinds.pop() else LOCAL_OPTIMIZER
+
+
+def _init_distributed_optimizer_state(optimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet a placeholder Adam state.
+
+    Megatron's distributed optimizer reads the step count out of the existing state while
+    building the state dict to load into; every value is overwritten by the load.
+    """
+    for opt in _chained(optimizer):
+        inner = opt.optimizer
+        if inner.state:
+            continue
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            raise CheckpointError(
+                f"--use-distributed-optimizer checkpoints support the Adam optimizer only, not {type(inner).__name__}"
+            )
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                inner.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                inner.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _optimizer_sharded_state_dict(optimizer, model_state: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for sd in model_state.values():
+        flat.update(sd)
+    if optimizer_format(optimizer) == LOCAL_OPTIMIZER:
+        return optimizer.sharded_state_dict(flat, is_loading=is_loading)
+    if is_loading:
+        _init_distributed_optimizer_state(optimizer)
+    # Off CUDA the shards are gathered over the gloo data-parallel group (Megatron's NCCL path
+    # allocates on the current CUDA device); both variants read back the same way.
+    on_cuda = any(p.is_cuda for o in _chained(optimizer) for g in o.optimizer.param_groups for p in g["params"])
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": not on_cuda}
+    state = optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=metadata)
+    # Only the first data-parallel rank holds the gathered state; the others' None would make
+    # their common (non-tensor) state differ from rank 0's.
+    for sd in (state, *(v for v in state.values() if isinstance(v, dict) and "param_state" in v)):
+        if "param_state" in sd and sd["param_state"] is None:
+            sd["param_state"] = {}
+    return state
+
+
+def _load_distributed_optimizer(optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict`` for a distributed optimizer's fully reshardable state.
+
+    Megatron copies the loaded tensors over every entry of torch Adam's per-parameter state,
+    ``step`` included, which that format does not carry (the step count lives in the param
+    groups): the parameter state is copied here with ``step`` set aside. Megatron also gives
+    every parameter the same ``step`` tensor object, which torch's Adam would then advance
+    once per parameter and step: each parameter gets its own copy.
+    """
+    chained = _chained(optimizer)
+    states = [state] if len(chained) == 1 else [state[i] for i in range(len(chained))]
+    for opt, sd in zip(chained, states):
+        param_state = sd.pop("param_state")
+        assert sd.pop("param_state_sharding_type") == "fully_reshardable"
+        opt.load_state_dict(sd)  # param groups (learning rates, step count), grad scaler
+        steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
+        try:
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for p, step in steps.items():
+                opt.optimizer.state[p]["step"] = step.clone()
+    if len(chained) > 1:
+        optimizer._synchronize_steps()
+
+
 def save_checkpoint(
     root: str,
     *,
@@ -124,10 +213,7 @@ def save_checkpoint(
     _barrier()
     state = _model_sharded_state_dict(model)
     if optimizer is not None:
-        flat = {}
-        for sd in state.values():
-            flat.update(sd)
-        state["optimizer"] = optimizer.sharded_state_dict(flat)
+        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=False)
     dist_checkpointing.save(state, os.path.join(tmp, "dist"))
     rng = {
         "torch": torch.get_rng_state(),
@@ -145,6 +231,8 @@ def save_checkpoint(
         )
         meta = {"format": FORMAT, "iteration": iteration, "arch": arch.to_dict(),
                 "has_optimizer": optimizer is not None, **(extra_meta or {})}
+        if optimizer is not None:
+            meta["optimizer_format"] = optimizer_format(optimizer)
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
@@ -181,12 +269,17 @@ def load_checkpoint(
         )
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(f"{ckpt}: has no optimizer state (a converted model?); use --finetune to load weights only")
+    if optimizer is not None:
+        saved, wanted = meta.get("optimizer_format", LOCAL_OPTIMIZER), optimizer_format(optimizer)
+        if saved != wanted:
+            raise CheckpointError(
+                f"{ckpt}: optimizer state was saved {_describe(saved)} and cannot be loaded {_describe(wanted)}; "
+                f"{'add' if saved == DISTRIBUTED_OPTIMIZER else 'drop'} --use-distributed-optimizer, "
+                "or use --finetune to load weights only"
+            )
     state = _model_sharded_state_dict(model)
     if optimizer is not None:
-        flat = {}
-        for sd in state.values():
-            flat.update(sd)
-        state["optimizer"] = optimizer.sharded_state_dict(flat, is_loading=True)
+        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=True)
     loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)
@@ -194,7 +287,10 @@ def load_checkpoint(
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        if optimizer_format(optimizer) == DISTRIBUTED_OPTIMIZER:
+            _load_distributed_optimizer(optimizer, loaded["optimizer"])
+        else:
+            optimizer.load_state_dict(loaded["optimizer"])
     extra_path = os.path.join(ckpt, "trainer_state.pt")
     if os.path.isfile(extra_path):
         extra = torch.load(extra_path, weights_only=False)
@@ -207,6 +303,10 @@ def load_checkpoint(
     if _rank() == 0:
         logger.info("loaded checkpoint %s (iteration %s)", ckpt, meta["iteration"])
     return meta
+
+
+def _describe(fmt: str) -> str:
+    return "with --use-distributed-optimizer" if fmt == DISTRIBUTED_OPTIMIZER else "without --use-distributed-optimizer"
 
 
 def _rng_tracker_states():
