@@ -119,8 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the results (rewritten after every run)")
     p.add_argument("--plot", metavar="PATH", help="PNG: held-out reward vs cumulative training time")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per (round, seed) process")
-    p.add_argument("--from-json", metavar="PATH",
-                   help="summarise and plot the records of an earlier run's JSON instead of running (its config is kept)")
+    p.add_argument("--from-json", metavar="PATH", nargs="+",
+                   help="summarise and plot the records of earlier runs' JSON files (e.g. two batches of seeds) "
+                        "instead of running; the first file's config is kept")
     p.add_argument("--seeds-per-process", type=int, default=1,
                    help="seeds trained one after another in one worker process (saves start-up time)")
     p.add_argument("--worker-seeds", help=argparse.SUPPRESS)
@@ -651,11 +652,16 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"config": config, "modes": {}}
     records: dict[str, list[dict]] = {m: [] for m in args.modes}
     if args.from_json:
-        with open(args.from_json) as f:
-            earlier = json.load(f)
-        result["config"] = config = earlier["config"]
+        earlier = []
+        for path in args.from_json:
+            with open(path) as f:
+                earlier.append(json.load(f))
+        result["config"] = config = earlier[0]["config"]
+        config["seeds"] = sum(e["config"]["seeds"] for e in earlier)
+        config["batches"] = [{k: e["config"].get(k) for k in ("seed", "seeds", "date", "loadavg_start", "loadavg_end",
+                                                               "command")} for e in earlier]
         args.steps = config["steps"]
-        records = {m: s["records"] for m, s in earlier["modes"].items()}
+        records = {m: [r for e in earlier for r in e["modes"][m]["records"]] for m in earlier[0]["modes"]}
         result["modes"] = summarise(records, args)
         chunks = []
     with tempfile.TemporaryDirectory() as tmp:
