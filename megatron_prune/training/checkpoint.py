@@ -122,6 +122,10 @@ def optimizer_format(optimizer) -> str:
     return DISTRIBUTED_OPTIMIZER if kinds.pop() else LOCAL_OPTIMIZER
 
 
+def _is_torch_adam(inner) -> bool:
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def _init_distributed_optimizer_state(optimizer) -> None:
     """Give a distributed optimizer that has not stepped yet a placeholder Adam state.
 
@@ -130,12 +134,8 @@ def _init_distributed_optimizer_state(optimizer) -> None:
     """
     for opt in _chained(optimizer):
         inner = opt.optimizer
-        if inner.state:
-            continue
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            raise CheckpointError(
-                f"--use-distributed-optimizer checkpoints support the Adam optimizer only, not {type(inner).__name__}"
-            )
+        if inner.state or not _is_torch_adam(inner):
+            continue  # fused (TE/Apex) Adam keeps its step in the param groups: Megatron allocates
         for group in inner.param_groups:
             for p in group["params"]:
                 inner.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -149,6 +149,12 @@ def _optimizer_sharded_state_dict(optimizer, model_state: dict[str, Any], *, is_
         flat.update(sd)
     if optimizer_format(optimizer) == LOCAL_OPTIMIZER:
         return optimizer.sharded_state_dict(flat, is_loading=is_loading)
+    for opt in _chained(optimizer):
+        if isinstance(opt.optimizer, torch.optim.SGD):
+            raise CheckpointError(
+                "checkpoints with --use-distributed-optimizer need --optimizer adam here: Megatron's "
+                "distributed optimizer cannot save torch SGD state"
+            )
     if is_loading:
         _init_distributed_optimizer_state(optimizer)
     # Off CUDA the shards are gathered over the gloo data-parallel group (Megatron's NCCL path
@@ -157,11 +163,11 @@ def _optimizer_sharded_state_dict(optimizer, model_state: dict[str, Any], *, is_
     metadata = {"distrib_optim_sharding_type": "fully_reshardable",
                 "distrib_optim_fully_reshardable_mem_efficient": not on_cuda}
     state = optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=metadata)
-    # Only the first data-parallel rank holds the gathered state; the others' None would make
-    # their common (non-tensor) state differ from rank 0's.
-    for sd in (state, *(v for v in state.values() if isinstance(v, dict) and "param_state" in v)):
+    # Only the first data-parallel rank holds the gathered state (and rank 0 writes the common,
+    # non-tensor part); the others' None would only make their common state differ from rank 0's.
+    for sd in (state, *(v for v in state.values() if isinstance(v, dict))):
         if "param_state" in sd and sd["param_state"] is None:
-            sd["param_state"] = {}
+            del sd["param_state"]
     return state
 
 
@@ -177,6 +183,9 @@ def _load_distributed_optimizer(optimizer, state: dict[str, Any]) -> None:
     chained = _chained(optimizer)
     states = [state] if len(chained) == 1 else [state[i] for i in range(len(chained))]
     for opt, sd in zip(chained, states):
+        if not _is_torch_adam(opt.optimizer):
+            opt.load_state_dict(sd)
+            continue
         param_state = sd.pop("param_state")
         assert sd.pop("param_state_sharding_type") == "fully_reshardable"
         opt.load_state_dict(sd)  # param groups (learning rates, step count), grad scaler
