@@ -149,12 +149,6 @@ def _optimizer_sharded_state_dict(optimizer, model_state: dict[str, Any], *, is_
         flat.update(sd)
     if optimizer_format(optimizer) == LOCAL_OPTIMIZER:
         return optimizer.sharded_state_dict(flat, is_loading=is_loading)
-    for opt in _chained(optimizer):
-        if isinstance(opt.optimizer, torch.optim.SGD):
-            raise CheckpointError(
-                "checkpoints with --use-distributed-optimizer need --optimizer adam here: Megatron's "
-                "distributed optimizer cannot save torch SGD state"
-            )
     if is_loading:
         _init_distributed_optimizer_state(optimizer)
     # Off CUDA the shards are gathered over the gloo data-parallel group (Megatron's NCCL path
