@@ -66,9 +66,30 @@ class Run:
         return self
 
 
+LAUNCH_TOKEN = "MEGATRON_PRUNE_TEST_LAUNCH"
+"""Environment variable carrying a per-launch token: every process of a launch inherits it, so a
+rank that torchrun was still spawning when the tree was collected is found and killed too."""
+
+
 def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env, LAUNCH_TOKEN: token}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc.launch_token = token  # type: ignore[attr-defined]
+    return proc
+
+
+def _launched_by(token: str) -> list:
+    import psutil
+
+    found = []
+    for candidate in psutil.process_iter():
+        try:
+            if candidate.environ().get(LAUNCH_TOKEN) == token:
+                found.append(candidate)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -84,12 +105,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for child in family:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=30)
+    token = getattr(proc, "launch_token", None)
+    for _ in range(3):  # a rank being spawned during the first sweep shows up in the next one
+        for child in family:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(family, timeout=30)
+        family = _launched_by(token) if token else []
+        if not family:
+            break
     proc.wait()
 
 
