@@ -136,11 +136,10 @@ def run_dpo(args: list[str], *, log: Path, nproc: int = 2, timeout: float = 300)
     return run_cmd(torchrun_cmd(["-m", "megatron_prune.dpo", *args], nproc=nproc), log=log, timeout=timeout)
 
 
-def run_dpo_until(args: list[str], *, log: Path, metrics: Path, lines: int, nproc: int = 2,
-                  timeout: float = 300) -> Run:
-    """Start a DPO run and SIGKILL its whole process group once ``metrics`` has ``lines`` lines."""
+def run_until(cmd: list[str], *, log: Path, metrics: Path, lines: int, timeout: float = 300) -> Run:
+    """Start ``cmd`` and SIGKILL the launch and all its ranks once ``metrics`` has ``lines`` lines."""
     t0 = time.monotonic()
-    proc = _start(torchrun_cmd(["-m", "megatron_prune.dpo", *args], nproc=nproc), launch_env(), log)
+    proc = _start(cmd, launch_env(), log)
     try:
         while time.monotonic() - t0 < timeout:
             if metrics.exists() and len(read_jsonl(metrics)) >= lines:
@@ -153,6 +152,13 @@ def run_dpo_until(args: list[str], *, log: Path, metrics: Path, lines: int, npro
     finally:
         _kill_group(proc)
     return Run(proc.returncode, log.read_text(), time.monotonic() - t0)
+
+
+def run_dpo_until(args: list[str], *, log: Path, metrics: Path, lines: int, nproc: int = 2,
+                  timeout: float = 300) -> Run:
+    """Start a DPO run and SIGKILL it once ``metrics`` has ``lines`` lines."""
+    return run_until(torchrun_cmd(["-m", "megatron_prune.dpo", *args], nproc=nproc), log=log, metrics=metrics,
+                     lines=lines, timeout=timeout)
 
 
 def read_jsonl(path: Path) -> list[dict]:

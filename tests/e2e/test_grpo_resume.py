@@ -13,11 +13,10 @@ after its fourth step, its resume.
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
-from tests.e2e.conftest import _kill_group, _start, last_per_step, launch_env, read_jsonl, run_cmd, torchrun_cmd
+from tests.e2e.conftest import last_per_step, read_jsonl, run_cmd, run_until, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -38,19 +37,7 @@ def _grpo(args: list[str]) -> list[str]:
 
 def _run_until(args: list[str], *, log, metrics, lines: int, timeout: float = 300) -> None:
     """Start a GRPO run and SIGKILL it (agent and rank) once ``metrics`` has ``lines`` lines."""
-    t0 = time.monotonic()
-    proc = _start(_grpo(args), launch_env(), log)
-    try:
-        while time.monotonic() - t0 < timeout:
-            if metrics.exists() and len(read_jsonl(metrics)) >= lines:
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"run ended (exit {proc.returncode}) before {lines} steps:\n{log.read_text()[-6000:]}")
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"no {lines} steps within {timeout}s:\n{log.read_text()[-6000:]}")
-    finally:
-        _kill_group(proc)
+    run_until(_grpo(args), log=log, metrics=metrics, lines=lines, timeout=timeout)
 
 
 def test_grpo_sigkill_then_resume_is_bit_exact(tmp_path):

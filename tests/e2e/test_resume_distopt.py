@@ -13,10 +13,8 @@ import re
 
 import pytest
 
-import time
-
-from tests.e2e.conftest import (TINY_DPO, _kill_group, _start, last_per_step, launch_env, read_jsonl, run_cmd,
-                                run_dpo, run_dpo_until, torchrun_cmd)
+from tests.e2e.conftest import (TINY_DPO, last_per_step, read_jsonl, run_cmd, run_dpo, run_dpo_until, run_until,
+                                torchrun_cmd)
 from tests.e2e.test_grpo_resume import ARGS as GRPO_TOY_ARGS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -78,17 +76,7 @@ def _grpo(args: list[str]) -> list[str]:
 
 def _grpo_until(args: list[str], *, log, metrics, lines: int, timeout: float = 300) -> None:
     """Start a DP=2 GRPO run and SIGKILL it (agent and ranks) once ``metrics`` has ``lines`` lines."""
-    t0 = time.monotonic()
-    proc = _start(_grpo(args), launch_env(), log)
-    try:
-        while time.monotonic() - t0 < timeout and proc.poll() is None:
-            if metrics.exists() and len(read_jsonl(metrics)) >= lines:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"no {lines} steps before the run ended or {timeout}s:\n{log.read_text()[-6000:]}")
-    finally:
-        _kill_group(proc)
+    run_until(_grpo(args), log=log, metrics=metrics, lines=lines, timeout=timeout)
 
 
 def test_grpo_distopt_dp2_resume_bit_exact(tmp_path):
