@@ -111,7 +111,11 @@ class GRPOMicrobatch:
     tokens: torch.Tensor
     """[b, s]."""
     position_ids: torch.Tensor
-    """[b, s]."""
+    """[b, s]: restarting at 0 in every packed sequence. Megatron-Core's rotary embedding on the
+    local layer spec takes positions from the row index and ignores these; that is exact here
+    because every sequence sits in its own block-diagonal segment and RoPE is relative within
+    it. A layout that puts a token at a position other than its row offset (a shared prompt)
+    needs per-token rotary positions passed through a seam, and a test that fails without them."""
     attention_mask: torch.Tensor | None
     """[b, 1, s, s] True = masked (packed rows); None = plain causal."""
     selection: TokenSelection
