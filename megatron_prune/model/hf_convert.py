@@ -478,10 +478,8 @@ def export_megatron_to_hf(
     read, rank 0 writes); the directory appears complete or not at all.
     """
     from megatron.core import dist_checkpointing
-    import torch.distributed as dist
 
     from megatron_prune.training.checkpoint import read_meta
-    from megatron_prune.training.parallel import barrier
 
     if os.path.exists(hf_out) and (not os.path.isdir(hf_out) or os.listdir(hf_out)):
         raise ValueError(f"--hf-out {hf_out} exists and is not an empty directory")
@@ -492,6 +490,19 @@ def export_megatron_to_hf(
     metadata = dist_checkpointing.load_tensors_metadata(dist_dir)
     _check_checkpoint_tensors(metadata, arch, ckpt)
     out_dtype = metadata[EMBED].dtype if dtype == "auto" else resolve_dtype(dtype, config={})
+    return write_hf_directory(hf_out=hf_out, ckpt=ckpt, arch=arch, out_dtype=out_dtype, hf_assets=hf_assets,
+                              max_shard_size=max_shard_size,
+                              tensors=_iter_checkpoint_hf_tensors(dist_dir, metadata=metadata, arch=arch))
+
+
+def write_hf_directory(*, hf_out: str, ckpt: str, arch: ModelArch, out_dtype: torch.dtype, hf_assets: str | None,
+                       max_shard_size: str | int, tensors, what: str = "") -> list[str]:
+    """Write HF-named ``tensors`` (an iterator every rank runs; rank 0 writes) with the config and
+    assets of ``ckpt`` as the HF directory ``hf_out``, which appears complete or not at all."""
+    import torch.distributed as dist
+
+    from megatron_prune.training.parallel import barrier
+
     assets = find_hf_assets(ckpt, explicit=hf_assets)
     config = export_config(arch, assets=assets, dtype=out_dtype)
     plan = plan_shards(expected_hf_shapes(arch), dtype=out_dtype, max_shard_bytes=parse_size(max_shard_size))
@@ -502,7 +513,7 @@ def export_megatron_to_hf(
         os.makedirs(tmp)
     barrier()
     writer = ShardWriter(tmp, plan)
-    for name, tensor in _iter_checkpoint_hf_tensors(dist_dir, metadata=metadata, arch=arch):
+    for name, tensor in tensors:
         if writer_rank:
             writer.add(name, tensor.to(out_dtype))
     if writer_rank:
@@ -515,7 +526,8 @@ def export_megatron_to_hf(
         if os.path.isdir(hf_out):
             os.rmdir(hf_out)
         os.replace(tmp, hf_out)
-        logger.info("exported %s to %s (%s; %s)", ckpt, hf_out, ", ".join(files), ", ".join(copied) or "no assets")
+        logger.info("exported %s%s to %s (%s; %s)", ckpt, what, hf_out, ", ".join(files),
+                    ", ".join(copied) or "no assets")
     barrier()
     return sorted(os.listdir(hf_out))
 

@@ -95,21 +95,7 @@ def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_
                   hf_assets: str | None = None) -> list[str]:
     """Write ``base + (alpha/r) B A`` of the newest LoRA checkpoint under ``load_dir`` as an HF
     model directory ``hf_out``; return its files. Collective (all ranks read, rank 0 writes)."""
-    import torch.distributed as dist
-
-    from megatron_prune.model.hf_convert import (
-        _check_checkpoint_tensors,
-        _write_config,
-        copy_hf_assets,
-        export_config,
-        find_hf_assets,
-        expected_hf_shapes,
-        parse_size,
-        plan_shards,
-        resolve_dtype,
-        ShardWriter,
-    )
-    from megatron_prune.training.parallel import barrier
+    from megatron_prune.model.hf_convert import _check_checkpoint_tensors, resolve_dtype, write_hf_directory
 
     if os.path.exists(hf_out) and (not os.path.isdir(hf_out) or os.listdir(hf_out)):
         raise ValueError(f"--hf-out {hf_out} exists and is not an empty directory")
@@ -117,31 +103,10 @@ def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_
     arch = ModelArch.from_dict(meta["arch"])
     _check_checkpoint_tensors(base, arch, ckpt)
     out_dtype = base[EMBED].dtype if dtype == "auto" else resolve_dtype(dtype, config={})
-    assets = find_hf_assets(ckpt, explicit=hf_assets)
-    config = export_config(arch, assets=assets, dtype=out_dtype)
-    plan = plan_shards(expected_hf_shapes(arch), dtype=out_dtype, max_shard_bytes=parse_size(max_shard_size))
-    writer_rank = not dist.is_initialized() or dist.get_rank() == 0
-    tmp = hf_out.rstrip("/") + ".tmp"
-    if writer_rank:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
-    writer = ShardWriter(tmp, plan)
     scale = lora["alpha"] / lora["rank"]
-    for name, tensor in _iter_merged(dist_dir, metadata={**base, **adapters}, arch=arch, scale=scale):
-        if writer_rank:
-            writer.add(name, tensor.to(out_dtype))
-    if writer_rank:
-        files = writer.finish()
-        _write_config(tmp, config)
-        if assets is not None:
-            copy_hf_assets(assets, tmp, skip=("config.json",))
-        if os.path.isdir(hf_out):
-            os.rmdir(hf_out)
-        os.replace(tmp, hf_out)
-        logger.info("exported %s with merged LoRA adapters to %s (%s)", ckpt, hf_out, ", ".join(files))
-    barrier()
-    return sorted(os.listdir(hf_out))
+    return write_hf_directory(hf_out=hf_out, ckpt=ckpt, arch=arch, out_dtype=out_dtype, hf_assets=hf_assets,
+                              max_shard_size=max_shard_size, what=" with merged LoRA adapters",
+                              tensors=_iter_merged(dist_dir, metadata={**base, **adapters}, arch=arch, scale=scale))
 
 
 def peft_tensors(*, dist_dir: str, metadata: dict, arch: ModelArch, targets: list[str]) -> dict[str, torch.Tensor]:
