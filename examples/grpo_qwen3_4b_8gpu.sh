@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO + DPPO on Qwen3-4B / MATH-style data, one or more 8-GPU nodes.
 # Overrides: GPUS=8 NODES=1 NODE_RANK=0 MASTER_ADDR=localhost MASTER_PORT=29500 TP=2 PP=1
-#   HF_MODEL=/models/Qwen3-4B DATA=../shared/data/gsm8k/train.jsonl TASK=gsm8k ITERS=500
+#   HF_MODEL=/models/Qwen3-4B DATA=/data/gsm8k/train.jsonl TASK=gsm8k ITERS=500
 #   PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 OUT=runs/grpo_qwen3_4b DRY_RUN=1 (print the command only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/acti
 GPUS=${GPUS:-8}; NODES=${NODES:-1}; NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}; MASTER_PORT=${MASTER_PORT:-29500}
 TP=${TP:-2}; PP=${PP:-1}; ITERS=${ITERS:-500}
-HF_MODEL=${HF_MODEL:-/models/Qwen3-4B}; TASK=${TASK:-gsm8k}; DATA=${DATA:-../shared/data/gsm8k/train.jsonl}
+HF_MODEL=${HF_MODEL:-/models/Qwen3-4B}; TASK=${TASK:-gsm8k}; DATA=${DATA:-megatron_prune/data/samples/gsm8k_sample.jsonl}
 PRUNE_PROMPTS=${PRUNE_PROMPTS:-0.3}; PRUNE_COMPLETIONS=${PRUNE_COMPLETIONS:-0.3}
 OUT=${OUT:-runs/grpo_qwen3_4b}
 cmd=(torchrun --nnodes "$NODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS"
