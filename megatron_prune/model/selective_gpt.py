@@ -4,6 +4,15 @@ A subclass, not a patch: ``forward`` accepts a :class:`TokenSelection`; on the l
 stage ``_postprocess`` gathers sequence-parallel hidden states, indexes the selected positions and
 returns their label log-probs through the fused vocab-parallel op. No full-vocabulary logits are
 formed. Without a selection the model behaves exactly like Megatron's ``GPTModel``.
+
+``forward(..., segments=layout)`` runs a :class:`~megatron_prune.model.segments.SegmentLayout`
+(shared prompts, packed sequences): every layer's attention follows the layout and the rotary
+embedding is taken per token from ``position_ids`` instead of from the row index (Megatron-Core's
+RoPE reads the row index and ignores ``position_ids``; a token placed after another segment, such
+as a rejected response after the chosen one, must rotate as if it followed its prefix). Where the
+layer spec's core attention is our :class:`~megatron_prune.model.segment_attention.SegmentAttention`
+the layout reaches it as a segment table and only the pairs it allows are computed; otherwise the
+layout's dense mask is used.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from megatron_prune.model.segments import SegmentLayout
 from megatron_prune.ops import vocab_parallel_logprobs
 
 DEFAULT_CHUNK_SIZE = 4096
@@ -52,12 +62,69 @@ class SelectiveGPTModel(GPTModel):
         self.logprob_chunk_size = logprob_chunk_size
         self._selection: TokenSelection | None = None
 
-    def forward(self, *args, token_selection: TokenSelection | None = None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *args,
+        token_selection: TokenSelection | None = None,
+        segments: SegmentLayout | None = None,
+        **kwargs,
+    ):
+        if segments is not None:
+            attention_mask = self._segment_attention_input(segments, position_ids, attention_mask)
         self._selection = token_selection
+        self._segment_positions = position_ids if segments is not None else None
         try:
-            return super().forward(*args, **kwargs)
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:
             self._selection = None
+            self._segment_positions = None
+
+    def _segment_attention_input(
+        self, segments: SegmentLayout, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What is handed to the decoder as ``attention_mask`` for ``segments``."""
+        if attention_mask is not None:
+            raise ValueError("pass either an attention_mask or segments, not both")
+        if position_ids is None or position_ids.dim() != 2:
+            raise ValueError("segments need per-token position_ids of shape [b, s]")
+        if tuple(position_ids.shape) != (segments.batch_size, segments.seq_length):
+            raise ValueError(
+                f"segments describe {segments.batch_size} rows of {segments.seq_length} tokens but "
+                f"position_ids are {list(position_ids.shape)}"
+            )
+        if self.position_embedding_type != "rope":
+            raise ValueError(f"segments need rotary position embeddings, not {self.position_embedding_type!r}")
+        if self.config.context_parallel_size > 1:
+            raise ValueError("segments do not support context parallelism")
+        if self._segment_attention_in_spec():
+            return segments.to_table()
+        return segments.dense_mask().to(position_ids.device)
+
+    def _segment_attention_in_spec(self) -> bool:
+        return False
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        positions = getattr(self, "_segment_positions", None)
+        if positions is None or out[1] is None:
+            return out
+        return (out[0], self._per_token_rotary(positions), *out[2:])
+
+    def _per_token_rotary(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """``[s, b, 1, d]`` rotary angles of each token's own position (Megatron's ``get_emb`` per token)."""
+        rope = self.rotary_pos_emb
+        positions = position_ids.transpose(0, 1).to(device=rope.inv_freq.device, dtype=rope.inv_freq.dtype)
+        if rope.seq_len_interpolation_factor is not None:
+            positions = positions * (1 / rope.seq_len_interpolation_factor)
+        freqs = positions[..., None] * rope.inv_freq  # [s, b, d/2]
+        if rope.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, :, None, :]
 
     def _postprocess(self, hidden_states, *args, **kwargs):
         selection = self._selection
