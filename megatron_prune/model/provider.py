@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_prune.accelerator import get_accelerator
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.model.norm import RMSNorm
+from megatron_prune.model.segment_attention import with_segment_attention
 
 # The embedding is padded to a multiple of this, independent of TP, so that one checkpoint
 # reshards to TP = 1, 2, 4, 8 (Megatron's default pads to 128 x TP, which changes with TP).
@@ -115,7 +116,7 @@ def _local_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int 
             attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=norm, k_layernorm=norm)
         )
     sub = dataclasses.replace(sub, self_attention=attn)
-    layer_spec = dataclasses.replace(layer_spec, submodules=sub)
+    layer_spec = with_segment_attention(dataclasses.replace(layer_spec, submodules=sub))
     n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n_local, layer_norm=norm)
 
@@ -123,9 +124,11 @@ def _local_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int 
 def _te_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int | None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(
+    spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=True, normalization="RMSNorm", qk_layernorm=arch.qk_norm, vp_stage=vp_stage
     )
+    # Transformer-Engine's core attention gains the segment path (flash varlen); untested without a GPU.
+    return dataclasses.replace(spec, layer_specs=[with_segment_attention(layer) for layer in spec.layer_specs])
 
 
 def build_model_chunks(arch: ModelArch, parallel: ParallelConfig) -> list[torch.nn.Module]:

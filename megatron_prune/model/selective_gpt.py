@@ -104,7 +104,12 @@ class SelectiveGPTModel(GPTModel):
         return segments.dense_mask().to(position_ids.device)
 
     def _segment_attention_in_spec(self) -> bool:
-        return False
+        from megatron_prune.model.segment_attention import SegmentAttentionMixin
+
+        layers = getattr(self.decoder, "layers", [])
+        return len(layers) > 0 and all(
+            isinstance(getattr(layer.self_attention, "core_attention", None), SegmentAttentionMixin) for layer in layers
+        )
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)

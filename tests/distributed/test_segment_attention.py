@@ -32,6 +32,7 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sp=True),
     "pp2": dict(pp=2),
+    "pp2-vpp2": dict(pp=2, vpp=2),
 }
 
 
@@ -109,7 +110,7 @@ def _loss(batch, logps):
     return loss, {"logps": logps.detach().clone()}
 
 
-def run_batches(batches: list[dict], *, tp=1, pp=1, sp=False) -> dict:
+def run_batches(batches: list[dict], *, tp=1, pp=1, vpp=None, sp=False, recompute=False) -> dict:
     """Log-probs of every microbatch and the whole gradient of the weighted sum, at one layout."""
     from megatron.core import parallel_state
 
@@ -120,20 +121,23 @@ def run_batches(batches: list[dict], *, tp=1, pp=1, sp=False) -> dict:
     from megatron_prune.training.parallel import model_parallel
     from megatron_prune.training.step import forward_backward
 
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp, recompute=recompute)
     with model_parallel(parallel, seed=SEED):
         model = setup_model(get_preset("tiny"), parallel, seed=SEED)
+        segment_path = [chunk.module._segment_attention_in_spec() for chunk in model]
         optimizer = build_optimizer(model, OptimConfig(optimizer="sgd", lr=0.1), bf16=False)
         for k, batch in enumerate(batches):
             batch["weights"] = _weights(batch["index"].numel(), k)
         outputs = forward_backward(
-            model=model, optimizer=optimizer, forward_step_func=_forward_step, data_iterator=iter(batches),
+            model=model, optimizer=optimizer, forward_step_func=_forward_step,
+            data_iterator=iter(batches) if vpp is None else [iter(batches) for _ in range(vpp)],
             num_microbatches=len(batches), seq_length=batches[0]["tokens"].shape[1],
             micro_batch_size=batches[0]["tokens"].shape[0],
         )
         grads = gather_global_state(model, source="main_grad")
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    return dict(logps=[o["logps"] for o in outputs] if last else None, grads=grads)
+    return dict(logps=[o["logps"] for o in outputs] if last else None, grads=grads, segment_path=segment_path)
 
 
 def _single_batches(kind: str) -> list[dict]:
@@ -142,8 +146,40 @@ def _single_batches(kind: str) -> list[dict]:
     return [build(pairs, 10 * k) for k, pairs in enumerate(PAIRS)]
 
 
+def core_attention_bit_identity() -> dict:
+    """SegmentAttention without a segment table against Megatron's DotProductAttention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig, transformer_config
+    from megatron_prune.model.segment_attention import SegmentAttention
+    from megatron_prune.training.parallel import model_parallel
+
+    parallel = ParallelConfig()
+    results = {}
+    with model_parallel(parallel, seed=SEED):
+        config = transformer_config(get_preset("tiny"), parallel)
+        modules = [cls(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+                   for cls in (DotProductAttention, SegmentAttention)]
+        gen = torch.Generator().manual_seed(SEED)
+        s, b = 16, 2
+        q = torch.randn(s, b, 4, 16, generator=gen)
+        k, v = torch.randn(2, s, b, 2, 16, generator=gen)
+        packed = torch.ones(s, s, dtype=torch.bool).tril()
+        packed[8:, :8] = False
+        for name, mask in (("causal", ~torch.ones(1, 1, s, s, dtype=torch.bool).tril()),
+                           ("packed", (~packed).expand(b, 1, s, s))):
+            outs = [m(q, k, v, mask, attn_mask_type=AttnMaskType.causal) for m in modules]
+            results[name] = torch.equal(*outs)
+    return results
+
+
 def single_rank() -> dict:
-    return {kind: run_batches(_single_batches(kind)) for kind in ("shared", "separate", "row_index_rope")}
+    results = {kind: run_batches(_single_batches(kind)) for kind in ("shared", "separate", "row_index_rope")}
+    results["recompute"] = run_batches(_single_batches("shared"), recompute=True)
+    results["bit_identity"] = core_attention_bit_identity()
+    return results
 
 
 def two_ranks() -> dict:
@@ -165,7 +201,16 @@ def assert_same(got: dict, want: dict) -> None:
 
 
 def test_shared_row_equals_separate_rows(single):
+    assert all(single["shared"]["segment_path"]), "the local spec's core attention must take the segment table"
     assert_same(single["shared"], single["separate"])
+
+
+def test_shared_row_with_recomputation(single):
+    assert_same(single["recompute"], single["separate"])
+
+
+def test_segment_attention_without_segments_is_megatrons(single):
+    assert single["bit_identity"] == {"causal": True, "packed": True}
 
 
 def test_row_index_rope_is_caught(single):
@@ -183,6 +228,7 @@ def parallel_results():
 def test_shared_row_at_layout_equals_single_rank(single, parallel_results, layout):
     for rank_result in parallel_results:
         got = rank_result[layout]
+        assert all(got["segment_path"])
         assert got["grads"].keys() == single["shared"]["grads"].keys()
         for name, grad in single["shared"]["grads"].items():
             assert_close(got["grads"][name], grad, **TOL, msg=name)

@@ -1,0 +1,270 @@
+"""Core attention that computes only the query-key pairs a :class:`SegmentLayout` allows.
+
+Each segment's queries attend to ``[prefix K/V ; own K/V]``, causally inside the segment and
+offset by the prefix length, so a row ``[prompt, c1, ..., cG]`` costs
+``sum len(c) * (len(prompt) + len(c))`` instead of the ``(P + sum C)^2`` of a dense mask;
+gradients of every segment flow back into the one copy of the prefix (the gathers' backward adds
+them). A padding position (covered by no segment) attends to itself only: its output is its own
+value vector.
+
+How the layout gets here: :class:`~megatron_prune.model.selective_gpt.SelectiveGPTModel` passes
+``SegmentLayout.to_table()`` (an int64 ``[b, n, 4]`` tensor) as the decoder's ``attention_mask``,
+because a tensor flows unchanged through Megatron's transformer block, its full recomputation
+(which saves its inputs with ``save_for_backward``, which refuses Python objects) and every
+pipeline stage, while a Python object or a global would not survive recomputation in a
+backward pass that runs after other microbatches' forwards. Any other ``attention_mask`` (a
+dense bool mask, or None for causal) goes to the parent class unchanged, so without segments
+the layer is Megatron's own attention, bit for bit.
+
+Paths: on CPU (and in fp32) PyTorch ops on padded groups of similar-length segments (one
+matmul-softmax-matmul per group, fp32 softmax like Megatron's). On a CUDA device with
+fp16/bf16 activations and the ``flash_attn`` package, ``flash_attn_varlen_func`` with separate
+query and key lengths (each segment's query block against its gathered ``[prefix ; own]`` keys;
+flash's causal mask is bottom-right aligned when there are fewer queries than keys, which is
+exactly the prefix offset). The GPU path has not been run in this project's CI (no GPU there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megatron_prune.model.segments import TABLE_FIELDS, SegmentLayout
+
+__all__ = ["SegmentAttention", "SegmentAttentionMixin", "is_segment_table", "segment_attention"]
+
+# A new group of padded segments starts when a segment's key count exceeds the group's first by
+# this factor: bounds the padding work to < 2x the real pairs (segments are sorted by key count).
+_GROUP_GROWTH = 1.5
+
+
+def is_segment_table(attention_mask) -> bool:
+    """Whether ``attention_mask`` is a :meth:`SegmentLayout.to_table` tensor (not a bool mask)."""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype == torch.long
+        and attention_mask.dim() == 3
+        and attention_mask.shape[-1] == TABLE_FIELDS
+    )
+
+
+@dataclass
+class _Group:
+    q_index: torch.Tensor  # [n, Lq] flat (position * b + row) query indices, padded with 0
+    k_index: torch.Tensor  # [n, Lk] flat key indices: prefix, then own tokens
+    allowed: torch.Tensor  # [n, 1, 1, Lq, Lk] bool
+    q_valid: torch.Tensor  # [n, Lq] bool: real queries
+
+
+@dataclass
+class _Plan:
+    groups: list[_Group]
+    pad_index: torch.Tensor  # [m] flat positions covered by no segment
+    out_order: torch.Tensor  # [s*b]: row of cat(group outputs, padding outputs) for each flat position
+    # flash path: concatenated queries / keys and their cumulative lengths
+    q_flat: torch.Tensor
+    k_flat: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _build_plan(layout: SegmentLayout, device: torch.device) -> _Plan:
+    s, b = layout.seq_length, layout.batch_size
+    segs = []  # (q positions, k positions) as flat index lists
+    covered = torch.zeros(s * b, dtype=torch.bool)
+    for r, row in enumerate(layout.rows):
+        for seg in row:
+            if seg.length == 0:
+                continue
+            own = list(range(seg.start, seg.end))
+            keys = list(range(seg.prefix_start, seg.prefix_end)) + own
+            segs.append(([p * b + r for p in own], [p * b + r for p in keys], seg.prefix_length))
+            covered[torch.tensor(own) * b + r] = True
+    segs.sort(key=lambda item: len(item[1]))
+    groups, members, outputs = [], [], []
+    for item in segs:
+        if members and len(item[1]) > _GROUP_GROWTH * len(members[0][1]):
+            groups.append(members)
+            members = []
+        members.append(item)
+    if members:
+        groups.append(members)
+    built = []
+    for members in groups:
+        lq = max(len(q) for q, _, _ in members)
+        lk = max(len(k) for _, k, _ in members)
+        n = len(members)
+        q_index = torch.zeros(n, lq, dtype=torch.long)
+        k_index = torch.zeros(n, lk, dtype=torch.long)
+        q_valid = torch.zeros(n, lq, dtype=torch.bool)
+        allowed = torch.zeros(n, lq, lk, dtype=torch.bool)
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lk)[None, :]
+        for m, (q, k, prefix) in enumerate(members):
+            q_index[m, : len(q)] = torch.tensor(q)
+            k_index[m, : len(k)] = torch.tensor(k)
+            q_valid[m, : len(q)] = True
+            # Query i sees the prefix and own keys up to itself; padded query rows copy the last
+            # real row (never a fully masked row), their outputs are dropped.
+            own = j - prefix
+            allowed[m] = (j < prefix) | ((own >= 0) & (own <= i.clamp(max=len(q) - 1)))
+            outputs.extend(q)
+        built.append(_Group(q_index.to(device), k_index.to(device), allowed[:, None, None].to(device),
+                            q_valid.to(device)))
+    pad_index = (~covered).nonzero().flatten()
+    order = torch.tensor(outputs + pad_index.tolist(), dtype=torch.long)
+    out_order = torch.empty(s * b, dtype=torch.long)
+    out_order[order] = torch.arange(s * b)
+    flat_q = [p for q, _, _ in segs for p in q]
+    flat_k = [p for _, k, _ in segs for p in k]
+    cu_q = torch.tensor([0] + [len(q) for q, _, _ in segs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + [len(k) for _, k, _ in segs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return _Plan(
+        groups=built, pad_index=pad_index.to(device), out_order=out_order.to(device),
+        q_flat=torch.tensor(flat_q, dtype=torch.long).to(device), k_flat=torch.tensor(flat_k, dtype=torch.long).to(device),
+        cu_q=cu_q.to(device), cu_k=cu_k.to(device),
+        max_q=max((len(q) for q, _, _ in segs), default=0), max_k=max((len(k) for _, k, _ in segs), default=0),
+    )
+
+
+# Every layer of a stage receives the same table tensor: its plan is built once and reused.
+_plan_cache: dict = {"table": None, "device": None, "seq": None, "plan": None}
+
+
+def _plan_for(table: torch.Tensor, seq_length: int, device: torch.device) -> _Plan:
+    cached = _plan_cache["table"]
+    if (cached is not None and cached() is table and _plan_cache["device"] == device
+            and _plan_cache["seq"] == seq_length):
+        return _plan_cache["plan"]
+    plan = _build_plan(SegmentLayout.from_table(table.cpu(), seq_length=seq_length), device)
+    _plan_cache.update(table=weakref.ref(table), device=device, seq=seq_length, plan=plan)
+    return plan
+
+
+def _flash_for(query: torch.Tensor):
+    """``flash_attn_varlen_func`` when it can run ``query`` (CUDA, fp16/bf16, package installed)."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+def segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    softmax_in_fp32: bool = True,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[s, b, np, hn]`` over ``key``/``value`` ``[s, b, ng, hn]`` as the
+    segment ``table`` allows; returns ``[s, b, np * hn]`` (Megatron's core-attention layout).
+
+    Query head ``h`` uses key/value group ``h // (np / ng)`` (grouped-query attention, as
+    Megatron's ``repeat_interleave``); the scale defaults to ``1 / sqrt(hn)``.
+    """
+    s, b, np_, hn = query.shape
+    ng = key.shape[2]
+    assert np_ % ng == 0 and key.shape[:2] == (s, b) and value.shape == key.shape, "bad attention shapes"
+    rep = np_ // ng
+    scale = 1.0 / math.sqrt(hn) if softmax_scale is None else softmax_scale
+    plan = _plan_for(table, s, query.device)
+    q = query.reshape(s * b, np_, hn)
+    k = key.reshape(s * b, ng, hn)
+    v = value.reshape(s * b, ng, hn)
+    pieces = []
+    flash = _flash_for(query)
+    if flash is not None and plan.q_flat.numel():
+        pieces.append(flash(
+            q.index_select(0, plan.q_flat), k.index_select(0, plan.k_flat), v.index_select(0, plan.k_flat),
+            plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, dropout_p=0.0, softmax_scale=scale, causal=True,
+        ))
+    else:
+        for group in plan.groups:
+            n, lq = group.q_index.shape
+            lk = group.k_index.shape[1]
+            qg = q.index_select(0, group.q_index.flatten()).view(n, lq, ng, rep, hn).permute(0, 2, 3, 1, 4)
+            kg = k.index_select(0, group.k_index.flatten()).view(n, lk, ng, 1, hn).permute(0, 2, 3, 1, 4)
+            vg = v.index_select(0, group.k_index.flatten()).view(n, lk, ng, 1, hn).permute(0, 2, 3, 1, 4)
+            scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [n, ng, rep, lq, lk]
+            if softmax_in_fp32:
+                scores = scores.float()
+            probs = scores.masked_fill(~group.allowed, float("-inf")).softmax(dim=-1).to(query.dtype)
+            context = torch.matmul(probs, vg)  # [n, ng, rep, lq, hn]
+            context = context.permute(0, 3, 1, 2, 4).reshape(n, lq, np_, hn)
+            pieces.append(context[group.q_valid])
+    pieces.append(v.index_select(0, plan.pad_index).repeat_interleave(rep, dim=1))
+    out = torch.cat(pieces).index_select(0, plan.out_order)
+    return out.view(s, b, np_ * hn)
+
+
+class SegmentAttentionMixin:
+    """Adds the segment path to a core-attention class: a segment table as ``attention_mask``
+    runs :func:`segment_attention`; anything else runs the parent class unchanged."""
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if not is_segment_table(attention_mask):
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+        self._check_segment_support(kwargs)
+        return segment_attention(
+            query, key, value, attention_mask,
+            softmax_scale=self._segment_softmax_scale(),
+            softmax_in_fp32=bool(self.config.attention_softmax_in_fp32),
+        )
+
+    def _segment_softmax_scale(self) -> float:
+        scale = getattr(self, "softmax_scale", None)
+        return 1.0 / math.sqrt(self.config.kv_channels) if scale is None else scale
+
+    def _check_segment_support(self, kwargs) -> None:
+        config = self.config
+        if kwargs.get("packed_seq_params") is not None or kwargs.get("attention_bias") is not None:
+            raise ValueError("segment attention does not combine with packed_seq_params or an attention bias")
+        if config.apply_query_key_layer_scaling or config.window_size is not None:
+            raise ValueError("segment attention does not support query-key layer scaling or windowed attention")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError("segment attention needs the vanilla softmax")
+        if self.training and config.attention_dropout > 0:
+            raise ValueError("segment attention does not implement attention dropout; set it to 0")
+
+
+class SegmentAttention(SegmentAttentionMixin, DotProductAttention):
+    """Megatron's ``DotProductAttention`` (local layer spec) with the segment path."""
+
+
+_SEGMENT_CLASSES: dict[type, type] = {DotProductAttention: SegmentAttention}
+
+
+def segment_core_attention(cls: type) -> type:
+    """``cls`` (a core-attention class, e.g. Transformer-Engine's) with the segment path added."""
+    if issubclass(cls, SegmentAttentionMixin):
+        return cls
+    if cls not in _SEGMENT_CLASSES:
+        _SEGMENT_CLASSES[cls] = type(f"Segment{cls.__name__}", (SegmentAttentionMixin, cls), {})
+    return _SEGMENT_CLASSES[cls]
+
+
+def with_segment_attention(layer_spec):
+    """A transformer-layer ``ModuleSpec`` whose self-attention's core attention has the segment path."""
+    import dataclasses
+
+    attn = layer_spec.submodules.self_attention
+    core = getattr(getattr(attn, "submodules", None), "core_attention", None)
+    if not isinstance(core, type):  # no core attention, or a nested ModuleSpec
+        return layer_spec
+    attn = dataclasses.replace(
+        attn, submodules=dataclasses.replace(attn.submodules, core_attention=segment_core_attention(core))
+    )
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attn))

@@ -1,0 +1,212 @@
+"""Segment layouts and segment attention against a dense masked reference.
+
+The reference is plain attention written here: ``softmax(Q K^T / sqrt(d) + mask) V`` in float64
+over every (query, key) pair of a row, with the allowed pairs spelled out from the rule "a query
+sees its own segment's keys up to itself and its segment's prefix; a padding position sees only
+itself". Random layouts cover shared prompts with several responses, several groups per row,
+empty and one-token responses, padding between and after segments, and grouped-query heads;
+outputs and the gradients of q, k and v are compared. Negative controls: a layout in which the
+rejected response also sees the chosen one (and one that drops the prefix of later segments)
+gives a different result, and the comparison catches it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import megatron_prune.model.segment_attention as segment_attention_module
+from megatron_prune.model.segment_attention import is_segment_table, segment_attention
+from megatron_prune.model.segments import Segment, SegmentLayout
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def allowed_pairs(rows: list[list[Segment]], s: int) -> torch.Tensor:
+    """``[b, s, s]`` bool, True where query i may attend to key j (written from the rule)."""
+    allowed = torch.zeros(len(rows), s, s, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        owner = {}
+        for seg in row:
+            for i in range(seg.start, seg.end):
+                owner[i] = seg
+        for i in range(s):
+            seg = owner.get(i)
+            for j in range(s):
+                if seg is None:
+                    allowed[r, i, j] = i == j
+                else:
+                    allowed[r, i, j] = (seg.start <= j <= i) or (seg.prefix_start <= j < seg.prefix_end)
+    return allowed
+
+
+def reference_attention(q, k, v, allowed):
+    """q [s, b, np, d], k/v [s, b, ng, d], allowed [b, s, s] -> [s, b, np*d] (float64 math)."""
+    s, b, np_, d = q.shape
+    rep = np_ // k.shape[2]
+    q64, k64, v64 = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+    k64, v64 = k64.repeat_interleave(rep, dim=1), v64.repeat_interleave(rep, dim=1)
+    scores = q64 @ k64.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = scores.softmax(-1) @ v64  # [b, np, s, d]
+    return out.permute(2, 0, 1, 3).reshape(s, b, np_ * d)
+
+
+def random_layout(rng: random.Random, *, b: int, s: int) -> SegmentLayout:
+    """Rows of groups ``[prompt, r1, ..., rk]`` (responses see the prompt), with gaps of padding."""
+    rows = []
+    for _ in range(b):
+        row, pos = [], 0
+        while pos < s - 1:
+            pos += rng.choice([0, 0, 1, 2])  # padding between groups
+            prompt = rng.randint(1, 6)
+            if pos + prompt > s:
+                break
+            row.append(Segment(pos, pos + prompt))
+            p0, pos = pos, pos + prompt
+            for _ in range(rng.randint(0, 3)):
+                n = rng.choice([0, 1, 1, 2, 3, 5])
+                if pos + n > s:
+                    break
+                row.append(Segment(pos, pos + n, p0, p0 + prompt))
+                pos += n
+        rows.append(row)
+    return SegmentLayout(rows=rows, seq_length=s)
+
+
+def qkv(s, b, np_, ng, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda h: torch.randn(s, b, h, d, generator=gen).requires_grad_()  # noqa: E731
+    return make(np_), make(ng), make(ng)
+
+
+def run(fn, q, k, v):
+    out = fn(q, k, v)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    return out, grads
+
+
+def compare(layout: SegmentLayout, reference_rows: list[list[Segment]], *, np_=4, ng=2, d=8, seed=0):
+    s, b = layout.seq_length, layout.batch_size
+    q, k, v = qkv(s, b, np_, ng, d, seed)
+    got, got_grads = run(lambda *t: segment_attention(*t, layout.to_table()), q, k, v)
+    allowed = allowed_pairs(reference_rows, s)
+    want, want_grads = run(lambda *t: reference_attention(*t, allowed), q, k, v)
+    assert_close(got.double(), want, **TOL)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        assert_close(g.double(), w.double(), **TOL, msg=f"grad {name}")
+
+
+def shared_pair_layout(p=5, c=3, r=4, s=16):
+    return SegmentLayout(rows=[[Segment(0, p), Segment(p, p + c, 0, p), Segment(p + c, p + c + r, 0, p)]], seq_length=s)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_layouts_equal_dense_reference(seed):
+    rng = random.Random(seed)
+    b, s = rng.randint(1, 3), rng.choice([8, 16, 24])
+    np_, ng = rng.choice([(4, 2), (4, 4), (6, 1)])
+    layout = random_layout(rng, b=b, s=s)
+    compare(layout, layout.rows, np_=np_, ng=ng, seed=seed)
+
+
+def test_shared_pair_with_empty_and_one_token_responses():
+    rows = [[Segment(0, 4), Segment(4, 4, 0, 4), Segment(4, 5, 0, 4)],  # empty chosen, one-token rejected
+            [Segment(0, 1), Segment(1, 2, 0, 1), Segment(2, 8, 0, 1), Segment(9, 12)]]
+    layout = SegmentLayout(rows=rows, seq_length=12)
+    compare(layout, rows)
+
+
+def test_all_padding_row_and_no_segments():
+    layout = SegmentLayout(rows=[[], [Segment(2, 5)]], seq_length=8)
+    compare(layout, layout.rows)
+
+
+def test_dense_mask_is_the_reference_semantics():
+    rng = random.Random(3)
+    for _ in range(5):
+        layout = random_layout(rng, b=2, s=16)
+        assert torch.equal(layout.dense_mask(), ~allowed_pairs(layout.rows, 16)[:, None])
+
+
+def test_rejected_seeing_chosen_is_caught():
+    """Negative control: rejected's prefix wrongly covers chosen; the reference must disagree."""
+    right = shared_pair_layout()
+    wrong = SegmentLayout(rows=[[Segment(0, 5), Segment(5, 8, 0, 5), Segment(8, 12, 0, 8)]], seq_length=16)
+    compare(right, right.rows)
+    with pytest.raises(AssertionError):
+        compare(wrong, right.rows)
+
+
+def test_later_segments_without_prefix_are_caught():
+    """Negative control: a response that lost its prompt keys differs from the reference."""
+    right = shared_pair_layout()
+    wrong = SegmentLayout(rows=[[Segment(0, 5), Segment(5, 8, 0, 5), Segment(8, 12)]], seq_length=16)
+    with pytest.raises(AssertionError):
+        compare(wrong, right.rows)
+
+
+def test_padded_groups_do_not_mix_segments_of_different_lengths():
+    """Many segments of very different lengths in one row (several padded groups)."""
+    rows = [[Segment(0, 1), Segment(1, 3), Segment(3, 30), Segment(30, 31, 3, 30), Segment(31, 40, 0, 1)]]
+    compare(SegmentLayout(rows=rows, seq_length=40), rows)
+
+
+def flash_varlen_emulator(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
+    """flash_attn_varlen_func's documented semantics in PyTorch: causal aligned bottom-right."""
+    assert causal and dropout_p == 0.0
+    out = []
+    rep = q.shape[1] // k.shape[1]
+    for n in range(len(cu_q) - 1):
+        qs, ks = q[cu_q[n] : cu_q[n + 1]], k[cu_k[n] : cu_k[n + 1]]
+        vs = v[cu_k[n] : cu_k[n + 1]]
+        lq, lk = qs.shape[0], ks.shape[0]
+        assert lq <= max_q and lk <= max_k
+        ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * softmax_scale
+        i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+        scores = scores.masked_fill(j > i + (lk - lq), float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+    return torch.cat(out)
+
+
+def test_flash_path_inputs(monkeypatch):
+    """The GPU path's gathered queries/keys and cu_seqlens, run through a PyTorch emulation of
+    flash_attn_varlen_func (the kernel itself needs a GPU)."""
+    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: flash_varlen_emulator)
+    for seed in range(4):
+        layout = random_layout(random.Random(100 + seed), b=2, s=16)
+        compare(layout, layout.rows, seed=seed)
+
+
+def test_table_round_trip_and_detection():
+    layout = shared_pair_layout()
+    table = layout.to_table()
+    assert is_segment_table(table) and not is_segment_table(layout.dense_mask()) and not is_segment_table(None)
+    assert SegmentLayout.from_table(table, seq_length=16) == layout
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([[Segment(0, 5), Segment(4, 8)]], "overlap"),
+        ([[Segment(0, 17)]], "inside"),
+        ([[Segment(3, 6, 0, 4)]], "prefix must end"),
+        ([[Segment(3, 6, 2, 1)]], "prefix that ends before"),
+    ],
+)
+def test_invalid_layouts_are_refused(rows, message):
+    with pytest.raises(ValueError, match=message):
+        SegmentLayout(rows=rows, seq_length=16)
+
+
+def test_attention_pairs_count_the_real_work():
+    p, c, r = 5, 3, 4
+    assert shared_pair_layout(p, c, r, s=16).attention_pairs() == (
+        p * (p + 1) // 2 + c * p + c * (c + 1) // 2 + r * p + r * (r + 1) // 2 + (16 - p - c - r)
+    )
