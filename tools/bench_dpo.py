@@ -17,6 +17,8 @@ sequence           concat   selective  sequence, rho_min = 0.5
 branch             concat   selective  branch, q_w = 0.5
 position_branch    concat   selective  position + branch
 all                concat   selective  position + sequence + branch
+shared             shared   selective  none (one row [prompt, chosen, rejected] per pair)
+shared_all         shared   selective  position + sequence + branch
 =================  =======  =========  ==========================================
 
 Timed steps run first and touch no memory statistics. Then the first ``--memory-steps`` timed
@@ -29,6 +31,13 @@ gradients and optimizer state are in that baseline after warm-up). One more repl
 torch.profiler gives the tensor-allocator peak on either device and what is live at it
 (``peak_alloc_bytes``, ``live_at_peak``).
 
+With ``--lora-rank R`` every mode trains LoRA adapters of rank R on every linear (frozen base)
+against the adapter-off reference (no second model); speedups are held against the LoRA FLOP
+model (``flop_model.step_flops(lora_rank=R)``), and one more run of full-parameter ``concat`` with
+an online reference gives the memory to compare with: ``state_mem_bytes`` counts the persistent
+tensors (weights, reference copy, gradient buffers, optimizer state) and ``total_mem_bytes`` adds
+the step's peak; ``total_mem_ratio_vs_full_param`` = a mode's total / full-parameter concat's.
+
 Lengths come from the bundled HH-RLHF sample tokenized with the tiny tokenizer (or
 ``--data-path``); token ids are mapped into the model's vocabulary.
 
@@ -36,6 +45,7 @@ Lengths come from the bundled HH-RLHF sample tokenized with the tiny tokenizer (
     python tools/bench_dpo.py --preset cpu-small --modes concat branch --steps 3
     python tools/bench_dpo.py --preset gpu-qwen3-0.6b --json out/qwen3-0.6b.json
     python tools/bench_dpo.py --preset cpu-small --tensor-model-parallel-size 2
+    python tools/bench_dpo.py --preset cpu-small --lora-rank 64 --json /tmp/bench-lora.json
 """
 
 from __future__ import annotations
@@ -66,6 +76,8 @@ MODES: dict[str, dict] = {
     "branch": dict(layout="concat", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=True),
     "position_branch": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=1.0, branch=True),
     "all": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5, branch=True),
+    "shared": dict(layout="shared", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=False),
+    "shared_all": dict(layout="shared", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5, branch=True),
 }
 
 _QWEN3 = dict(model_type="qwen3", qk_norm=True, rope_theta=1000000.0, max_position_embeddings=4096)
@@ -118,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-steps", type=int, default=3,
                    help="timed steps replayed (same pruning draws) to measure peak memory (default: 3)")
     p.add_argument("--recompute-activations", action="store_true", help="full activation recompute")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank (alpha = rank) on every linear, adapter-off reference; "
+                        "0 = full-parameter training with an online reference")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="default: preset")
@@ -141,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps, --memory-steps and --rounds must be >= 1 and --warmup >= 0")
     if args.pairs % args.micro_batch_size:
         p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     if "concat" not in args.modes:
         args.modes = ["concat"] + list(args.modes)
     return args
@@ -205,8 +222,14 @@ def run_worker(args) -> None:
                          pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                          bf16=PRESETS[args.preset]["bf16"], recompute=args.recompute_activations)
     with model_parallel(par, seed=SEED):
-        policy = setup_model(arch, par, seed=SEED)
-        reference = setup_model(arch, par, seed=SEED, trainable=False)
+        if args.lora_rank:
+            from megatron_prune.model.lora import LoRAConfig, adapter_off
+
+            policy = setup_model(arch, par, seed=SEED, lora=LoRAConfig(rank=args.lora_rank))
+            reference = adapter_off(policy)
+        else:
+            policy = setup_model(arch, par, seed=SEED)
+            reference = setup_model(arch, par, seed=SEED, trainable=False)
         optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=1e-6), bf16=par.bf16)
         prune = PruneConfig(position_ratio=mode["position_ratio"], seq_min_ratio=mode["seq_min_ratio"],
                             branch=mode["branch"], selective_head=mode["selective_head"])
@@ -218,16 +241,21 @@ def run_worker(args) -> None:
         passes: list[dict] = []
         original_mb = runner._microbatches
 
-        def recording_microbatches(plans, branches_of):
-            batches, seq_length, groups = original_mb(plans, branches_of)
+        def recording_microbatches(plans, branches_of, **kw):
+            batches, seq_length, groups = original_mb(plans, branches_of, **kw)
             mbs = []
             for g, b in zip(groups, batches):
                 rows = []
                 for p in g:
                     lens = [len(p.prompt) + len(p.responses[br]) for br in branches_of(p)]
                     rows.extend([lens] if mode["layout"] == "concat" else [[n] for n in lens])
+                shared = {}
+                if mode["layout"] == "shared":  # the prompt once, each response with it as prefix
+                    segs = b.segments.rows
+                    rows = [[s.length for s in row] for row in segs]
+                    shared = dict(prefixes=[[s.prefix_length for s in row] for row in segs])
                 mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),
-                                selective=mode["selective_head"]))
+                                selective=mode["selective_head"], **shared))
                 assert row_length(g, layout=mode["layout"], branches=[branches_of(p) for p in g]) <= seq_length
             passes.append({"kind": "forward", "microbatches": mbs})
             return batches, seq_length, groups
@@ -252,10 +280,13 @@ def run_worker(args) -> None:
                 open_window()
             acc.synchronize()
             t = time.perf_counter()
-            with torch.profiler.record_function(f"phase:{phases[len(schedule_times)]}"):
+            # Under the shared layout a step may have no pruned-branch pass (every pruned branch
+            # ran inside its training row), so each call is named by what it is.
+            label = "train" if not kw.get("forward_only") else ("pruned_branch" if schedule_times else "reference")
+            with torch.profiler.record_function(f"phase:{label}"):
                 out = original_schedule(**kw)
             acc.synchronize()
-            schedule_times.append(("forward" if kw.get("forward_only") else "train", time.perf_counter() - t))
+            schedule_times.append((label, time.perf_counter() - t))
             if memory_window["on"]:
                 close_window()
             return out
@@ -313,15 +344,22 @@ def run_worker(args) -> None:
                         f.write(prof.key_averages().table(sort_by=key, row_limit=25))
                         f.write(f"\n# the same step's memory peak (rank 0), by phase, direction and op\n")
                         f.write(format_live_at_peak(*live_at_peak(prof, acc.device.type)) + "\n")
-            # the last call of _microbatches is the training pass
+            # the last call of _microbatches is the training pass; the first is the reference
             passes[-1]["kind"] = "train"
-            splits = {name: dt for name, (_, dt) in zip(phases, schedule_times)}
+            if args.lora_rank:
+                passes[0]["adapters"] = False
+            splits = dict.fromkeys(phases, 0.0)
+            for name, dt in schedule_times:
+                splits[name] += dt
             splits["optimizer"] = t1 - t_opt
             splits["other"] = (t1 - t0) - sum(splits.values())
             record = dict(step=step, step_time_s=t1 - t0, counters=counters, splits=splits,
                           passes=[dict(p) for p in passes])
             if measure_memory:
-                by_phase = torch.tensor([float(v) for v in phase_peaks], dtype=torch.float64, device=acc.device)
+                peaks = dict.fromkeys(phases + ["optimizer"], 0.0)
+                for name, v in zip([n for n, _ in schedule_times] + ["optimizer"], phase_peaks):
+                    peaks[name] = max(peaks[name], float(v))
+                by_phase = torch.tensor(list(peaks.values()), dtype=torch.float64, device=acc.device)
                 if dist.is_initialized():
                     dist.all_reduce(by_phase, op=dist.ReduceOp.MAX)
                 record["peak_mem_by_phase_bytes"] = dict(zip(phases + ["optimizer"], map(int, by_phase.tolist())))
@@ -356,6 +394,7 @@ def run_worker(args) -> None:
         if is_logging_rank():
             result = dict(mode=args.worker, records=records, padded_vocab=padded_vocab_size(arch.vocab_size),
                           world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                          state_mem_bytes=state_bytes(policy, reference, optimizer),
                           device=acc.kind, torch=torch.__version__,
                           device_name=torch.cuda.get_device_name() if acc.kind == "cuda" else platform.processor())
             with open(args.worker_out, "w") as f:
@@ -365,8 +404,38 @@ def run_worker(args) -> None:
         dist.destroy_process_group()
 
 
+def state_bytes(policy, reference, optimizer) -> int:
+    """This rank's persistent training tensors: weights (policy, and the reference when it is a
+    separate model), gradient buffers and optimizer state (fp32 main copies included)."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(t) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    for chunk in [*policy, *reference]:
+        for p in chunk.parameters():
+            add(p)
+    for chunk in policy:
+        for buf in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
+            add(buf.grad_data)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", []):
+            for p in group:
+                add(p)
+        for state in opt.optimizer.state.values():
+            for t in state.values():
+                add(t)
+    return total
+
+
 # --------------------------------------------------------------------------------------- parent
-def launch(args, mode: str, out_path: str) -> None:
+def launch(args, mode: str, out_path: str, *, lora_rank: int | None = None) -> None:
     here = os.path.abspath(__file__)
     worker = [here, "--worker", mode, "--worker-out", out_path, "--preset", args.preset,
               "--pairs", str(args.pairs), "--micro-batch-size", str(args.micro_batch_size),
@@ -374,7 +443,8 @@ def launch(args, mode: str, out_path: str) -> None:
               "--warmup", str(args.warmup),
               "--steps", str(args.steps), "--memory-steps", str(args.memory_steps), "--device", args.device,
               "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
-              "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]
+              "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
+              "--lora-rank", str(args.lora_rank if lora_rank is None else lora_rank)]
     if args.data_path:
         worker += ["--data-path", *args.data_path]
     if args.recompute_activations:
@@ -392,7 +462,8 @@ def launch(args, mode: str, out_path: str) -> None:
     subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
 
 
-def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool, bytes_per_elem: int) -> dict:
+def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool, bytes_per_elem: int,
+              lora_rank: int = 0) -> dict:
     recs = raw["records"]
     times = [r["step_time_s"] for r in recs]
     measured = [r for r in recs if "peak_mem_bytes" in r]  # the first --memory-steps records
@@ -404,7 +475,8 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
     for r in recs:
         passes = flop_model.passes_from_dict(r["passes"])
         for view in flops:
-            flops[view] += flop_model.step_flops(shape, passes, recompute=recompute, view=view)["total"] / n
+            flops[view] += flop_model.step_flops(shape, passes, recompute=recompute, view=view,
+                                                 lora_rank=lora_rank)["total"] / n
         if "peak_mem_bytes" in r:
             model_mem.append(flop_model.step_peak_bytes(shape, passes, recompute=recompute,
                                                         bytes_per_elem=bytes_per_elem))
@@ -421,6 +493,8 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
         "step_times_s": times,
         "peak_mem_bytes": statistics.median(mems),
         "peak_mem_max_bytes": max(mems),
+        "state_mem_bytes": raw.get("state_mem_bytes"),
+        "total_mem_bytes": raw["state_mem_bytes"] + statistics.median(mems) if "state_mem_bytes" in raw else None,
         **counters,
         "logits_elements": counters["logits_rows"] * shape.vocab,
         "flops_ideal": flops["ideal"],
@@ -448,6 +522,27 @@ def add_ratios(modes: dict) -> None:
         # Share of the executed-token saving that became a step-time saving (sequence pruning's goal).
         saved = 1.0 - m["token_ratio_vs_concat"]
         m["token_saving_to_time"] = (1.0 - 1.0 / m["speedup_vs_concat"]) / saved if saved > 0.01 else None
+
+
+def add_full_param_ratios(modes: dict, full_param: dict) -> None:
+    """LoRA runs: each mode's total memory against full-parameter concat with an online reference."""
+    for m in modes.values():
+        m["total_mem_ratio_vs_full_param"] = (m["total_mem_bytes"] / full_param["total_mem_bytes"]
+                                              if m.get("total_mem_bytes") and full_param.get("total_mem_bytes")
+                                              else None)
+
+
+def lora_table(modes: dict, full_param: dict) -> str:
+    lines = [f"{'mode':<16}{'state MB':>10}{'step peak MB':>14}{'total MB':>10}{'vs full-param':>15}"]
+    lines.append(f"{'(full-param)':<16}{full_param['state_mem_bytes'] / 2**20:>10.1f}"
+                 f"{full_param['peak_mem_bytes'] / 2**20:>14.1f}{full_param['total_mem_bytes'] / 2**20:>10.1f}"
+                 f"{1.0:>15.2f}")
+    for name, m in modes.items():
+        lines.append(f"{name:<16}{m['state_mem_bytes'] / 2**20:>10.1f}{m['peak_mem_bytes'] / 2**20:>14.1f}"
+                     f"{m['total_mem_bytes'] / 2**20:>10.1f}{_num(m['total_mem_ratio_vs_full_param'], '>15.2f')}")
+    lines.append("state: weights + reference copy + gradient buffers + optimizer state (rank 0); total = state + the "
+                 "step's peak; full-param = concat without LoRA, online reference")
+    return "\n".join(lines)
 
 
 def _num(value, fmt: str) -> str:
@@ -534,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": args.steps, "rounds": args.rounds, "memory_steps": min(args.memory_steps, args.steps),
         "recompute": args.recompute_activations, "device": args.device,
         "bf16": PRESETS[args.preset]["bf16"], "tensor_model_parallel_size": args.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size, "lora_rank": args.lora_rank,
         "data": args.data_path or ["bundled HH-RLHF sample (tiny tokenizer lengths)"],
         "head_share_fwd_flops_at_512": flop_model.head_share(shape, 512),
         "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -567,13 +662,31 @@ def main(argv: list[str] | None = None) -> dict:
                   f"median step {statistics.median(r['step_time_s'] for r in raw['records']):.3f}s", flush=True)
             if "concat" in raw_modes:
                 done = {m: summarise(m, raw_modes[m], shape=shape, recompute=args.recompute_activations,
-                                     bytes_per_elem=bytes_per_elem) for m in order if m in raw_modes}
+                                     bytes_per_elem=bytes_per_elem, lora_rank=args.lora_rank)
+                        for m in order if m in raw_modes}
                 add_ratios(done)
                 result["modes"] = done
                 result["records"] = {m: raw_modes[m]["records"] for m in order if m in raw_modes}
                 if args.json:
                     _write_json(args.json, result)
+    if args.lora_rank and result["modes"]:
+        # The memory to beat: full-parameter concat with an online reference (same data and steps).
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "full-param-concat.json")
+                launch(args, "concat", out, lora_rank=0)
+                with open(out) as f:
+                    full_param = summarise("concat", json.load(f), shape=shape,
+                                           recompute=args.recompute_activations, bytes_per_elem=bytes_per_elem)
+            add_full_param_ratios(result["modes"], full_param)
+            result["full_param_concat"] = full_param
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            print(f"[bench_dpo] full-parameter concat: FAILED ({exc})", flush=True)
+            result.setdefault("failed", {})["full_param_concat"] = str(exc)
     print(table(result["modes"]))
+    if result.get("full_param_concat"):
+        print(f"LoRA rank {args.lora_rank}: memory against full-parameter DPO (concat, online reference):")
+        print(lora_table(result["modes"], result["full_param_concat"]))
     print("peak memory by phase (MB), and the largest live groups at the allocator peak (MB):")
     print(memory_table(result["modes"]))
     if args.json:

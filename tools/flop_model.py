@@ -10,6 +10,14 @@ Costs, in matmul FLOPs (2 per multiply-add):
 - a training pass costs forward + backward = 3 x forward; full recompute adds one more body
   forward; the reference and a pruned branch are forward only.
 
+Under LoRA (``lora_rank > 0``) base weights are frozen: a training pass is the forward, the
+activation gradients (``dX``: the body's weight matmuls once more; the attention core, which has no
+weights, twice as before; the head once) and the adapter terms (``2 r (in + out)`` per token and
+adapted linear forward, three times that in training: forward, ``dX`` and the adapter weights'
+gradients); there are no base-weight gradients (one forward less of the weight matmuls). The
+reference is the policy with adapters off (:class:`Pass` ``adapters=False``): a forward without
+adapter terms, no second model. A forward pass of the policy (a pruned branch) runs the adapters.
+
 Two views of the same step:
 
 - ``ideal``: only real tokens are executed (no padding), attention is causal within each
@@ -36,6 +44,10 @@ largest of these (microbatches run one after another at PP = 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The linears LoRA adapts by default (every linear of attention and MLP)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +95,21 @@ class Shape:
     def head_flops(self, rows: float) -> float:
         return 2.0 * self.hidden * self.vocab * rows
 
+    def adapter_params(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+        """LoRA parameters of one layer: ``rank * (in + out)`` per adapted linear."""
+        widths = {"linear_qkv": (self.hidden, self.q_width + 2 * self.kv_width),
+                  "linear_proj": (self.q_width, self.hidden),
+                  "linear_fc1": (self.hidden, 2 * self.ffn),
+                  "linear_fc2": (self.ffn, self.hidden)}
+        unknown = [t for t in targets if t not in widths]
+        if unknown:
+            raise ValueError(f"unknown LoRA target(s) {unknown}; choose from {list(widths)}")
+        return sum(rank * (widths[t][0] + widths[t][1]) for t in targets)
+
+    def adapter_flops_per_token(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> float:
+        """Forward FLOPs of the adapters per token, all layers (``x A^T`` then ``B``)."""
+        return 2.0 * self.adapter_params(rank, targets) * self.layers
+
 
 @dataclass(kw_only=True)
 class Microbatch:
@@ -96,6 +123,10 @@ class Microbatch:
     """Positions the selective head scores (response positions after position pruning)."""
     selective: bool = True
     """False: the baseline head projects every position onto the vocabulary."""
+    prefixes: list[list[int]] | None = None
+    """Per row and sequence, the keys of a shared prefix earlier in the row that the sequence's
+    queries also attend to (the shared DPO layout ``[prompt, chosen, rejected]``: rows
+    ``[P, C, R]``, prefixes ``[0, P, P]``); None: every sequence attends only to itself."""
 
     @property
     def tokens(self) -> int:
@@ -112,6 +143,8 @@ class Pass:
 
     kind: str
     microbatches: list[Microbatch] = field(default_factory=list)
+    adapters: bool = True
+    """Under LoRA: False for the reference pass (the policy with its adapters off)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("train", "forward"):
@@ -127,18 +160,25 @@ def forward_flops(shape: Shape, mb: Microbatch, *, view: str = "ideal") -> dict[
     if view == "ideal":
         tokens = mb.tokens
         pairs = sum(_causal_pairs(n) for r in mb.rows for n in r)
+        if mb.prefixes is not None:  # attention per segment: its prefix plus its own causal keys
+            pairs += sum(n * k for r, ks in zip(mb.rows, mb.prefixes) for n, k in zip(r, ks))
     elif view == "padded":
         tokens = mb.padded_tokens
         pairs = len(mb.rows) * _causal_pairs(mb.seq_length)
     else:
         raise ValueError(f"view must be 'ideal' or 'padded', got {view!r}")
     head_rows = mb.scored if mb.selective else tokens
-    return {"body": shape.body_flops_per_token() * tokens + shape.attention_flops(pairs),
-            "head": shape.head_flops(head_rows)}
+    attention = shape.attention_flops(pairs)
+    return {"body": shape.body_flops_per_token() * tokens + attention, "head": shape.head_flops(head_rows),
+            "attention": attention, "tokens": float(tokens)}
 
 
-def step_flops(shape: Shape, passes: list[Pass], *, recompute: bool = False, view: str = "ideal") -> dict[str, float]:
-    """FLOPs of a step split by pass kind and part; ``total`` is their sum."""
+def step_flops(shape: Shape, passes: list[Pass], *, recompute: bool = False, view: str = "ideal",
+               lora_rank: int = 0, lora_targets: tuple[str, ...] = LORA_TARGETS) -> dict[str, float]:
+    """FLOPs of a step split by pass kind and part; ``total`` is their sum. ``lora_rank > 0``:
+    a LoRA step (frozen base, adapter terms in the body, adapter-off reference)."""
+    if lora_rank:
+        return _lora_step_flops(shape, passes, recompute=recompute, view=view, rank=lora_rank, targets=lora_targets)
     out = {"train_body": 0.0, "train_head": 0.0, "forward_body": 0.0, "forward_head": 0.0}
     for p in passes:
         for mb in p.microbatches:
@@ -151,6 +191,29 @@ def step_flops(shape: Shape, passes: list[Pass], *, recompute: bool = False, vie
             # The fused selective op recomputes its logits in backward (padded view only).
             head_factor = 4.0 if (view == "padded" and mb.selective) else 3.0
             out["train_head"] += f["head"] * head_factor
+    out["total"] = sum(out.values())
+    return out
+
+
+def _lora_step_flops(shape: Shape, passes: list[Pass], *, recompute: bool, view: str, rank: int,
+                     targets: tuple[str, ...]) -> dict[str, float]:
+    out = {"train_body": 0.0, "train_head": 0.0, "forward_body": 0.0, "forward_head": 0.0}
+    for p in passes:
+        for mb in p.microbatches:
+            f = forward_flops(shape, mb, view=view)
+            adapter = shape.adapter_flops_per_token(rank, targets) * f["tokens"] if p.adapters else 0.0
+            if p.kind == "forward":
+                out["forward_body"] += f["body"] + adapter
+                out["forward_head"] += f["head"]
+                continue
+            weights = f["body"] - f["attention"]
+            # forward + dX of the weight matmuls (no dW), forward + two input gradients of the
+            # attention core, forward + dX + dW of the adapters; full recompute: one more forward.
+            out["train_body"] += 2.0 * weights + 3.0 * f["attention"] + 3.0 * adapter
+            if recompute:
+                out["train_body"] += f["body"] + adapter
+            # The head is frozen too: forward + dX (the fused selective op recomputes its logits).
+            out["train_head"] += f["head"] * (3.0 if (view == "padded" and mb.selective) else 2.0)
     out["total"] = sum(out.values())
     return out
 
@@ -210,10 +273,14 @@ def head_share(shape: Shape, seq_length: int) -> float:
 
 def passes_from_dict(data: list[dict]) -> list[Pass]:
     """Inverse of :func:`passes_to_dict` (the benchmark's JSON records)."""
-    return [Pass(kind=p["kind"], microbatches=[Microbatch(**mb) for mb in p["microbatches"]]) for p in data]
+    return [Pass(kind=p["kind"], microbatches=[Microbatch(**mb) for mb in p["microbatches"]],
+                 adapters=p.get("adapters", True)) for p in data]
 
 
 def passes_to_dict(passes: list[Pass]) -> list[dict]:
     return [{"kind": p.kind, "microbatches": [dict(rows=mb.rows, seq_length=mb.seq_length, scored=mb.scored,
-                                                    selective=mb.selective) for mb in p.microbatches]}
+                                                    selective=mb.selective,
+                                                    **({} if mb.prefixes is None else {"prefixes": mb.prefixes}))
+                                               for mb in p.microbatches],
+             **({} if p.adapters else {"adapters": False})}
             for p in passes]

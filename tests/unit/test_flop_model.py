@@ -149,7 +149,8 @@ def test_summary_has_the_documented_schema():
     modes = {m: bench_dpo.summarise(m, _fake_worker(m, 2.0 if m in ("full", "concat") else 1.5), shape=shape,
                                     recompute=False, bytes_per_elem=4) for m in bench_dpo.MODES}
     bench_dpo.add_ratios(modes)
-    assert list(modes) == ["full", "concat", "selective", "position", "sequence", "branch", "position_branch", "all"]
+    assert list(modes) == ["full", "concat", "selective", "position", "sequence", "branch", "position_branch", "all",
+                           "shared", "shared_all"]
     for m in modes.values():
         for key in ("step_time_s", "peak_mem_bytes", "policy_tokens", "speedup_vs_concat",
                     "ideal_speedup_vs_concat", "mem_ratio_vs_concat", "logits_elements", "ref_tokens"):
@@ -217,3 +218,105 @@ def test_a_failed_mode_fails_the_run(tmp_path, capsys):
         bench_dpo.main(["--modes", "concat", "--data-path", str(missing), "--steps", "1", "--warmup", "0",
                         "--json", str(tmp_path / "out.json")])
     assert "concat: FAILED" in capsys.readouterr().out
+
+
+# --- LoRA ---------------------------------------------------------------------------------------
+# A shape small enough to count by hand: hidden 4, one layer, one head of 4, ffn 8, vocab 10.
+HAND = fm.Shape(hidden=4, layers=1, heads=1, kv_heads=1, head_dim=4, ffn=8, vocab=10)
+
+
+def test_lora_step_counted_by_hand():
+    """One row of 3 tokens, all scored; LoRA rank 2 on every linear.
+
+    weights 4*12 + 4*4 + 3*4*8 = 160 -> forward matmuls 2*160*3 = 960 FLOPs; attention 4*4*(1+2+3) = 96;
+    adapters 2*(4+12) + 2*(4+4) + 2*(4+16) + 2*(8+4) = 112 parameters -> forward 2*112*3 = 672;
+    head 2*4*10*3 = 240.
+    LoRA training pass: 2*960 (forward, dX; no dW) + 3*96 + 3*672 (forward, dX, dA/dB) + 2*240 = 4704;
+    adapter-off reference: 960 + 96 + 240 = 1296; with full recompute one more forward with
+    adapters: 960 + 96 + 672 = 1728. Full-parameter training pass: 3 * (960 + 96 + 240) = 3888.
+    """
+    mb = _mb([[3]], 3)
+    assert HAND.adapter_params(2) == 112
+    train, ref = fm.Pass(kind="train", microbatches=[mb]), fm.Pass(kind="forward", microbatches=[mb], adapters=False)
+    lora = fm.step_flops(HAND, [ref, train], lora_rank=2)
+    assert lora["train_body"] == 2 * 960 + 3 * 96 + 3 * 672 and lora["train_head"] == 2 * 240
+    assert lora["forward_body"] == 960 + 96 and lora["forward_head"] == 240
+    assert lora["total"] == 4704 + 1296
+    assert fm.step_flops(HAND, [ref, train], lora_rank=2, recompute=True)["total"] == 4704 + 1296 + 1728
+    # A forward of the policy (a pruned branch) runs its adapters.
+    assert fm.step_flops(HAND, [fm.Pass(kind="forward", microbatches=[mb])], lora_rank=2)["total"] == 1296 + 672
+    # The padded view's selective head recomputes its logits in backward: one more head forward.
+    assert fm.step_flops(HAND, [train], lora_rank=2, view="padded")["train_head"] == 3 * 240
+    # rank 0 is the full-parameter model.
+    assert fm.step_flops(HAND, [ref, train])["total"] == 3888 + 1296
+    # Only some linears adapted: attention's two.
+    assert HAND.adapter_params(2, ("linear_qkv", "linear_proj")) == 32 + 16
+    with pytest.raises(ValueError, match="unknown LoRA target"):
+        HAND.adapter_params(2, ("linear_q",))
+
+
+def _lora_steps(length: int):
+    def mb(rows, scored):
+        return _mb(rows, scored)
+
+    full = [fm.Pass(kind="forward", adapters=False, microbatches=[mb([[length, length]], 2)]),
+            fm.Pass(kind="train", microbatches=[mb([[length, length]], 2)])]
+    branch = [fm.Pass(kind="forward", adapters=False, microbatches=[mb([[length, length]], 2)]),
+              fm.Pass(kind="forward", microbatches=[mb([[length]], 1)]),
+              fm.Pass(kind="train", microbatches=[mb([[length]], 1)])]
+    return full, branch
+
+
+def test_lora_branch_ideal_is_6_over_5_and_8_over_6_with_recompute():
+    # Weight matmuls dominate (one-token rows: no attention; rank 1: adapters 0.5 %). F = one branch's
+    # forward. Without recompute: full = reference 2F + training 2 x (forward F + dX F) = 6F;
+    # branch = 2F + pruned F + kept 2F = 5F. Full recompute adds a forward per trained branch: 8F vs 6F.
+    full, branch = _lora_steps(1)
+    assert ratio(BODY, full, branch, lora_rank=1) == pytest.approx(6 / 5, rel=3e-3)
+    assert ratio(BODY, full, branch, lora_rank=1, recompute=True) == pytest.approx(8 / 6, rel=3e-3)
+    # Full-parameter training is 3F per branch: 8F vs 6F (the ideal LoRA lowers from 4/3 to 6/5).
+    assert ratio(BODY, full, branch) == pytest.approx(8 / 6, rel=1e-3)
+
+
+def test_lora_flags_reach_the_benchmark_and_pass_dicts_keep_the_adapter_off_reference():
+    full, _ = _lora_steps(5)
+    again = fm.passes_from_dict(json.loads(json.dumps(fm.passes_to_dict(full))))
+    assert [p.adapters for p in again] == [False, True]
+    assert fm.step_flops(HAND, again, lora_rank=2) == fm.step_flops(HAND, full, lora_rank=2)
+    assert bench_dpo.parse_args(["--lora-rank", "64"]).lora_rank == 64
+    assert bench_dpo.parse_args([]).lora_rank == 0
+    with pytest.raises(SystemExit):
+        bench_dpo.parse_args(["--lora-rank", "-1"])
+
+
+def test_lora_memory_is_compared_with_full_parameter_concat():
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=2048)
+    raw = _fake_worker("branch", 1.5)
+    raw["state_mem_bytes"] = 500
+    full_param = _fake_worker("concat", 2.0)
+    full_param["state_mem_bytes"] = 4000
+    modes = {"branch": bench_dpo.summarise("branch", raw, shape=shape, recompute=False, bytes_per_elem=4,
+                                           lora_rank=8)}
+    ref = bench_dpo.summarise("concat", full_param, shape=shape, recompute=False, bytes_per_elem=4)
+    bench_dpo.add_full_param_ratios(modes, ref)
+    # total = persistent state + the step's peak (median over the memory steps: 1000)
+    assert modes["branch"]["total_mem_bytes"] == 1500 and ref["total_mem_bytes"] == 5000
+    assert modes["branch"]["total_mem_ratio_vs_full_param"] == pytest.approx(0.3)
+    assert "vs full-param" in bench_dpo.lora_table(modes, ref)
+
+
+def test_shared_row_counts_the_prompt_once_and_attention_per_segment():
+    """[prompt, chosen, rejected] executes P + C + R tokens; each response attends to the prompt
+    and causally to itself, never to the other response."""
+    p, c, r = 7, 3, 4
+    shared = fm.Microbatch(rows=[[p, c, r]], prefixes=[[0, p, p]], seq_length=p + c + r, scored=c + r)
+    concat = fm.Microbatch(rows=[[p + c, p + r]], seq_length=2 * p + c + r, scored=c + r)
+    assert shared.tokens == p + c + r
+    pairs = p * (p + 1) / 2 + c * p + c * (c + 1) / 2 + r * p + r * (r + 1) / 2
+    got = fm.forward_flops(BODY, shared)
+    assert got["attention"] == BODY.attention_flops(pairs)
+    assert got["body"] == BODY.body_flops_per_token() * (p + c + r) + BODY.attention_flops(pairs)
+    # concat's attention holds the prompt's pairs twice; shared's the prompt's once plus the responses' cross terms
+    assert fm.forward_flops(BODY, concat)["attention"] - got["attention"] == BODY.attention_flops(p * (p + 1) / 2)
+    again = fm.passes_from_dict(fm.passes_to_dict([fm.Pass(kind="forward", microbatches=[shared])]))
+    assert again[0].microbatches[0].prefixes == [[0, p, p]]
