@@ -229,8 +229,9 @@ class DPOConfig:
     """beta of the DPO logistic loss."""
     loss_average: str = field(default="mean", metadata=_flag("--dpo-logp-reduction", choices=("mean", "sum")))
     """Per-response log-ratio: length-averaged (mean, the study's choice) or summed."""
-    layout: str = field(default="concat", metadata=_flag("--dpo-layout", choices=("full", "concat")))
-    """full: chosen and rejected as padded rows; concat: both packed in one row (block-diagonal mask)."""
+    layout: str = field(default="concat", metadata=_flag("--dpo-layout", choices=("full", "concat", "shared")))
+    """full: chosen and rejected as padded rows; concat: both packed in one row as independent sequences;
+    shared: one row [prompt, chosen, rejected] per pair, the prompt run once (exact; needs the selective head)."""
     ref_mode: str | None = field(default=None, metadata=_flag("--ref-mode", choices=("online", "precomputed", "adapter-off")))
     """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk;
     adapter-off: the policy itself with its LoRA adapters switched off (no second model). Default: adapter-off

@@ -1,12 +1,16 @@
-"""DPO microbatches: per-step pruning draws, the Full / Full-concat layouts, scored positions.
+"""DPO microbatches: per-step pruning draws, the Full / Full-concat / shared layouts, scored positions.
 
 Each pair is first *planned* for the step (sequence pruning truncates each response to a
 sampled prefix, position pruning samples which response positions are scored, branch pruning
 samples which branch keeps its backward); all draws are pure functions of (seed, step, sample
 id). Plans are then laid out as rows: ``full`` puts every sequence in its own padded row,
-``concat`` packs a pair's chosen and rejected sequences into one row with a block-diagonal
-causal mask and restarting position ids. The scored positions become a
-:class:`~megatron_prune.model.selective_gpt.TokenSelection`.
+``concat`` packs a pair's chosen and rejected sequences into one row as independent causal
+segments with restarting position ids, ``shared`` puts the prompt once and both responses after
+it, ``[prompt, chosen, rejected]``, each response a segment that sees the prompt as its prefix
+and continues its position ids (rejected's ids restart at the prompt's end, as if it followed
+the prompt). The scored positions become a
+:class:`~megatron_prune.model.selective_gpt.TokenSelection`; a response's first token is
+scored from the prompt's last position, its later tokens from their own previous position.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import torch
 from megatron_prune import sampling
 from megatron_prune.config import PruneConfig
 from megatron_prune.data.preference import PreferencePair
+from megatron_prune.model.segments import Segment, SegmentLayout
 from megatron_prune.model.selective_gpt import TokenSelection
 
 CHOSEN, REJECTED = 0, 1
+LAYOUTS = ("full", "concat", "shared")
 
 
 @dataclass
@@ -67,6 +73,35 @@ def plan_pair(pair: PreferencePair, *, sample_id: int, step: int, seed: int, pru
                        (scored[0], scored[1]), kept_branch)
 
 
+@dataclass(frozen=True)
+class FlopWeights:
+    """Forward FLOPs of the policy's parts, for choosing how a shared row runs a pruned branch."""
+
+    body: float
+    """One token through every layer's projections and MLP."""
+    attention: float
+    """One attended (query, key) pair in every layer."""
+    head: float
+    """One row through the LM head."""
+
+
+def pruned_branch_joins_training_row(plan: PlannedPair, *, weights: FlopWeights) -> bool:
+    """Under branch pruning in the shared layout: run the pruned branch inside the training row
+    ``[prompt, kept, pruned]`` (its log-probs detached) rather than as its own no-grad row
+    ``[prompt, pruned]``?
+
+    Both are exact and both run the pruned response forward once; joining saves the second
+    forward of the prompt but pays the pruned response's backward (2 x its forward, 3 x at the
+    selective head, which recomputes its logits), so it is chosen when that is cheaper.
+    """
+    prompt, pruned = len(plan.prompt), len(plan.responses[1 - plan.kept_branch])
+    scored = len(plan.scored[1 - plan.kept_branch])
+    prompt_again = weights.body * prompt + weights.attention * prompt * (prompt + 1) / 2
+    pruned_backward = 2 * (weights.body * pruned + weights.attention * pruned * (prompt + (pruned + 1) / 2)) \
+        + 3 * weights.head * scored
+    return pruned_backward < prompt_again
+
+
 @dataclass
 class Response:
     """One response's slice of a microbatch."""
@@ -88,13 +123,17 @@ class DPOMicrobatch:
     tokens: torch.Tensor
     """[b, s] token ids (padding = pad id)."""
     position_ids: torch.Tensor
-    """[b, s]: restarting at 0 in every packed sequence. Megatron-Core's rotary embedding on the
-    local layer spec takes positions from the row index and ignores these; that is exact here
-    because every sequence sits in its own block-diagonal segment and RoPE is relative within
-    it. A layout that puts a token at a position other than its row offset (a shared prompt)
-    needs per-token rotary positions passed through a seam, and a test that fails without them."""
+    """[b, s]: each token's position in its own sequence: restarting at 0 in every packed
+    sequence (concat), ``P ... P+n-1`` for each response after a shared prompt of ``P`` tokens
+    (shared). With ``segments`` set the model rotates every token by these ids (not by its row
+    index), which the shared layout needs: rejected sits after chosen but rotates as if it
+    followed the prompt."""
     attention_mask: torch.Tensor | None
-    """[b, 1, s, s] bool, True = masked (concat layout); None = plain causal."""
+    """Always None: attention follows ``segments`` (concat, shared) or is plain causal (full)."""
+    segments: SegmentLayout | None
+    """Which keys each query attends to: one causal segment per sequence (concat), or the prompt
+    plus one segment per response with the prompt as its prefix (shared); None = plain causal
+    rows (full)."""
     selection: TokenSelection
     """Scored positions; ``seq_ids`` index ``responses``."""
     labels: torch.Tensor
@@ -118,8 +157,33 @@ def row_length(plans: list[PlannedPair], *, layout: str, branches: list[list[int
     longest = 0
     for plan, bs in zip(plans, branches):
         lengths = [len(plan.prompt) + len(plan.responses[b]) for b in bs]
-        longest = max(longest, sum(lengths) if layout == "concat" else max(lengths))
+        if layout == "shared":
+            longest = max(longest, len(plan.prompt) + sum(len(plan.responses[b]) for b in bs))
+        else:
+            longest = max(longest, sum(lengths) if layout == "concat" else max(lengths))
     return longest
+
+
+def _shared_row(plan: PlannedPair, branches: list[int]) -> tuple[list[int], list[int], list[Segment], list[int]]:
+    """Tokens, position ids, segments and each response's start of one ``[prompt, r1, r2, ...]`` row."""
+    prompt = len(plan.prompt)
+    tokens, positions, starts = list(plan.prompt), list(range(prompt)), []
+    if len(branches) == 1:
+        # A single response after the prompt is one plain causal sequence.
+        starts.append(prompt)
+        tokens += plan.responses[branches[0]]
+        positions += range(prompt, len(tokens))
+        return tokens, positions, [Segment(0, len(tokens))], starts
+    segments = [Segment(0, prompt)]
+    for b in branches:
+        response = plan.responses[b]
+        start = len(tokens)
+        starts.append(start)
+        tokens += response
+        positions += range(prompt, prompt + len(response))
+        if response:
+            segments.append(Segment(start, start + len(response), 0, prompt))
+    return tokens, positions, segments, starts
 
 
 def build_microbatch(
@@ -129,22 +193,53 @@ def build_microbatch(
     layout: str,
     seq_length: int,
     pad_id: int,
+    num_rows: int | None = None,
 ) -> DPOMicrobatch:
-    """Lay out ``branches[i]`` of ``plans[i]`` as rows of ``seq_length`` tokens."""
+    """Lay out ``branches[i]`` of ``plans[i]`` as rows of ``seq_length`` tokens.
+
+    ``num_rows`` appends empty (all-padding) rows up to that many, so every microbatch of a
+    pipeline-parallel pass has the same shape.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"DPO layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     rows: list[list[tuple[int, int]]] = []  # each row: (plan index, branch) sequences
     for i, bs in enumerate(branches):
-        if layout == "concat":
+        if layout in ("concat", "shared"):
             rows.append([(i, b) for b in bs])
         else:
             rows.extend([(i, b)] for b in bs)
-    num_rows = len(rows)
+    num_rows = max(num_rows or 0, len(rows))
     tokens = torch.full((num_rows, seq_length), pad_id, dtype=torch.long)
     labels = torch.full((num_rows, seq_length), pad_id, dtype=torch.long)
     position_ids = torch.zeros((num_rows, seq_length), dtype=torch.long)
-    mask = torch.ones((num_rows, 1, seq_length, seq_length), dtype=torch.bool) if layout == "concat" else None
+    segment_rows: list[list[Segment]] = [[] for _ in range(num_rows)]
     index, label_ids, seq_ids, responses = [], [], [], []
     executed = 0
     for row, sequences in enumerate(rows):
+        if layout == "shared":
+            plan_i = sequences[0][0]
+            plan = plans[plan_i]
+            seq, pos, segment_rows[row], starts = _shared_row(plan, [b for _, b in sequences])
+            assert len(seq) <= seq_length, "row longer than the step's sequence length"
+            tokens[row, : len(seq)] = torch.tensor(seq)
+            position_ids[row, : len(seq)] = torch.tensor(pos)
+            for (_, branch), start in zip(sequences, starts):
+                response = plan.responses[branch]
+                # Token j of a response sits at start+j; j = 0 is predicted by the prompt's last
+                # position, j >= 1 by the response's own previous position.
+                if response:
+                    labels[row, start : start + len(response) - 1] = torch.tensor(response[1:])
+                scored = plan.scored[branch]
+                positions = torch.where(scored == 0, len(plan.prompt) - 1, start + scored - 1)
+                index.append(positions * num_rows + row)
+                label_ids.append(torch.tensor(response, dtype=torch.long)[scored])
+                seq_ids.append(torch.full((len(scored),), len(responses), dtype=torch.long))
+                responses.append(Response(plan_i, branch, len(scored), len(response)))
+            # The full-logits head has one label per position: the first response's first token.
+            labels[row, len(plan.prompt) - 1] = plan.responses[sequences[0][1]][0] if plan.responses[
+                sequences[0][1]] else pad_id
+            executed += len(seq)
+            continue
         start = 0
         for plan_i, branch in sequences:
             plan = plans[plan_i]
@@ -154,8 +249,7 @@ def build_microbatch(
             tokens[row, start:end] = torch.tensor(seq)
             labels[row, start : end - 1] = torch.tensor(seq[1:])
             position_ids[row, start:end] = torch.arange(len(seq))
-            if mask is not None:
-                mask[row, 0, start:end, start:end] = ~torch.ones(len(seq), len(seq), dtype=torch.bool).tril()
+            segment_rows[row].append(Segment(start, end))
             scored = plan.scored[branch]
             # Response token j sits at start+len(prompt)+j and is predicted by the previous position.
             positions = start + len(plan.prompt) + scored - 1
@@ -165,8 +259,6 @@ def build_microbatch(
             responses.append(Response(plan_i, branch, len(scored), len(plan.responses[branch])))
             executed += len(seq)
             start = end
-        if mask is not None and start < seq_length:
-            pad = seq_length - start
-            mask[row, 0, start:, start:] = ~torch.ones(pad, pad, dtype=torch.bool).tril()
+    segments = None if layout == "full" else SegmentLayout(rows=segment_rows, seq_length=seq_length)
     selection = TokenSelection(index=torch.cat(index), labels=torch.cat(label_ids), seq_ids=torch.cat(seq_ids))
-    return DPOMicrobatch(tokens, position_ids, mask, selection, labels, responses, len(plans), executed)
+    return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed)

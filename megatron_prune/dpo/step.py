@@ -4,7 +4,11 @@ Execution order follows the prunings: sequence pruning shapes every pass (the sc
 called with the step's truncated ``seq_length``, so every stage and p2p buffer shrinks), branch
 pruning splits the policy into a forward-only pass over the pruned branches and a
 forward-backward pass over the kept ones, and position pruning picks the positions the
-selective head scores. Forward-only passes run under ``no_grad`` through Megatron's own
+selective head scores. In the shared layout (``[prompt, chosen, rejected]`` rows) the reference
+pass always runs both responses on one prompt; under branch pruning each pair's pruned response
+either joins its training row ``[prompt, kept, pruned]`` with its log-probs detached, or runs as
+its own no-grad row ``[prompt, pruned]``, whichever the FLOP count says is cheaper for that pair
+(joining saves a second forward of the prompt and pays the pruned response's backward). Forward-only passes run under ``no_grad`` through Megatron's own
 forward-only schedule, so no pipeline stage runs a backward for them.
 """
 
@@ -27,9 +31,11 @@ from megatron_prune.dpo.batch import (
     CHOSEN,
     REJECTED,
     DPOMicrobatch,
+    FlopWeights,
     PlannedPair,
     build_microbatch,
     plan_pair,
+    pruned_branch_joins_training_row,
     round_up,
     row_length,
 )
@@ -57,6 +63,22 @@ class DPOStepSettings:
     """Row length is padded to a multiple of this (and of TP under sequence parallelism)."""
 
 
+def _flop_weights(chunk: torch.nn.Module) -> FlopWeights:
+    """Forward FLOPs per body token, attended pair and head row of the whole model (all stages)."""
+    from megatron.core.utils import get_model_config
+
+    cfg = get_model_config(chunk)
+    model = chunk
+    while hasattr(model, "module"):
+        model = model.module
+    q = cfg.num_attention_heads * cfg.kv_channels
+    kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.kv_channels
+    mlp = (3 if cfg.gated_linear_unit else 2) * cfg.hidden_size * cfg.ffn_hidden_size
+    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + mlp
+    return FlopWeights(body=2.0 * layer * cfg.num_layers, attention=4.0 * q * cfg.num_layers,
+                       head=2.0 * cfg.hidden_size * getattr(model, "vocab_size", cfg.hidden_size))
+
+
 def _sum_count(values: torch.Tensor) -> torch.Tensor:
     return torch.stack([values.detach().float().sum(), torch.tensor(float(values.numel()))])
 
@@ -67,7 +89,8 @@ def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool)
     selection = batch.selection
     if not selective_head:
         selection = type(selection)(selection.index, selection.labels, selection.seq_ids, all_labels=batch.labels)
-    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection)
+    extra = {} if batch.segments is None else {"segments": batch.segments}
+    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
     return output, partial(batch.extras["loss_func"], batch)
 
 
@@ -94,12 +117,17 @@ class DPOStep:
     ) -> None:
         if reference is None and ref_lookup is None:
             raise ValueError("DPO needs an online reference model or precomputed reference log-probs")
+        if settings.dpo.layout == "shared" and not settings.prune.selective_head:
+            raise ValueError("--dpo-layout shared needs the selective head: both responses' first tokens are "
+                             "scored from the prompt's last position, and the full-logits head has one label per "
+                             "position; drop --no-selective-head or use --dpo-layout concat")
         self.s = settings
         self.policy = policy
         self.reference = reference
         self.ref_lookup = ref_lookup
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.pad_multiple = math.lcm(settings.pad_multiple, tp)
+        self.flop_weights = _flop_weights(policy[0])
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -122,12 +150,15 @@ class DPOStep:
         mbs = self.s.micro_batch_size
         return [order[i : i + mbs] for i in range(0, len(order), mbs)]
 
-    def _microbatches(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]]):
+    def _microbatches(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]], *,
+                      full_rows: bool = False):
         """Microbatches of one pass, their pairs, and the ``seq_length`` the schedule is called with.
 
         Without pipeline parallelism each microbatch is padded only to its own longest row; under
         PP every microbatch of a pass shares one length (the p2p buffers are shaped from it), the
         pass's longest row — so sequence pruning shrinks every stage and every p2p buffer.
+        ``full_rows`` pads a short last microbatch with empty rows (a pass over a subset of the
+        pairs under PP, whose p2p buffers are shaped for ``micro_batch_size`` rows).
         """
         groups = self._groups(plans, branches_of)
         branches = [[branches_of(p) for p in g] for g in groups]
@@ -135,10 +166,13 @@ class DPOStep:
         lengths = [round_up(row_length(g, layout=layout, branches=b), self.pad_multiple)
                    for g, b in zip(groups, branches)]
         seq_length = max(lengths)
+        num_rows = None
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             lengths = [seq_length] * len(lengths)
+            if full_rows:
+                num_rows = max(len(g) if layout != "full" else sum(map(len, b)) for g, b in zip(groups, branches))
         batches = [
-            build_microbatch(g, branches=b, layout=layout, seq_length=n, pad_id=self.s.pad_id)
+            build_microbatch(g, branches=b, layout=layout, seq_length=n, pad_id=self.s.pad_id, num_rows=num_rows)
             for g, b, n in zip(groups, branches, lengths)
         ]
         return batches, seq_length, groups
@@ -197,8 +231,19 @@ class DPOStep:
         plans = self.plan(step, samples)
         ref = self.reference_logps(plans)
         pruned_ratio = None
+        joined: set[int] = set()  # sample ids whose pruned branch runs inside the training row
         if self.s.prune.branch:
-            pruned_batches, pruned_len, pruned_groups = self._microbatches(plans, lambda p: [1 - p.kept_branch])
+            if self.s.dpo.layout == "shared":
+                joined = {p.sample_id for p in plans if pruned_branch_joins_training_row(p, weights=self.flop_weights)}
+                if joined and (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+                    # The interleaved schedule needs the same microbatch count in every pass (a
+                    # multiple of the stages): one choice for the whole step, the majority's.
+                    joined = {p.sample_id for p in plans} if 2 * len(joined) >= len(plans) else set()
+            separate = [p for p in plans if p.sample_id not in joined]
+            pruned_ratio = {}
+        if self.s.prune.branch and separate:
+            pruned_batches, pruned_len, pruned_groups = self._microbatches(
+                separate, lambda p: [1 - p.kept_branch], full_rows=bool(joined))
             outputs = self._forward_only(self.policy, pruned_batches, pruned_len)
             self._count_policy(pruned_batches, backward=False)
             if outputs is not None:
@@ -210,7 +255,11 @@ class DPOStep:
                     )[0]
                     for key, val in pruned_logps.items()
                 }
-        branches_of = (lambda p: [p.kept_branch]) if self.s.prune.branch else (lambda p: [CHOSEN, REJECTED])
+        def branches_of(p: PlannedPair) -> list[int]:
+            if not self.s.prune.branch:
+                return [CHOSEN, REJECTED]
+            return [p.kept_branch, 1 - p.kept_branch] if p.sample_id in joined else [p.kept_branch]
+
         batches, seq_length, groups = self._microbatches(plans, branches_of)
         self._count_policy(batches, backward=not forward_only)
         for batch, group in zip(batches, groups):
@@ -225,6 +274,10 @@ class DPOStep:
                 micro_batch_size=batches[0].tokens.shape[0],
                 forward_only=forward_only,
             )
+        if not forward_only:  # a MoE policy's router losses: added in this training pass only
+            from megatron_prune.model.moe import add_router_losses
+
+            add_router_losses(outputs, self.policy, num_microbatches=len(batches))
         return outputs, self._reduced_counters()
 
     @staticmethod
@@ -266,6 +319,8 @@ class DPOStep:
         chosen = [None] * len(group)
         rejected = [None] * len(group)
         for resp, value in zip(batch.responses, ratios):
+            if self.s.prune.branch and resp.branch != group[resp.pair].kept_branch:
+                value = value.detach()  # a pruned response run inside the training row: a constant
             (chosen if resp.branch == CHOSEN else rejected)[resp.pair] = value
         grad_scale = None
         if self.s.prune.branch:
@@ -273,8 +328,9 @@ class DPOStep:
             scales = []
             for i, plan in enumerate(group):
                 pruned = 1 - plan.kept_branch
-                value = pruned_ratio[(plan.sample_id, pruned)].to(ratios.device)
-                (chosen if pruned == CHOSEN else rejected)[i] = value
+                if (plan.sample_id, pruned) in pruned_ratio:
+                    value = pruned_ratio[(plan.sample_id, pruned)].to(ratios.device)
+                    (chosen if pruned == CHOSEN else rejected)[i] = value
                 scales.append(1.0 / (q_w if plan.kept_branch == CHOSEN else 1.0 - q_w))
             grad_scale = torch.tensor(scales, device=ratios.device)
         losses, stats = dpo_pair_losses(torch.stack(chosen), torch.stack(rejected), beta=self.s.dpo.beta,

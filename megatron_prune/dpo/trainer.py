@@ -131,11 +131,15 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     dpo: DPOConfig = configs["DPOConfig"]
     if not dpo.data_path:
         raise session.UsageError("--data-path is required")
+    if dpo.layout == "shared" and not prune.selective_head:
+        raise session.UsageError("--dpo-layout shared needs the selective head (both responses' first tokens are "
+                                 "scored from the prompt's last position); drop --no-selective-head")
     from megatron_prune.lora_config import check_load, lora_meta, resolve_ref_mode
 
     try:
         ref_mode = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
-        check_load(ckpt_cfg.load, configs.get("LoRAConfig"))
+        lora_base = check_load(ckpt_cfg.load, configs.get("LoRAConfig"), hf_model=model_cfg.hf_model,
+                               model_preset=model_cfg.model_preset, seed=train_cfg.seed)
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
     arch = session.resolve_arch(model_cfg, ckpt_cfg)
@@ -152,9 +156,9 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
 
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
-    parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora)
+    parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load)
-    parts.extra_meta = {"reference_load": ref_source, **lora_meta(lora)}
+    parts.extra_meta = {"reference_load": ref_source, **lora_meta(lora, base=lora_base)}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
                                pad_id=tokenizer.pad_id)
     off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,
@@ -168,7 +172,7 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
             from megatron_prune.model.lora import adapter_off
 
             return adapter_off(parts.model)
-        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
+        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source, lora_base=lora_base)
 
     if ref_mode in ("online", "adapter-off"):
         reference = make_reference()

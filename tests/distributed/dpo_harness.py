@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -36,8 +37,14 @@ def dpo_grads(
     step: int = 0,
     reference_seed: int = SEED + 1,
     preset: str = "tiny",
+    join=None,
 ):
-    """Loss metrics and whole gradients of one DPO step (no optimizer step)."""
+    """Loss metrics and whole gradients of one DPO step (no optimizer step).
+
+    ``join`` (shared layout under branch pruning) overrides the FLOP-model choice of which pairs
+    run their pruned branch inside the training row: None keeps it, True/False forces it for
+    every pair, a callable of the sample id decides per pair.
+    """
     from megatron.core import parallel_state
 
     from megatron_prune.config import DPOConfig, PruneConfig
@@ -69,10 +76,27 @@ def dpo_grads(
         for chunk in policy:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        outputs, counters = runner.run(step, mine)
+        with forced_join(join):
+            outputs, counters = runner.run(step, mine)
         metrics = reduce_metrics(outputs)
         grads = gather_global_state(policy, source="main_grad")
     return dict(metrics=metrics, counters=counters, grads=grads)
+
+
+@contextlib.contextmanager
+def forced_join(join):
+    """Replace the shared layout's per-pair choice (pruned branch in the training row or not)."""
+    import megatron_prune.dpo.step as step_mod
+
+    if join is None:
+        yield
+        return
+    original = step_mod.pruned_branch_joins_training_row
+    step_mod.pruned_branch_joins_training_row = lambda plan, **kw: join(plan.sample_id) if callable(join) else join
+    try:
+        yield
+    finally:
+        step_mod.pruned_branch_joins_training_row = original
 
 
 def assert_same(ref: dict, got: dict, label: str, *, rtol=1e-5, atol=1e-7) -> None:

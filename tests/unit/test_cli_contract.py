@@ -18,7 +18,7 @@ GRPO_FLAGS = ["--task", "--group-size", "--max-new-tokens", "--std-normalization
 CHOICES = {
     "--optimizer": ["adam", "sgd"], "--lr-decay-style": ["constant", "linear", "cosine"],
     "--data-format": ["auto", "explicit", "hh", "helpsteer3"], "--model-preset": ["tiny", "tiny-tied"],
-    "--device": ["auto", "cuda", "npu", "cpu"], "--prune-preset": ["study"], "--dpo-layout": ["full", "concat"],
+    "--device": ["auto", "cuda", "npu", "cpu"], "--prune-preset": ["study"], "--dpo-layout": ["full", "concat", "shared"],
     "--dpo-logp-reduction": ["mean", "sum"], "--ref-mode": ["online", "precomputed"], "--on-nonfinite": ["stop", "skip"],
 }
 GRPO_CHOICES = {"--task": ["toy", "toy-binary", "gsm8k", "math"], "--dppo-history-score": ["std", "informative"],

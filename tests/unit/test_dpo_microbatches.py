@@ -66,3 +66,95 @@ def test_last_group_holds_the_remainder():
     runner = step_for("concat", mbs=4)
     groups = runner._groups(runner.plan(0, pairs(10)), lambda p: [CHOSEN, REJECTED])
     assert [len(g) for g in groups] == [4, 4, 2]
+
+
+def _plan(prompt, chosen, rejected, *, sample_id=0, prune=OFF, step=0):
+    from megatron_prune.dpo.batch import plan_pair
+
+    return plan_pair(PreferencePair(prompt, chosen, rejected, "mem", sample_id), sample_id=sample_id, step=step,
+                     seed=3, prune=prune)
+
+
+def test_shared_row_layout_positions_and_scored_tokens():
+    """[prompt(3), chosen(2), rejected(3)]: rejected rotates as if it followed the prompt, both first
+    tokens are scored from the prompt's last position, later tokens from their own previous one."""
+    from megatron_prune.model.segments import Segment
+
+    plan = _plan([11, 12, 13], [21, 22], [31, 32, 33])
+    assert row_length([plan], layout="shared", branches=[[CHOSEN, REJECTED]]) == 8
+    assert row_length([plan], layout="concat", branches=[[CHOSEN, REJECTED]]) == 11
+    batch = build_microbatch([plan], branches=[[CHOSEN, REJECTED]], layout="shared", seq_length=10, pad_id=0)
+    assert batch.tokens.tolist() == [[11, 12, 13, 21, 22, 31, 32, 33, 0, 0]]
+    assert batch.position_ids[0, :8].tolist() == [0, 1, 2, 3, 4, 3, 4, 5]
+    assert batch.attention_mask is None
+    assert batch.segments.rows == [[Segment(0, 3), Segment(3, 5, 0, 3), Segment(5, 8, 0, 3)]]
+    # One row: flat index = position; chosen 21 <- 2, 22 <- 3; rejected 31 <- 2, 32 <- 5, 33 <- 6.
+    assert batch.selection.index.tolist() == [2, 3, 2, 5, 6]
+    assert batch.selection.labels.tolist() == [21, 22, 31, 32, 33]
+    assert batch.selection.seq_ids.tolist() == [0, 0, 1, 1, 1]
+    assert [(r.branch, r.num_scored, r.length) for r in batch.responses] == [(CHOSEN, 2, 2), (REJECTED, 3, 3)]
+    assert batch.executed_tokens == 8
+    mask = batch.segments.dense_mask()[0, 0]
+    allowed = {q: [k for k in range(10) if not mask[q, k]] for q in range(8)}
+    assert allowed[4] == [0, 1, 2, 3, 4]  # chosen: prompt + itself
+    assert allowed[6] == [0, 1, 2, 5, 6]  # rejected: prompt + itself, never chosen
+
+
+def test_shared_rows_in_a_microbatch_of_two_and_one_branch_rows():
+    from megatron_prune.model.segments import Segment
+
+    a, b = _plan([1, 2], [3], [4, 5], sample_id=0), _plan([6, 7, 8], [9, 10], [12], sample_id=1)
+    batch = build_microbatch([a, b], branches=[[REJECTED], [CHOSEN, REJECTED]], layout="shared", seq_length=8,
+                             pad_id=0, num_rows=3)
+    assert batch.tokens.tolist() == [[1, 2, 4, 5, 0, 0, 0, 0], [6, 7, 8, 9, 10, 12, 0, 0], [0] * 8]
+    assert batch.segments.rows == [[Segment(0, 4)], [Segment(0, 3), Segment(3, 5, 0, 3), Segment(5, 6, 0, 3)], []]
+    assert batch.position_ids[1, :6].tolist() == [0, 1, 2, 3, 4, 3]
+    # flat index = position * 3 rows + row
+    assert batch.selection.index.tolist() == [1 * 3 + 0, 2 * 3 + 0, 2 * 3 + 1, 3 * 3 + 1, 2 * 3 + 1]
+    assert batch.selection.labels.tolist() == [4, 5, 9, 10, 12]
+
+
+def test_concat_rows_are_independent_segments_with_restarting_positions():
+    from megatron_prune.model.segments import Segment
+
+    plan = _plan([1, 2], [3], [4, 5])
+    batch = build_microbatch([plan], branches=[[CHOSEN, REJECTED]], layout="concat", seq_length=8, pad_id=0)
+    assert batch.attention_mask is None
+    assert batch.segments.rows == [[Segment(0, 3), Segment(3, 7)]]
+    assert batch.position_ids[0, :7].tolist() == [0, 1, 2, 0, 1, 2, 3]
+    assert build_microbatch([plan], branches=[[CHOSEN, REJECTED]], layout="full", seq_length=8,
+                            pad_id=0).segments is None
+
+
+def test_shared_layout_groups_by_prompt_plus_both_responses():
+    runner = step_for("shared", mbs=2)
+    plans = runner.plan(0, pairs(10, seed=2))
+    both = lambda p: [CHOSEN, REJECTED]  # noqa: E731
+    groups = runner._groups(plans, both)
+    lengths = [len(p.prompt) + len(p.responses[0]) + len(p.responses[1]) for g in groups for p in g]
+    assert lengths == sorted(lengths, reverse=True)
+    assert padded_tokens(groups, "shared", both) < padded_tokens(groups, "concat", both)
+
+
+def test_pruned_branch_joins_the_training_row_when_that_is_cheaper():
+    from megatron_prune.dpo.batch import FlopWeights, pruned_branch_joins_training_row
+
+    weights = FlopWeights(body=100.0, attention=1.0, head=50.0)
+    branch = PruneConfig(position_ratio=1.0, seq_min_ratio=1.0, branch=True)
+    long_prompt = _plan([1] * 40, [2] * 5, [3] * 5, prune=branch)
+    short_prompt = _plan([1] * 5, [2] * 40, [3] * 40, prune=branch)
+    assert pruned_branch_joins_training_row(long_prompt, weights=weights)  # prompt again >> backward of 5 tokens
+    assert not pruned_branch_joins_training_row(short_prompt, weights=weights)
+    # The attention term alone decides it too: a long prompt is quadratic to run again.
+    no_body = FlopWeights(body=0.0, attention=1.0, head=0.0)
+    assert pruned_branch_joins_training_row(_plan([1] * 30, [2] * 4, [3] * 4, prune=branch), weights=no_body)
+
+
+def test_shared_layout_without_selective_head_is_refused():
+    from megatron_prune.config import DPOConfig
+
+    settings = DPOStepSettings(dpo=DPOConfig(layout="shared"), prune=PruneConfig(
+        position_ratio=1.0, seq_min_ratio=1.0, branch=False, selective_head=False), seed=0, micro_batch_size=1,
+        pad_id=0)
+    with pytest.raises(ValueError, match="selective head"):
+        DPOStep(settings=settings, policy=[], reference=None, ref_lookup=lambda *a: None)

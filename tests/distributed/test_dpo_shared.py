@@ -1,0 +1,132 @@
+"""The shared DPO layout (one row ``[prompt, chosen, rejected]`` per pair) against the others (gloo).
+
+``shared`` equals ``full`` and ``concat`` — loss, metrics and every gradient, fp32 — with every
+combination of position, sequence and branch pruning, at micro-batch 1 and 2; under branch
+pruning both ways of running the pruned branch (inside the training row with detached log-probs,
+or as its own no-grad row) are forced in turn, and mixed per pair. The parallel layouts (TP=2,
+TP=2+SP, PP=2, PP=2 with virtual stages, DP=2, TP=2 x PP=2) equal the single rank. The shared
+layout against the independent plain-PyTorch reference, and branch pruning's unbiasedness in it,
+are in ``test_dpo_objective.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.dist import run_distributed
+from tests.distributed.dpo_harness import assert_same, dpo_grads
+
+PRUNINGS = dict(position=dict(position_ratio=0.6), sequence=dict(seq_min_ratio=0.5), branch=dict(branch=True))
+
+
+def _mixed(sample_id: int) -> bool:
+    return sample_id % 3 == 0  # joins 0, 3, 6: the separate pass gets a short last microbatch
+
+
+def _combos() -> dict[str, dict]:
+    out = {}
+    for n in range(len(PRUNINGS) + 1):
+        for names in itertools.combinations(PRUNINGS, n):
+            prune = {k: v for name in names for k, v in PRUNINGS[name].items()}
+            out["+".join(names) or "off"] = prune
+    return out
+
+
+COMBOS = _combos()
+JOINS = {"joined": True, "separate": False}
+# (pruning combination, how the pruned branch runs) for every combination; the second only with branch.
+CASES = [(name, None) for name, p in COMBOS.items() if not p.get("branch")] + [
+    (name, join) for name, p in COMBOS.items() if p.get("branch") for join in JOINS]
+PARALLEL_CASES = [("off", None, 2), ("position+sequence+branch", "mixed", 2), ("branch", "joined", 1)]
+LAYOUTS_2 = {
+    "dp2": dict(),
+    "tp2": dict(tensor_model_parallel_size=2),
+    "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "pp2": dict(pipeline_model_parallel_size=2),
+    "pp2-vpp2": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+}
+
+
+def _join(name):
+    return {None: None, "mixed": _mixed, **JOINS}[name]
+
+
+def single_rank_checks() -> dict:
+    out = {"full": {}, "concat": {}, "shared": {}}
+    for name, prune in COMBOS.items():
+        out["full"][name] = dpo_grads(layout="full", prune=prune)
+        out["concat"][name] = dpo_grads(layout="concat", prune=prune)
+    for name, join in CASES:
+        for mbs in (1, 2):
+            out["shared"][(name, join, mbs)] = dpo_grads(layout="shared", prune=COMBOS[name], join=_join(join),
+                                                         micro_batch_size=mbs)
+    name = "position+sequence+branch"
+    out["shared"][(name, "mixed", 2)] = dpo_grads(layout="shared", prune=COMBOS[name], join=_mixed)
+    return out
+
+
+def parallel_checks(layouts: dict) -> dict:
+    return {
+        (layout, name, join, mbs): dpo_grads(layout="shared", parallel=par, prune=COMBOS[name], join=_join(join),
+                                             micro_batch_size=mbs)
+        for layout, par in layouts.items() for name, join, mbs in PARALLEL_CASES
+    }
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return run_distributed(single_rank_checks, 1)[0]
+
+
+@pytest.mark.distributed
+def test_shared_equals_full_and_concat_with_every_pruning(single):
+    for name in COMBOS:
+        assert_same(single["full"][name], single["concat"][name], f"concat/{name}")
+    for (name, join, mbs), got in single["shared"].items():
+        assert_same(single["full"][name], got, f"shared/{name}/{join}/mbs{mbs}")
+
+
+@pytest.mark.distributed
+def test_shared_rows_run_the_prompt_once(single):
+    off = single["shared"][("off", None, 2)]["counters"]
+    concat = single["concat"]["off"]["counters"]
+    full = single["full"]["off"]["counters"]
+    assert concat["policy_tokens"] == full["policy_tokens"]
+    # Both layouts run every response token once; concat runs each prompt twice, shared once.
+    prompts = concat["policy_tokens"] - off["policy_tokens"]
+    assert prompts > 0 and off["ref_tokens"] == concat["ref_tokens"] - prompts
+    assert off["scored_positions"] == concat["scored_positions"]
+
+
+@pytest.mark.distributed
+def test_branch_pruning_runs_the_pruned_branch_where_it_was_told(single):
+    for name in ("branch", "position+sequence+branch"):
+        joined = single["shared"][(name, "joined", 2)]["counters"]
+        separate = single["shared"][(name, "separate", 2)]["counters"]
+        # Joined: no forward-only policy pass, the pruned responses run in the training pass.
+        assert joined["forward_only_tokens"] == joined["ref_tokens"], name
+        assert separate["forward_only_tokens"] > separate["ref_tokens"], name
+        assert joined["train_tokens"] > separate["train_tokens"], name
+        assert joined["policy_tokens"] < separate["policy_tokens"], name  # the prompt ran once per pair
+    mixed = single["shared"][("position+sequence+branch", "mixed", 2)]
+    assert_same(single["full"]["position+sequence+branch"], mixed, "shared/mixed")
+    counters = mixed["counters"]
+    assert counters["ref_tokens"] < counters["forward_only_tokens"]
+
+
+@pytest.mark.distributed
+def test_shared_parallel_layouts_match_single_rank_2_ranks(single):
+    results = run_distributed(parallel_checks, 2, layouts=LAYOUTS_2)[0]
+    assert len(results) == len(LAYOUTS_2) * len(PARALLEL_CASES)
+    for (layout, name, join, mbs), got in results.items():
+        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}")
+
+
+@pytest.mark.distributed
+def test_shared_parallel_layouts_match_single_rank_tp2xpp2(single):
+    par = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    results = run_distributed(parallel_checks, 4, layouts={"tp2xpp2": par})[0]
+    for (layout, name, join, mbs), got in results.items():
+        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}")
