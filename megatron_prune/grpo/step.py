@@ -1,8 +1,8 @@
 """The GRPO training passes on Megatron's schedules: layout, old / reference log-probs, update.
 
 The surviving completions of a rollout (:class:`TrainItem`) are laid out as rows — one
-padded sequence per row, or densely packed (window-based first-fit-decreasing, block-diagonal
-causal masks, restarting position ids) — and run through the selective head, which scores
+padded sequence per row, or densely packed (window-based first-fit-decreasing, one attention
+segment per sequence, restarting position ids) — and run through the selective head, which scores
 exactly the completion tokens. A pass runs only the rows its items need: as few microbatches as
 ``micro_batch_size`` allows with the rows spread evenly over them (never padded up to
 ``micro_batch_size``; under pipeline parallelism every microbatch has the shape of the largest),
@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_prune.data.packing import pack_sequences, pack_tensors
+from megatron_prune.data.packing import pack_sequences, pack_tensors, row_segments
 from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss
+from megatron_prune.model.segments import Segment, SegmentLayout
 from megatron_prune.model.selective_gpt import TokenSelection
 from megatron_prune.training.step import run_schedule
 
@@ -111,18 +112,17 @@ class GRPOMicrobatch:
     tokens: torch.Tensor
     """[b, s]."""
     position_ids: torch.Tensor
-    """[b, s]: restarting at 0 in every packed sequence. Megatron-Core's rotary embedding on the
-    local layer spec takes positions from the row index and ignores these; that is exact here
-    because every sequence sits in its own block-diagonal segment and RoPE is relative within
-    it. A layout that puts a token at a position other than its row offset (a shared prompt)
-    needs per-token rotary positions passed through a seam, and a test that fails without them."""
+    """[b, s]: restarting at 0 in every packed sequence; with ``segments`` the model takes each
+    token's rotary position from here."""
     attention_mask: torch.Tensor | None
-    """[b, 1, s, s] True = masked (packed rows); None = plain causal."""
+    """Always None: plain causal for padded rows; packed rows use ``segments``."""
     selection: TokenSelection
     """Completion-token positions."""
     items: list[TrainItem]
     """Items scored by this microbatch; empty for a placeholder."""
     extras: dict = field(default_factory=dict)
+    segments: SegmentLayout | None = None
+    """Packed rows: one causal segment per sequence (attention computed per sequence, not per row)."""
 
 
 @dataclass
@@ -145,10 +145,6 @@ class Layout:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _causal_mask(length: int) -> torch.Tensor:
-    return ~torch.ones(length, length, dtype=torch.bool).tril()
 
 
 def microbatch_rows(num_rows: int, *, micro_batch_size: int, equal_shapes: bool) -> list[tuple[int, int, int]]:
@@ -220,7 +216,8 @@ def _packed_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple
     if not items:
         return _padded_rows(items, settings=settings, multiple=multiple, equal_shapes=equal_shapes)
     plan = pack_sequences([it.length for it in items], capacity=capacity, window=settings.pack_window)
-    packed = pack_tensors(plan, [torch.tensor(it.prompt + it.completion) for it in items], pad_id=settings.pad_id)
+    packed = pack_tensors(plan, [torch.tensor(it.prompt + it.completion) for it in items], pad_id=settings.pad_id,
+                          with_mask=False)
     # Rows are as long as the fullest row needs (the tail every row leaves empty is not run).
     length = _round_up(max(row.used for row in plan.rows), multiple)
     temperature = _train_temperature(settings)
@@ -229,17 +226,21 @@ def _packed_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple
                                              equal_shapes=equal_shapes):
         tokens = torch.full((rows, length), settings.pad_id, dtype=torch.long)
         position_ids = torch.arange(length).expand(rows, length).clone()
-        mask = _causal_mask(length).expand(rows, 1, length, length).clone()
         tokens[:real] = packed.tokens[start : start + real, :length]
         position_ids[:real] = packed.position_ids[start : start + real, :length]
-        mask[:real] = packed.attention_mask[start : start + real, :, :length, :length]
+        # Placeholder rows (equal shapes under PP) are one causal segment, as a padded row would be.
+        segments = SegmentLayout(
+            rows=[row_segments(row) for row in plan.rows[start : start + real]] + [[Segment(0, length)]] * (rows - real),
+            seq_length=length,
+        )
         placements = [
             (r, offset, items[index])
             for r, row in enumerate(plan.rows[start : start + real])
             for index, offset in zip(row.sequence_indices, row.offsets)
         ]
         selection = _selection(placements, rows, temperature)
-        batches.append(GRPOMicrobatch(tokens, position_ids, mask, selection, [p[2] for p in placements]))
+        batches.append(GRPOMicrobatch(tokens, position_ids, None, selection, [p[2] for p in placements],
+                                      segments=segments))
         slots += rows * length
     return Layout(batches, length, plan.total_tokens, slots, max(b.tokens.shape[0] for b in batches))
 
@@ -255,7 +256,8 @@ def layout_items(items: list[TrainItem], *, settings: GRPOStepSettings, tp: int 
 
 def _forward_step(data_iterator, model):
     batch: GRPOMicrobatch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection)
+    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection,
+                   segments=batch.segments)
     return output, partial(batch.extras["loss_func"], batch)
 
 
@@ -339,6 +341,10 @@ class GRPOStep:
         sums = sum_metrics(outputs, SUMMED + AVERAGED)
         metrics = {name: sums[name][0] for name in SUMMED}
         metrics.update({name: sums[name][0] / sums[name][1] for name in AVERAGED if sums[name][1] > 0})
+        # A MoE policy's router losses: added in this training pass only (collective on every rank).
+        from megatron_prune.model.moe import pop_router_losses
+
+        metrics.update(pop_router_losses(self.policy, num_microbatches=len(layout.batches)))
         return metrics, layout
 
     def _loss(self, batch: GRPOMicrobatch, logps: torch.Tensor, *, scale: float, normaliser: float):
