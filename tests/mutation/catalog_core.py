@@ -129,4 +129,23 @@ MUTANTS: list[dict] = [
         "new": "                pass\n",
         "tests": ["tests/e2e/test_grpo_cli.py::test_dry_run_and_bad_flags"],
     },
+    {
+        "name": "segment-causal-not-offset-by-prefix",
+        "why": "segment attention's causal mask counts key positions from the start of [prefix ; own] "
+               "instead of after the prefix: a response sees the wrong own keys (or too few) whenever "
+               "it has a shared prompt",
+        "file": "megatron_prune/model/segment_attention.py",
+        "old": "            own = j - prefix\n",
+        "new": "            own = j\n",
+        "tests": ["tests/unit/model/test_segment_attention.py::test_random_layouts_equal_dense_reference"],
+    },
+    {
+        "name": "segment-rotary-from-row-index",
+        "why": "with segments the model keeps Megatron's row-index rotary positions: a rejected response "
+               "placed after the chosen one rotates as if it followed chosen, not the prompt",
+        "file": "megatron_prune/model/selective_gpt.py",
+        "old": "        return (out[0], self._per_token_rotary(positions), *out[2:])\n",
+        "new": "        return out\n",
+        "tests": ["tests/distributed/test_segment_attention.py::test_shared_row_equals_separate_rows"],
+    },
 ]
