@@ -14,7 +14,7 @@ import inspect
 import textwrap
 from dataclasses import dataclass, field
 
-MODEL_PRESETS = ("tiny", "tiny-tied")
+MODEL_PRESETS = ("tiny", "tiny-tied", "tiny-moe")
 """Names accepted by --model-preset (megatron_prune.model.arch.PRESETS; kept here so that the flags
 need no model code)."""
 
@@ -51,8 +51,9 @@ class ModelConfig:
     """Where the model comes from and how it is laid out."""
 
     model_preset: str | None = field(default=None, metadata=_flag("--model-preset", choices=MODEL_PRESETS))
-    """Tiny random-weight model (tiny: 4 Qwen3-shaped layers; tiny-tied: the same with tied embeddings),
-    with its bundled tokenizer; identical at every layout."""
+    """Tiny random-weight model (tiny: 4 Qwen3-shaped layers; tiny-tied: the same with tied embeddings;
+    tiny-moe: Qwen3-MoE-shaped, 4 experts top-2, layer 0 dense), with its bundled tokenizer; identical at
+    every layout."""
     hf_model: str | None = field(default=None, metadata=_flag("--hf-model"))
     """Local HF model directory (config.json + safetensors): architecture, weights and tokenizer."""
     tokenizer: str | None = field(default=None, metadata=_flag("--tokenizer"))
@@ -73,6 +74,19 @@ class ModelConfig:
     """Full activation recomputation (trades compute for memory)."""
     use_distributed_optimizer: bool = field(default=False, metadata=_flag("--use-distributed-optimizer"))
     """Shard optimizer state over data-parallel ranks."""
+    expert_model_parallel_size: int = field(default=1, metadata=_flag("--expert-model-parallel-size"))
+    """Expert-parallel ranks of a mixture-of-experts model (Qwen3-MoE): each holds num_experts / EP experts
+    of every MoE layer; must divide the data-parallel size."""
+    moe_token_dispatcher: str = field(
+        default="alltoall", metadata=_flag("--moe-token-dispatcher", choices=("alltoall", "allgather"))
+    )
+    """How a MoE layer sends tokens to the ranks holding their experts (Megatron's token dispatchers)."""
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=_flag("--moe-aux-loss-coeff"))
+    """Router load-balancing loss coefficient of a MoE model, added to the training pass's loss (0 = off);
+    reported as moe_aux_loss."""
+    moe_z_loss_coeff: float = field(default=0.0, metadata=_flag("--moe-z-loss-coeff"))
+    """Router z-loss coefficient of a MoE model, added to the training pass's loss (0 = off); reported as
+    moe_z_loss."""
     device: str = field(default="auto", metadata=_flag("--device", choices=("auto", "cuda", "npu", "cpu")))
     """Accelerator (auto: cuda if present, else npu if present, else cpu)."""
 

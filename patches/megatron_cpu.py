@@ -50,12 +50,25 @@ _cpu(
 )
 
 # --- tensor-parallel communication buffers ---------------------------------------------------
+# gloo all-gathers equal shapes only: an uneven gather (the MoE token dispatchers at TP > 1) is
+# gathered padded to the largest piece, then each piece is copied out.
+_UNEVEN_ALL_GATHER = (
+    "torch.distributed.all_gather(output_tensor_list, input_, group=group)",
+    "_mp_pad = max(output_split_sizes)\n"
+    "        _mp_bufs = [input_.new_empty([_mp_pad] + dim_size[1:]) for _ in output_split_sizes]\n"
+    "        _mp_in = torch.cat([input_, input_.new_zeros([_mp_pad - input_.shape[0]] + dim_size[1:])])\n"
+    "        torch.distributed.all_gather(_mp_bufs, _mp_in.contiguous(), group=group)\n"
+    "        for _mp_out, _mp_buf, _mp_n in zip(output_tensor_list, _mp_bufs, output_split_sizes):\n"
+    "            _mp_out.copy_(_mp_buf[:_mp_n])",
+)
 for _fn in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
     _cpu(
         f"mappings.{_fn}",
         f"megatron.core.tensor_parallel.mappings.{_fn}",
-        "TP collective output buffers are allocated on torch.cuda.current_device()",
+        "TP collective output buffers are allocated on torch.cuda.current_device()"
+        + ("; gloo cannot all-gather uneven pieces" if _fn == "_gather_along_first_dim" else ""),
         (_CUR, "input_.device"),
+        *((_UNEVEN_ALL_GATHER,) if _fn == "_gather_along_first_dim" else ()),
     )
 
 _cpu(
@@ -241,4 +254,47 @@ _cpu(
     "megatron.core.dist_checkpointing.strategies.state_dict_saver.save_state_dict_async_finalize",
     "the save-failure flag is all-reduced in a tensor on the current CUDA device",
     (_CUR, '"cpu"'),
+)
+
+# --- mixture of experts: router and all-to-all token dispatcher ------------------------------------
+_cpu(
+    "Router.gating",
+    "megatron.core.transformer.moe.router.Router.gating",
+    "the router moves CPU-resident weights to the current CUDA device at the first forward",
+    ("if self.weight.device.type == 'cpu':", "if False:"),
+    ("if self.bias is not None and self.bias.device.type == 'cpu':", "if False:"),
+)
+for _fn in ("forward", "backward"):
+    _cpu(
+        f"RouterGatingLinearFunction.{_fn}",
+        f"megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.{_fn}",
+        "without Transformer Engine the router GEMM reads te_general_gemm, which is then never defined",
+        ("te_general_gemm is not None", "False"),
+    )
+_cpu(
+    "mappings._AllToAll.forward",
+    "megatron.core.tensor_parallel.mappings._AllToAll.forward",
+    "the all-to-all-v output buffer is allocated on torch.cuda.current_device()",
+    (_CUR, "input.device"),
+)
+_cpu(
+    "moe_utils.maybe_move_tensor_to_cpu",
+    "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+    "only CUDA tensors become the host-side split sizes (numpy) that all-to-all-v takes",
+    ("if torch.is_tensor(tensor) and tensor.is_cuda:", "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):"),
+)
+_cpu(
+    "MoEAlltoAllTokenDispatcher.__init__",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.__init__",
+    "the all-to-all dispatcher creates a CUDA side stream for its device-to-host copies",
+    ("MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()", "pass"),
+)
+_cpu(
+    "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+    "the split sizes are copied to the host on a CUDA side stream and synchronised with a CUDA event",
+    ("on_side_stream = torch.cuda.current_stream() != self.cuda_dtoh_stream", "on_side_stream = False"),
+    ("with torch.cuda.stream(self.cuda_dtoh_stream):", "if True:"),
+    ("self.d2h_event = self.cuda_dtoh_stream.record_event()", "self.d2h_event = None"),
+    ("self.d2h_event.synchronize()", "pass"),
 )

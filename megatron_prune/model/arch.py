@@ -1,7 +1,7 @@
 """HF-style architecture description of a decoder-only model, and named tiny presets.
 
-One :class:`ModelArch` describes Llama, Mistral, Qwen2/2.5 (qkv bias) and Qwen3 (qk-norm)
-models. It is read from an HF ``config.json``, recorded in our checkpoints, and turned into a
+One :class:`ModelArch` describes Llama, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (qk-norm) and
+Qwen3-MoE (top-k routed experts, no shared experts) models. It is read from an HF ``config.json``, recorded in our checkpoints, and turned into a
 Megatron ``TransformerConfig`` by :mod:`megatron_prune.model.provider`.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(kw_only=True)
@@ -21,13 +21,13 @@ class ModelArch:
     """Architecture of a decoder-only transformer (RMSNorm, SwiGLU, RoPE, GQA)."""
 
     model_type: str = "llama"
-    """HF ``model_type``: llama, mistral, qwen2 or qwen3."""
+    """HF ``model_type``: llama, mistral, qwen2, qwen3 or qwen3_moe."""
     vocab_size: int
     """True vocabulary size (Megatron pads the embedding beyond it; padding is never scored)."""
     hidden_size: int
     """Model width."""
     intermediate_size: int
-    """SwiGLU inner width."""
+    """SwiGLU inner width (of the dense MLP layers of a MoE model)."""
     num_layers: int
     """Number of transformer layers."""
     num_attention_heads: int
@@ -50,6 +50,18 @@ class ModelArch:
     """Bias on the q/k/v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm on per-head queries and keys (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int | None = None
+    """SwiGLU inner width of one expert."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to one (softmax over the chosen experts)."""
+    decoder_sparse_step: int = 1
+    """Layer i (0-based) is a MoE layer when (i + 1) is a multiple of this and i is not in mlp_only_layers."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """0-based layers that keep a dense MLP in a MoE model."""
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -66,10 +78,44 @@ class ModelArch:
             )
         if float(self.rope_theta) != int(self.rope_theta):
             raise ValueError(f"rope_theta {self.rope_theta} is not an integer; Megatron-Core takes an integer rotary base")
+        self._check_moe()
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError("hidden_size must be divisible by num_attention_heads when head_dim is not set")
             self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer_pattern(self) -> list[int]:
+        """Per layer (0-based): 1 for a MoE layer, 0 for a dense MLP (Megatron's moe_layer_freq list)."""
+        if not self.is_moe:
+            return [0] * self.num_layers
+        only = set(self.mlp_only_layers)
+        return [int(i not in only and (i + 1) % self.decoder_sparse_step == 0) for i in range(self.num_layers)]
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        if not self.is_moe:
+            return
+        if self.model_type != "qwen3_moe":
+            raise ValueError(f"num_experts > 0 needs model_type 'qwen3_moe', got {self.model_type!r}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
+            )
+        if not self.moe_intermediate_size or self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are outside 0..{self.num_layers - 1}")
+        if not any(self.moe_layer_pattern()):
+            raise ValueError("num_experts > 0 but decoder_sparse_step and mlp_only_layers leave no MoE layer")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,8 +139,11 @@ class ModelArch:
             )
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu/SwiGLU)")
-        if config.get("num_experts") or config.get("num_local_experts"):
-            raise ValueError(f"{source}: mixture-of-experts models are not supported")
+        if model_type != "qwen3_moe" and (config.get("num_experts") or config.get("num_local_experts")):
+            raise ValueError(
+                f"{source}: mixture-of-experts models are supported as model_type qwen3_moe only, got {model_type!r}"
+            )
+        moe = _moe_fields(config, source) if model_type == "qwen3_moe" else {}
         if model_type == "mistral" and config.get("sliding_window") not in (None, 0):
             max_pos = config.get("max_position_embeddings", 0)
             if config["sliding_window"] < max_pos:
@@ -129,7 +178,8 @@ class ModelArch:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     @classmethod
@@ -139,6 +189,39 @@ class ModelArch:
             raise FileNotFoundError(f"{cfg_path} not found: --hf-model must be an HF model directory")
         with open(cfg_path, encoding="utf-8") as f:
             return cls.from_hf_config(json.load(f), source=cfg_path)
+
+
+# Fields of an HF MoE config that change the model and that Megatron's layer here cannot express.
+_UNSUPPORTED_MOE_FIELDS = {
+    "shared_expert_intermediate_size": "shared experts",
+    "n_shared_experts": "shared experts",
+    "num_shared_experts": "shared experts",
+    "moe_shared_expert_intermediate_size": "shared experts",
+    "n_group": "group-limited routing",
+    "topk_group": "group-limited routing",
+    "first_k_dense_replace": "dense-first layers given as first_k_dense_replace",
+}
+
+
+def _moe_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    for key, what in _UNSUPPORTED_MOE_FIELDS.items():
+        if config.get(key):
+            raise ValueError(f"{source}: {key}={config[key]!r} ({what}) is not supported for MoE models")
+    # transformers 5 writes the expert count as num_local_experts, earlier releases as num_experts.
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts:
+        raise ValueError(f"{source}: a qwen3_moe config needs num_experts > 0")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if config.get(key) in (None, 0):
+            raise ValueError(f"{source}: a qwen3_moe config needs {key}")
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(config.get("decoder_sparse_step", 1) or 1),
+        mlp_only_layers=list(config.get("mlp_only_layers") or []),
+    )
 
 
 _ROPE_SCALING_KEYS = ("rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
@@ -182,6 +265,11 @@ PRESETS: dict[str, ModelArch] = {
 }
 # Same shape with tied embeddings, for the tied-weight paths under PP.
 PRESETS["tiny-tied"] = dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=True)
+# Qwen3-MoE shape: 4 experts, top-2, layer 0 dense (a per-layer mix of dense MLP and MoE).
+PRESETS["tiny-moe"] = dataclasses.replace(
+    PRESETS["tiny"], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+)
 
 
 def get_preset(name: str) -> ModelArch:

@@ -47,6 +47,14 @@ class ParallelConfig:
     """Full activation recomputation of every layer in backward."""
     transformer_engine: bool | None = None
     """Use the Transformer-Engine layer spec; None = when TE imports and the accelerator is a GPU."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel ranks (EP) of a MoE model: each holds num_experts / EP experts of every MoE layer."""
+    moe_token_dispatcher: str = "alltoall"
+    """How tokens reach the experts' ranks: alltoall or allgather (Megatron's token dispatchers)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the router's load-balancing loss, added in training passes only (0 = off)."""
+    moe_z_loss_coeff: float = 0.0
+    """Coefficient of the router's z-loss, added in training passes only (0 = off)."""
 
 
 def use_transformer_engine(parallel: ParallelConfig) -> bool:
@@ -97,6 +105,9 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig) -> Transformer
         deallocate_pipeline_outputs=True,
         init_method_std=0.02,
     )
+    from megatron_prune.model.moe import moe_config_kwargs
+
+    kwargs.update(moe_config_kwargs(arch, parallel, grouped_gemm=use_transformer_engine(parallel)))
     if parallel.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if parallel.virtual_pipeline_model_parallel_size and get_accelerator().kind == "cpu":
@@ -118,7 +129,12 @@ def _local_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int 
     sub = dataclasses.replace(sub, self_attention=attn)
     layer_spec = with_segment_attention(dataclasses.replace(layer_spec, submodules=sub))
     n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * n_local, layer_norm=norm)
+    layer_specs = [layer_spec] * n_local
+    if arch.is_moe:
+        from megatron_prune.model.moe import layer_specs_with_moe
+
+        layer_specs = layer_specs_with_moe(arch, config, layer_spec, vp_stage=vp_stage, n_local=n_local)
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=norm)
 
 
 def _te_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int | None):

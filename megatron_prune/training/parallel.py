@@ -39,6 +39,12 @@ def validate_layout(parallel: ParallelConfig, world_size: int) -> int:
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 2 or pp < 2):
         raise ValueError("--virtual-pipeline-model-parallel-size needs a value >= 2 and pipeline parallelism > 1")
+    ep = parallel.expert_model_parallel_size
+    if ep < 1 or (world_size // (tp * pp)) % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size "
+            f"{world_size // (tp * pp)} (experts are spread over data-parallel ranks)"
+        )
     return world_size // (tp * pp)
 
 
@@ -118,6 +124,7 @@ def initialize_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
     )
     get_accelerator().manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -67,6 +67,10 @@ def parallel_config(model: ModelConfig) -> ParallelConfig:
         sequence_parallel=model.sequence_parallel,
         bf16=model.bf16,
         recompute=model.recompute,
+        expert_model_parallel_size=model.expert_model_parallel_size,
+        moe_token_dispatcher=model.moe_token_dispatcher,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
     )
 
 

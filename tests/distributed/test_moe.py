@@ -1,0 +1,153 @@
+"""Mixture-of-experts (tiny-moe) under expert parallelism: one DPO training step equals the single rank.
+
+Compared on the whole (layout-independent) tensors: the loss, the router's load-balancing and
+z losses, every gradient and every parameter after an Adam step. Routing is drop-less, so every
+layout computes the same function. The router losses count every token of a microbatch,
+padding included, so the step runs one pair per microbatch padded to one common length: then
+every layout runs exactly the same microbatches and the router losses are comparable too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.distributed.dpo_harness import SEED, sample_pairs
+
+AUX, Z = 1e-2, 1e-3
+RTOL, ATOL = 1e-5, 1e-7
+# Longer than every concatenated pair of the sample, so all rows pad to this one length.
+COMMON_LENGTH = 256
+
+LAYOUTS_2 = {"ep2": dict(expert_model_parallel_size=2)}
+LAYOUTS_4 = {
+    "ep2xtp2-sp": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+    "ep2xpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+    "ep2xdp2-distopt": dict(expert_model_parallel_size=2, distopt=True),
+}
+
+
+def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z, corrupt=None) -> dict:
+    """One DPO step on tiny-moe: metrics, whole gradients (None under the distributed optimizer,
+    where each rank holds a slice) and whole parameters after the step."""
+    from megatron.core import parallel_state
+
+    from megatron_prune.config import DPOConfig, PruneConfig
+    from megatron_prune.data.sampler import dp_shard
+    from megatron_prune.dpo.step import DPOStep, DPOStepSettings
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
+    from megatron_prune.training.parallel import model_parallel
+    from megatron_prune.training.step import reduce_metrics
+
+    parallel = dict(parallel or {})
+    distopt = parallel.pop("distopt", False)
+    samples, pad_id = sample_pairs()
+    par = ParallelConfig(**parallel, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+    off = dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False, branch_chosen_prob=0.5, selective_head=True)
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny-moe")
+        policy = setup_model(arch, par, seed=SEED, use_distributed_optimizer=distopt)
+        if corrupt is not None:
+            corrupt(policy)
+        reference = setup_model(arch, par, seed=SEED + 1, trainable=False)
+        # Adam with a large epsilon: smooth in the gradient, so ulp-level gradient differences stay
+        # ulp-level in the parameters (the distributed optimizer supports Adam only).
+        optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=0.01, adam_eps=1e-3, clip_grad=1.0,
+                                                        use_distributed_optimizer=distopt), bf16=False)
+        settings = DPOStepSettings(dpo=DPOConfig(layout="concat"), prune=PruneConfig(**off), seed=SEED,
+                                   micro_batch_size=1, pad_id=pad_id, pad_multiple=COMMON_LENGTH)
+        runner = DPOStep(settings=settings, policy=policy, reference=reference)
+        mine = dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),
+                        dp_size=parallel_state.get_data_parallel_world_size())
+        for chunk in policy:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        outputs, _ = runner.run(0, mine)
+        metrics = reduce_metrics(outputs)
+        grads = None if distopt else gather_global_state(policy, source="main_grad")
+        _, grad_norm, _ = optimizer.step()
+        params = gather_global_state(policy)
+    return dict(metrics=metrics, grad_norm=grad_norm, grads=grads, params=params)
+
+
+def run_layouts(layouts: dict, *, negative_control: bool = False) -> dict:
+    out = {name: moe_dpo_step(parallel=par) for name, par in layouts.items()}
+    if negative_control:
+        out["swapped-experts"] = moe_dpo_step(parallel=LAYOUTS_2["ep2"], corrupt=_swap_two_local_experts)
+    return out
+
+
+def _swap_two_local_experts(model) -> None:
+    """Negative control: expert-parallel rank 1 holds its two experts of the first MoE layer swapped."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_rank() != 1:
+        return
+    layer = next(layer for layer in model[0].module.decoder.layers if hasattr(layer.mlp, "router"))
+    first, second = layer.mlp.experts.local_experts[:2]
+    with torch.no_grad():
+        for a, b in zip(first.parameters(), second.parameters()):
+            tmp = a.detach().clone()
+            a.copy_(b)
+            b.copy_(tmp)
+
+
+def single_rank_checks() -> dict:
+    return dict(main=moe_dpo_step(), no_router_losses=moe_dpo_step(aux=0.0, z=0.0))
+
+
+def assert_same_step(ref: dict, got: dict, label: str) -> None:
+    for name in ("loss", "margin", "moe_aux_loss", "moe_z_loss"):
+        torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=RTOL, atol=ATOL,
+                                   msg=f"{label}: {name}")
+    torch.testing.assert_close(got["grad_norm"], ref["grad_norm"], rtol=RTOL, atol=0, msg=f"{label}: grad norm")
+    for kind in ("grads", "params"):
+        if got[kind] is None:
+            continue
+        assert set(got[kind]) == set(ref[kind]), f"{label}: different {kind} keys"
+        for key, expected in ref[kind].items():
+            actual = got[kind][key]
+            assert not torch.isnan(actual).any(), f"{label}: {kind} {key} has unfilled shards"
+            scale_atol = max(ATOL, RTOL * float(expected.abs().max()))
+            torch.testing.assert_close(actual, expected, rtol=RTOL, atol=scale_atol,
+                                       msg=lambda m: f"{label}: {kind} {key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return run_distributed(single_rank_checks, 1)[0]
+
+
+@pytest.mark.distributed
+def test_single_rank_step_is_a_moe_step(single):
+    """The reference itself: the router losses are reported and reach the router's gradient (and
+    leave the DPO loss alone), and every expert got a gradient."""
+    main, plain = single["main"], single["no_router_losses"]
+    assert main["metrics"]["moe_aux_loss"] > 0 and main["metrics"]["moe_z_loss"] > 0
+    assert "moe_aux_loss" not in plain["metrics"] and plain["metrics"]["loss"] == main["metrics"]["loss"]
+    # Layers 1-3 are MoE layers (layer 0 is dense): fc1 and fc2 of each, stacked over the 4 experts.
+    expert_grads = [g for k, g in main["grads"].items() if ".experts." in k]
+    assert len(expert_grads) == 3 * 2 and all(g.shape[0] == 4 for g in expert_grads)
+    assert all(g[e].abs().max() > 0 for g in expert_grads for e in range(4))
+    router = [k for k in main["grads"] if k.endswith("router.weight")]
+    assert router and all(not torch.equal(main["grads"][k], plain["grads"][k]) for k in router)
+
+
+@pytest.mark.distributed
+def test_expert_parallel_2_ranks_matches_single_rank(single):
+    results = run_distributed(run_layouts, 2, layouts=LAYOUTS_2, negative_control=True)[0]
+    bad = results.pop("swapped-experts")
+    for name, got in results.items():
+        assert_same_step(single["main"], got, name)
+    with pytest.raises(AssertionError):
+        assert_same_step(single["main"], bad, "swapped experts")
+
+
+@pytest.mark.distributed
+def test_expert_parallel_4_ranks_matches_single_rank(single):
+    for name, got in run_distributed(run_layouts, 4, layouts=LAYOUTS_4)[0].items():
+        assert_same_step(single["main"], got, name)
