@@ -69,23 +69,42 @@ def resolve_ref_mode(ref_mode: str | None, lora: LoRAConfig | None, *, ref_load:
     return mode
 
 
-def lora_meta(lora: LoRAConfig | None) -> dict:
-    """What a training checkpoint records about its adapters (empty without LoRA)."""
+def lora_meta(lora: LoRAConfig | None, *, base: dict | None = None) -> dict:
+    """What a training checkpoint records about its adapters and (``base``) where its frozen base
+    weights come from; empty without LoRA. A checkpoint with a recorded base holds no base weights."""
     if lora is None or not lora.enabled:
         return {}
-    return {"lora": {"rank": lora.rank, "alpha": lora.rank * lora.scale, "dropout": lora.dropout,
+    meta = {"lora": {"rank": lora.rank, "alpha": lora.rank * lora.scale, "dropout": lora.dropout,
                      "targets": list(lora.target_names)}}
+    if base is not None:
+        from megatron_prune.model.lora_base import META_KEY
+
+        meta[META_KEY] = base
+    return meta
 
 
-def check_load(load: str | None, lora: LoRAConfig | None) -> None:
-    """Refuse to resume a checkpoint with other adapters than the flags ask for (ValueError)."""
+def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | None = None,
+               model_preset: str | None = None, seed: int = 0) -> dict | None:
+    """The base record of a LoRA run (None without LoRA), checked before any rank works.
+
+    Starting: the base is ``hf_model`` (fingerprinted) or ``model_preset``. Resuming (``load`` is a
+    LoRA checkpoint): the base it records, or ``hf_model`` in its place; it must be found and hold
+    the same weights. Raises ValueError for a missing or mismatched base and for other adapters
+    than the flags ask for.
+    """
+    from megatron_prune.model.lora_base import META_KEY, hf_base, preset_base, resolve_base
+
+    lora_on = lora is not None and lora.enabled
     if not load:
-        return
+        if not lora_on:
+            return None
+        if hf_model:
+            return hf_base(hf_model).to_dict()
+        return preset_base(model_preset, seed=seed).to_dict() if model_preset else None
     from megatron_prune.training.checkpoint import read_meta
 
     meta = read_meta(load)
     recorded = meta.get("lora")
-    lora_on = lora is not None and lora.enabled
     if recorded and not lora_on:
         raise ValueError(f"--load {load} holds LoRA adapters (rank {recorded['rank']}, targets "
                          f"{','.join(recorded['targets'])}); pass the same --lora-rank and --lora-targets to resume it")
@@ -96,3 +115,7 @@ def check_load(load: str | None, lora: LoRAConfig | None) -> None:
         kind = "a full-parameter training checkpoint" if meta.get("has_optimizer") else "a converted model"
         raise ValueError(f"--load {load} is {kind}: LoRA cannot start from it yet; start LoRA from --hf-model "
                          "(or --model-preset)")
+    if not lora_on:
+        return None
+    return resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=hf_model, flag="--hf-model",
+                        preset=model_preset).to_dict()

@@ -3,12 +3,18 @@
     python tools/convert_megatron_to_hf.py --load OUT --hf-out HF2 [--dtype auto|fp32|bf16]
         [--max-shard-size 5GB] [--hf-assets DIR]
     python tools/convert_megatron_to_hf.py --load LORA_CKPT [--hf-out HF2 --merge-lora] [--peft-out DIR]
+        [--base-hf DIR]
 
 Reads the newest complete checkpoint under --load (saved at any layout), one layer at a time,
 and writes config.json (the original one, with its dtype set), model.safetensors (sharded with
 an index when larger than --max-shard-size) and the tokenizer files. The original config and
 tokenizer come from --hf-assets, else from hf_assets/ next to the checkpoint (written by
 convert_hf_to_megatron.py); without either a config.json is made from the recorded architecture.
+
+A LoRA checkpoint holds the adapters alone and records its frozen base (the --hf-model directory
+or the preset it was trained from); both LoRA exports read the base from there, or from
+--base-hf DIR when it has moved. Under --merge-lora the base's config and tokenizer are the
+default assets.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a LoRA checkpoint: write its adapters as a PEFT directory (adapter_config.json + "
                         "adapter_model.safetensors) for the HF base model")
     p.add_argument("--base-hf", default=None,
-                   help="with --peft-out: the HF base model directory recorded as base_model_name_or_path")
+                   help="a LoRA checkpoint: the HF base model directory to use instead of the base the checkpoint "
+                        "records (moved or copied; it must hold the same weights); with --peft-out it is written "
+                        "as base_model_name_or_path")
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="dtype of the written weights; auto keeps the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 4GiB")
@@ -52,25 +60,33 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         parse_size(args.max_shard_size)
+        from megatron_prune.model.lora_base import META_KEY, resolve_base
+        from megatron_prune.model.lora_export import checkpoint_lora, export_merged, export_peft
+        from megatron_prune.training.checkpoint import read_meta
+
+        meta = read_meta(args.load)
+        lora = checkpoint_lora(meta)
+        base = None
+        if lora is not None:
+            if args.hf_out and not args.merge_lora:
+                raise ValueError(f"{args.load} holds LoRA adapters (rank {lora['rank']}): pass --merge-lora to write "
+                                 "merged HF weights, or --peft-out DIR for the adapters alone")
+            # The frozen base is not in a LoRA checkpoint: find it (and check it) before any rank works.
+            base = resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=args.base_hf, flag="--base-hf")
+        elif args.base_hf:
+            raise ValueError(f"--base-hf: {meta['path']} holds no LoRA adapters, so it needs no base model")
         from megatron_prune.training.parallel import initialize_distributed
 
         initialize_distributed()
         files = []
-        from megatron_prune.model.lora_export import checkpoint_lora, export_merged, export_peft
-        from megatron_prune.training.checkpoint import read_meta
-
-        lora = checkpoint_lora(read_meta(args.load))
-        if lora is not None and args.hf_out and not args.merge_lora:
-            raise ValueError(f"{args.load} holds LoRA adapters (rank {lora['rank']}): pass --merge-lora to write "
-                             "merged HF weights, or --peft-out DIR for the adapters alone")
         if args.merge_lora:
             files += export_merged(load_dir=args.load, hf_out=args.hf_out, dtype=args.dtype,
-                                   max_shard_size=args.max_shard_size, hf_assets=args.hf_assets)
+                                   max_shard_size=args.max_shard_size, hf_assets=args.hf_assets, base=base)
         elif args.hf_out:
             files += export_megatron_to_hf(load_dir=args.load, hf_out=args.hf_out, dtype=args.dtype,
                                            max_shard_size=args.max_shard_size, hf_assets=args.hf_assets)
         if args.peft_out:
-            files += export_peft(load_dir=args.load, peft_out=args.peft_out, dtype=args.dtype, base_model=args.base_hf)
+            files += export_peft(load_dir=args.load, peft_out=args.peft_out, dtype=args.dtype, base=base)
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         from megatron_prune.training.session import fail_usage
 

@@ -405,13 +405,14 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     from megatron_prune.lora_config import check_load, lora_meta
 
     try:
-        check_load(ckpt_cfg.load, configs.get("LoRAConfig"))
+        lora_base = check_load(ckpt_cfg.load, configs.get("LoRAConfig"), hf_model=model_cfg.hf_model,
+                               model_preset=model_cfg.model_preset, seed=train_cfg.seed)
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg)
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
-    parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora)
+    parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     reference = None
     if grpo.kl_beta > 0:
         ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load)
@@ -421,7 +422,8 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
 
             reference = adapter_off(parts.model)  # the KL reference: the policy with adapters off
         else:
-            reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)
-    parts.extra_meta.update(lora_meta(lora))
+            reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source,
+                                                lora_base=lora_base)
+    parts.extra_meta.update(lora_meta(lora, base=lora_base))
     objective = build_objective(configs=configs, arch=arch, policy=parts.model, reference=reference, source=source)
     return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg)

@@ -1,8 +1,9 @@
 """Export a LoRA training checkpoint: merged HF weights, or a PEFT adapter directory.
 
-A LoRA checkpoint (``meta.json`` has a ``lora`` entry) holds the frozen base and the adapters
-``<linear>.lora_A`` [r, in] / ``<linear>.lora_B`` [out, r] in Megatron's global layout (saved
-at any TP/PP layout; read one layer at a time).
+A LoRA checkpoint (``meta.json`` has a ``lora`` entry) holds the adapters ``<linear>.lora_A``
+[r, in] / ``<linear>.lora_B`` [out, r] in Megatron's global layout (saved at any TP/PP layout;
+read one layer at a time) and records its frozen base (:mod:`megatron_prune.model.lora_base`),
+which is read from there (an HF directory, or a preset regenerated from its seed).
 
 - merged: ``W + (alpha / r) B A`` for every adapted linear, then the usual Megatron -> HF mapping
   (so the fused QKV and gate/up weights are split after merging);
@@ -43,15 +44,12 @@ def checkpoint_lora(meta: dict) -> dict | None:
     return meta.get("lora")
 
 
-def _split_metadata(metadata: dict) -> tuple[dict, dict]:
-    base = {k: v for k, v in metadata.items() if not k.endswith(ADAPTER_SUFFIXES)}
-    adapters = {k: v for k, v in metadata.items() if k.endswith(ADAPTER_SUFFIXES)}
-    return base, adapters
-
-
-def _open(load_dir: str):
+def _open(load_dir: str, base=None):
+    """Metadata, adapter tensors and the checked base (``base``: a BaseSource found by the caller,
+    else the recorded one) of the newest LoRA checkpoint under ``load_dir``."""
     from megatron.core import dist_checkpointing
 
+    from megatron_prune.model.lora_base import META_KEY, resolve_base
     from megatron_prune.training.checkpoint import read_meta
 
     meta = read_meta(load_dir)
@@ -60,9 +58,11 @@ def _open(load_dir: str):
     if lora is None:
         raise ValueError(f"{ckpt} holds no LoRA adapters (not trained with --lora-rank); export it without "
                          "--merge-lora / --peft-out")
+    if base is None:
+        base = resolve_base(meta.get(META_KEY), ckpt=ckpt, override=None, flag="--base-hf")
     dist_dir = os.path.join(ckpt, "dist")
     metadata = dist_checkpointing.load_tensors_metadata(dist_dir)
-    base, adapters = _split_metadata(metadata)
+    adapters = {k: v for k, v in metadata.items() if k.endswith(ADAPTER_SUFFIXES)}
     for target in lora["targets"]:
         for key in adapter_keys(ADAPTED[target]):
             if key not in adapters:
@@ -70,7 +70,8 @@ def _open(load_dir: str):
     return meta, ckpt, dist_dir, base, adapters, lora
 
 
-def _iter_merged(dist_dir: str, *, metadata: dict, arch: ModelArch, scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_merged(dist_dir: str, *, adapters: dict, arch: ModelArch, scale: float, read_base,
+                 out_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron_prune.model.hf_convert import _load_layer
 
     rules = tensor_rules(arch)
@@ -79,34 +80,40 @@ def _iter_merged(dist_dir: str, *, metadata: dict, arch: ModelArch, scale: float
     steps += [([r for r in rules if r.layered], layer) for layer in range(arch.num_layers)]
     steps += [(head, None)]
     for step_rules, layer in steps:
-        keys = [r.megatron_key for r in step_rules]
-        keys += [k for r in step_rules for k in adapter_keys(r.megatron_key) if k in metadata]
-        tensors = _load_layer(dist_dir, metadata=metadata, keys=keys, layer=layer, num_layers=arch.num_layers)
+        keys = [k for r in step_rules for k in adapter_keys(r.megatron_key) if k in adapters]
+        tensors = (_load_layer(dist_dir, metadata=adapters, keys=keys, layer=layer, num_layers=arch.num_layers)
+                   if keys else {})
         for rule in step_rules:
-            weight = tensors.pop(rule.megatron_key)
+            weight = read_base(rule.megatron_key, layer)
             a_key, b_key = adapter_keys(rule.megatron_key)
             if a_key in tensors:
                 delta = tensors.pop(b_key).double() @ tensors.pop(a_key).double()
-                weight = (weight.double() + scale * delta).to(weight.dtype)
-            yield from hf_tensors(rule, layer=layer, tensor=weight).items()
+                weight = weight.double() + scale * delta
+            yield from hf_tensors(rule, layer=layer, tensor=weight.to(out_dtype)).items()
 
 
 def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
-                  hf_assets: str | None = None) -> list[str]:
+                  hf_assets: str | None = None, base=None) -> list[str]:
     """Write ``base + (alpha/r) B A`` of the newest LoRA checkpoint under ``load_dir`` as an HF
-    model directory ``hf_out``; return its files. Collective (all ranks read, rank 0 writes)."""
-    from megatron_prune.model.hf_convert import _check_checkpoint_tensors, resolve_dtype, write_hf_directory
+    model directory ``hf_out``; return its files. The base weights come from ``base`` (a checked
+    :class:`~megatron_prune.model.lora_base.BaseSource`), else from the base the checkpoint
+    records. ``dtype`` auto keeps the adapters' (the training weights') dtype. Collective (all
+    ranks read, rank 0 writes)."""
+    from megatron_prune.model.hf_convert import find_hf_assets, resolve_dtype, write_hf_directory
+    from megatron_prune.model.lora_base import base_tensor_reader
 
     if os.path.exists(hf_out) and (not os.path.isdir(hf_out) or os.listdir(hf_out)):
         raise ValueError(f"--hf-out {hf_out} exists and is not an empty directory")
-    meta, ckpt, dist_dir, base, adapters, lora = _open(load_dir)
+    meta, ckpt, dist_dir, base, adapters, lora = _open(load_dir, base)
     arch = ModelArch.from_dict(meta["arch"])
-    _check_checkpoint_tensors(base, arch, ckpt)
-    out_dtype = base[EMBED].dtype if dtype == "auto" else resolve_dtype(dtype, config={})
+    out_dtype = next(iter(adapters.values())).dtype if dtype == "auto" else resolve_dtype(dtype, config={})
+    if hf_assets is None and find_hf_assets(ckpt) is None and base.kind == "hf":
+        hf_assets = base.path  # the base's own config and tokenizer
     scale = lora["alpha"] / lora["rank"]
+    merged = _iter_merged(dist_dir, adapters=adapters, arch=arch, scale=scale, out_dtype=out_dtype,
+                          read_base=base_tensor_reader(base, arch=arch))
     return write_hf_directory(hf_out=hf_out, ckpt=ckpt, arch=arch, out_dtype=out_dtype, hf_assets=hf_assets,
-                              max_shard_size=max_shard_size, what=" with merged LoRA adapters",
-                              tensors=_iter_merged(dist_dir, metadata={**base, **adapters}, arch=arch, scale=scale))
+                              max_shard_size=max_shard_size, what=" with merged LoRA adapters", tensors=merged)
 
 
 def peft_tensors(*, dist_dir: str, metadata: dict, arch: ModelArch, targets: list[str]) -> dict[str, torch.Tensor]:
@@ -138,9 +145,10 @@ def peft_target_modules(arch: ModelArch, targets: list[str]) -> list[str]:
     return [n.removesuffix(".weight").rsplit(".", 1)[-1] for n in names]
 
 
-def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base_model: str | None = None) -> list[str]:
+def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base=None) -> list[str]:
     """Write the adapters of the newest LoRA checkpoint under ``load_dir`` as a PEFT directory
-    (``adapter_config.json`` + ``adapter_model.safetensors``). Collective (rank 0 writes)."""
+    (``adapter_config.json`` + ``adapter_model.safetensors``) whose ``base_model_name_or_path``
+    is the HF base (``base``, else the recorded one). Collective (rank 0 writes)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -149,7 +157,7 @@ def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base_model
 
     if os.path.exists(peft_out) and (not os.path.isdir(peft_out) or os.listdir(peft_out)):
         raise ValueError(f"--peft-out {peft_out} exists and is not an empty directory")
-    meta, ckpt, dist_dir, base, adapters, lora = _open(load_dir)
+    meta, ckpt, dist_dir, base, adapters, lora = _open(load_dir, base)
     arch = ModelArch.from_dict(meta["arch"])
     tensors = peft_tensors(dist_dir=dist_dir, metadata=adapters, arch=arch, targets=lora["targets"])
     out_dtype = None if dtype == "auto" else resolve_dtype(dtype, config={})
@@ -167,7 +175,7 @@ def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base_model
         "use_rslora": False,
         "modules_to_save": None,
         "inference_mode": True,
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": base.path if base.kind == "hf" else None,
     }
     if not dist.is_initialized() or dist.get_rank() == 0:
         tmp = peft_out.rstrip("/") + ".tmp"

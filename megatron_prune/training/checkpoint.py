@@ -5,7 +5,9 @@ Layout of a save directory::
     SAVE/latest_checkpointed_iteration.txt   the newest complete iteration (replaced atomically)
     SAVE/iter_0000010/                        one complete checkpoint
         meta.json                             architecture, iteration, format; written last
-        dist/                                 model (+ optimizer) sharded state, any TP x PP x DP
+        dist/                                 model (+ optimizer) sharded state, any TP x PP x DP;
+                                              under LoRA the adapters alone (meta.json's lora_base
+                                              records where the frozen base comes from)
         trainer_state.pt                      data position, sampler/DPPO state, per-rank RNG
 
 A checkpoint is written into ``iter_XXXXXXX.tmp`` and renamed into place only when complete, so
@@ -95,10 +97,27 @@ def _unwrap(chunk):
     return chunk.module if hasattr(chunk, "module") else chunk
 
 
-def _model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
+def _model_sharded_state_dict(model: list[torch.nn.Module], *, adapters_only: bool = False) -> dict[str, Any]:
+    def chunk_state(chunk) -> dict[str, Any]:
+        state = _unwrap(chunk).sharded_state_dict()
+        # A LoRA checkpoint that records its base (lora_base in meta.json) holds the adapters alone.
+        return {k: v for k, v in state.items() if k.endswith((".lora_A", ".lora_B"))} if adapters_only else state
+
     if len(model) == 1:
-        return {"model": _unwrap(model[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+        return {"model": chunk_state(model[0])}
+    return {f"model{i}": chunk_state(chunk) for i, chunk in enumerate(model)}
+
+
+def _check_lora_layout(meta: dict[str, Any], model: list[torch.nn.Module], ckpt: str) -> bool:
+    """True when the checkpoint holds adapters only; refuses LoRA checkpoints for models without adapters."""
+    if not meta.get("lora"):
+        return False
+    from megatron_prune.model.lora import is_lora_model
+
+    if not is_lora_model(model):
+        raise CheckpointError(f"{ckpt} holds LoRA adapters (rank {meta['lora']['rank']}); it can only be loaded "
+                              "into a model with the same --lora-rank and --lora-targets")
+    return "lora_base" in meta
 
 
 # How optimizer state is laid out on disk (recorded in meta.json): a distributed (ZeRO-1)
@@ -214,7 +233,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "dist"))
     _barrier()
-    state = _model_sharded_state_dict(model)
+    assert "lora" not in (extra_meta or {}) or "lora_base" in extra_meta, "a LoRA checkpoint records its base"
+    state = _model_sharded_state_dict(model, adapters_only="lora_base" in (extra_meta or {}))
     if optimizer is not None:
         state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=False)
     dist_checkpointing.save(state, os.path.join(tmp, "dist"))
@@ -280,7 +300,7 @@ def load_checkpoint(
                 f"{'add' if saved == DISTRIBUTED_OPTIMIZER else 'drop'} --use-distributed-optimizer, "
                 "or use --finetune to load weights only"
             )
-    state = _model_sharded_state_dict(model)
+    state = _model_sharded_state_dict(model, adapters_only=_check_lora_layout(meta, model, ckpt))
     if optimizer is not None:
         state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=True)
     loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))

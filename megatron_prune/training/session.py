@@ -126,6 +126,12 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
     assets = os.path.join(ckpt.load or "", "hf_assets")
     if os.path.isdir(assets):
         return assets
+    if ckpt.load:  # a LoRA checkpoint started from --hf-model: the recorded base has the tokenizer
+        from megatron_prune.training.checkpoint import read_meta
+
+        base = read_meta(ckpt.load).get("lora_base") or {}
+        if base.get("kind") == "hf" and os.path.isdir(base.get("path") or ""):
+            return base["path"]
     raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
 
 
@@ -145,9 +151,16 @@ def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
 
 
 def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, *,
-                lora=None) -> TrainingParts:
+                lora=None, lora_base: dict | None = None) -> TrainingParts:
+    """``lora_base``: the checked base record of a LoRA run (``lora_config.check_load``)."""
     if lora is not None and lora.enabled:  # the base is loaded before adapters are added and DDP wraps
-        base = (lambda chunks: load_hf_weights(chunks, model.hf_model, arch)) if model.hf_model else None
+        if lora_base is not None:
+            from megatron_prune.model.lora_base import BaseSource, load_base_weights
+
+            source = BaseSource.from_dict(lora_base)
+            base = lambda chunks: load_base_weights(chunks, source, arch=arch)  # noqa: E731
+        else:
+            base = (lambda chunks: load_hf_weights(chunks, model.hf_model, arch)) if model.hf_model else None
         policy = setup_model(arch, parallel, seed=train.seed, use_distributed_optimizer=model.use_distributed_optimizer,
                              lora=lora, load_base=base)
     else:
@@ -188,13 +201,18 @@ def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str |
 
 
 def build_reference(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig,
-                    source: str | None):
-    """A frozen reference model in the same layout (the starting policy unless ``source``)."""
+                    source: str | None, *, lora_base: dict | None = None):
+    """A frozen reference model in the same layout (the starting policy unless ``source``; under
+    LoRA the starting policy is the recorded base ``lora_base``)."""
     reference = setup_model(arch, parallel, seed=train.seed, trainable=False)
     if source:
         from megatron_prune.training.checkpoint import load_checkpoint
 
         load_checkpoint(source, model=reference, arch=arch)
+    elif lora_base is not None:
+        from megatron_prune.model.lora_base import BaseSource, load_base_weights
+
+        load_base_weights(reference, BaseSource.from_dict(lora_base), arch=arch)
     elif model.hf_model:
         load_hf_weights(reference, model.hf_model, arch)
     return reference

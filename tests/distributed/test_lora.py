@@ -111,12 +111,20 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
         }
         success, grad_norm, _ = optimizer.step()
         after = {k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)}
+        logits = None
         if save_to is not None:
+            from megatron_prune.model.hf_convert import comparison_tokens, megatron_logits
+
+            logits = megatron_logits(policy, comparison_tokens(vocab_size=get_preset("tiny").vocab_size,
+                                                               batch_size=2, seq_length=16, seed=3))
             from megatron_prune.model.lora_export import lora_meta
             from megatron_prune.training.checkpoint import save_checkpoint
 
+            from megatron_prune.model.lora_base import preset_base
+
             save_checkpoint(save_to, iteration=1, model=policy, arch=get_preset("tiny"), optimizer=optimizer,
-                            extra_meta=lora_meta(LoRAConfig(**(lora or LORA))))
+                            extra_meta=lora_meta(LoRAConfig(**(lora or LORA)),
+                                                 base=preset_base("tiny", seed=SEED).to_dict()))
 
         adapter_ids = {id(p) for p in adapters}
         buffered = [p for c in policy for buf in c.buffers for p in buf.params]
@@ -149,7 +157,7 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
                 torch.distributed.all_gather(copies, p.detach().contiguous(), group=tp_group)
                 replicas_agree &= all(torch.equal(c, copies[0]) for c in copies)
     return dict(metrics=metrics, grads=grads, after=after, grad_norm=float(grad_norm), success=success,
-                frozen=frozen, replicas_agree=replicas_agree)
+                frozen=frozen, replicas_agree=replicas_agree, logits=logits)
 
 
 def reference_checks(*, parallel: dict | None = None) -> dict:
@@ -209,10 +217,15 @@ def fresh_dpo_loss() -> dict:
 
 
 def reload(*, path: str, parallel: dict, distopt: bool = False) -> dict:
-    """Adapters of a LoRA checkpoint loaded (with its optimizer state) at another layout."""
+    """A LoRA checkpoint loaded (adapters with their optimizer state) at another layout, on the
+    base rebuilt from the checkpoint's record (the model is built from another seed, so neither
+    base nor adapters can come from the build)."""
+    from megatron_prune.lora_config import check_load
     from megatron_prune.model.arch import get_preset
     from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.hf_convert import comparison_tokens, megatron_logits
     from megatron_prune.model.lora import LoRAConfig
+    from megatron_prune.model.lora_base import BaseSource, load_base_weights
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.checkpoint import load_checkpoint
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
@@ -220,13 +233,29 @@ def reload(*, path: str, parallel: dict, distopt: bool = False) -> dict:
 
     par = ParallelConfig(**parallel)
     arch = get_preset("tiny")
+    base = BaseSource.from_dict(check_load(path, LoRAConfig(**LORA)))
     with model_parallel(par, seed=SEED):
-        policy = setup_model(arch, par, seed=SEED + 5, use_distributed_optimizer=distopt, lora=LoRAConfig(**LORA))
+        policy = setup_model(arch, par, seed=SEED + 5, use_distributed_optimizer=distopt, lora=LoRAConfig(**LORA),
+                             load_base=lambda chunks: load_base_weights(chunks, base, arch=arch))
         optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", use_distributed_optimizer=distopt),
                                     bf16=False)
         meta = load_checkpoint(path, model=policy, arch=arch, optimizer=optimizer)
+        logits = megatron_logits(policy, comparison_tokens(vocab_size=arch.vocab_size, batch_size=2, seq_length=16,
+                                                           seed=3))
         return dict(after={k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)},
-                    lora=meta.get("lora"))
+                    lora=meta.get("lora"), logits=logits)
+
+
+def saved_model_keys(path: str) -> list[str]:
+    """Model tensor keys of the newest checkpoint under ``path`` (optimizer state left out)."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_prune.training.checkpoint import find_latest
+
+    keys = dist_checkpointing.load_tensors_metadata(os.path.join(find_latest(path), "dist"))
+    return sorted(k for k in keys if not k.startswith("optimizer."))
 
 
 LAYOUTS_2 = {
@@ -284,11 +313,15 @@ def export_checks() -> dict:
         lora = setup_model(arch, par, seed=SEED, lora=cfg)
         perturb_adapters(lora)
         base = setup_model(arch, par, seed=SEED, trainable=False)
-        save_checkpoint(d["lora"], iteration=1, model=lora, arch=arch, extra_meta=lora_meta(cfg))
+        from megatron_prune.model.lora_base import preset_base
+
+        # The checkpoint holds the adapters alone; both exports regenerate the recorded preset base.
+        save_checkpoint(d["lora"], iteration=1, model=lora, arch=arch,
+                        extra_meta=lora_meta(cfg, base=preset_base("tiny", seed=SEED).to_dict()))
         save_checkpoint(d["base"], iteration=1, model=base, arch=arch)
         export_megatron_to_hf(load_dir=d["base"], hf_out=d["base_hf"])
         export_merged(load_dir=d["lora"], hf_out=d["merged"])
-        export_peft(load_dir=d["lora"], peft_out=d["peft"], base_model=d["base_hf"])
+        export_peft(load_dir=d["lora"], peft_out=d["peft"])
         shutil.copytree(d["peft"], d["swapped"])
         path = os.path.join(d["swapped"], "adapter_model.safetensors")
         tensors = load_file(path)
@@ -371,6 +404,10 @@ def layouts(which: str) -> dict:
         out["saved:tp2-sp"] = lora_step(parallel=LAYOUTS_2["tp2-sp"]["parallel"], save_to=path)
         out["reloaded:pp2"] = reload(path=path, parallel=dict(pipeline_model_parallel_size=2))
         out["reloaded:dp2"] = reload(path=path, parallel={})
+        out["saved_keys"] = saved_model_keys(path)
+        path = box[0] + "/distopt"
+        out["saved:dp2-distopt"] = lora_step(parallel={}, distopt=True, save_to=path)
+        out["reloaded:tp2-distopt"] = reload(path=path, parallel=dict(tensor_model_parallel_size=2), distopt=True)
         out["ref:tp2-sp"] = reference_checks(parallel=LAYOUTS_2["tp2-sp"]["parallel"])
         for name in ("tp2", "tp2-sp"):
             out[f"dropout:{name}"] = lora_step(parallel=LAYOUTS_2[name]["parallel"], lora={**LORA, "dropout": 0.3})
@@ -459,12 +496,22 @@ def test_lora_step_layouts_match_single_rank_2_ranks(single):
         assert got["replicas_agree"], f"dropout under {name}: replicated adapters diverged over TP"
         assert got["metrics"]["loss"] != pytest.approx(results[name]["metrics"]["loss"], rel=1e-9, abs=0), \
             "dropout changed nothing"
-    # A checkpoint saved at TP=2+SP (adapters and their optimizer state) loads at PP=2 and at DP=2.
-    saved = results["saved:tp2-sp"]["after"]
-    for name in ("reloaded:pp2", "reloaded:dp2"):
-        assert set(results[name]["after"]) == set(saved) and results[name]["lora"]["rank"] == LORA["rank"]
-        for key, value in saved.items():
-            assert torch.equal(results[name]["after"][key], value), f"{name}: {key}"
+    # A checkpoint saved at TP=2+SP (adapters and their optimizer state) loads at PP=2 and at DP=2,
+    # one saved with the distributed optimizer at DP=2 loads at TP=2: the same adapters, and on the
+    # base rebuilt from the recorded preset the same logits as the saved model.
+    for saved_as, reloaded in (("saved:tp2-sp", ("reloaded:pp2", "reloaded:dp2")),
+                               ("saved:dp2-distopt", ("reloaded:tp2-distopt",))):
+        saved = results[saved_as]
+        for name in reloaded:
+            assert set(results[name]["after"]) == set(saved["after"]) and results[name]["lora"]["rank"] == LORA["rank"]
+            for key, value in saved["after"].items():
+                assert torch.equal(results[name]["after"][key], value), f"{name}: {key}"
+            torch.testing.assert_close(results[name]["logits"], saved["logits"], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+    # The checkpoint holds the adapters alone, no base weight.
+    keys = results["saved_keys"]
+    assert keys and all(_is_adapter(k) for k in keys), [k for k in keys if not _is_adapter(k)][:3]
+    assert len(keys) == 2 * 4, keys  # A and B of the four targeted linears (layers stacked per key)
     ref = results["ref:tp2-sp"]
     assert torch.equal(ref["fresh_logits"], ref["base_logits"])
     torch.testing.assert_close(ref["tuned_logits"], single["ref"]["tuned_logits"], rtol=1e-5, atol=1e-5)

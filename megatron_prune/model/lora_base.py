@@ -1,0 +1,202 @@
+"""The frozen base of a LoRA run: where it came from, recorded in checkpoints, and found again.
+
+A LoRA training checkpoint holds the adapters, their optimizer state and the trainer state, not
+the base weights. Its ``meta.json`` records the base under ``lora_base``::
+
+    {"kind": "hf", "path": "/abs/Qwen3-4B", "arch": {...}, "fingerprint": "sha256:..."}
+    {"kind": "preset", "name": "tiny", "seed": 1234, "arch": {...}}
+
+``--load`` rebuilds the base from that record (or from ``--hf-model DIR``), then loads the
+adapters; export does the same (or takes ``--base-hf DIR``). A base that is missing, of another
+architecture, or with other weights (the fingerprint differs) is refused with one message.
+
+The fingerprint of an HF directory does not depend on where it lies or how it is sharded: it
+hashes every tensor's name, dtype and shape and three short samples of its bytes (start,
+middle, end), read straight from the safetensors files (a few hundred small reads).
+
+Importing this module imports no Megatron (it is used while validating flags).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+META_KEY = "lora_base"
+"""The ``meta.json`` entry of a LoRA checkpoint that records its base."""
+SAMPLE_BYTES = 256
+"""Bytes hashed at each of the start, middle and end of every tensor for the fingerprint."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseSource:
+    """Where the frozen base weights of a LoRA run come from."""
+
+    kind: str
+    """``hf`` (an HF model directory) or ``preset`` (a named architecture initialised from a seed)."""
+    arch: dict
+    """The architecture (``ModelArch.to_dict()``) the base must have."""
+    path: str | None = None
+    """``hf``: absolute path of the HF directory."""
+    fingerprint: str | None = None
+    """``hf``: :func:`hf_fingerprint` of the directory's weights."""
+    name: str | None = None
+    """``preset``: the preset name."""
+    seed: int | None = None
+    """``preset``: the seed its weights are initialised from."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("hf", "preset"):
+            raise ValueError(f"unknown LoRA base kind {self.kind!r} (expected hf or preset)")
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.kind == "hf":
+            return {"kind": "hf", "path": self.path, "arch": self.arch, "fingerprint": self.fingerprint}
+        return {"kind": "preset", "name": self.name, "seed": self.seed, "arch": self.arch}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BaseSource":
+        return cls(**{k: data.get(k) for k in ("kind", "arch", "path", "fingerprint", "name", "seed")})
+
+    def describe(self) -> str:
+        if self.kind == "hf":
+            return f"the HF model {self.path}"
+        return f"the preset {self.name!r} (seed {self.seed})"
+
+
+def _safetensors_files(hf_dir: str) -> list[str]:
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return sorted({os.path.join(hf_dir, v) for v in json.load(f).get("weight_map", {}).values()})
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def hf_fingerprint(hf_dir: str) -> str:
+    """A cheap, location- and sharding-independent fingerprint of an HF directory's weights."""
+    entries: list[tuple[str, str, list[int], bytes]] = []
+    for path in _safetensors_files(hf_dir):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            data_start = 8 + header_len
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                samples = b""
+                for at in sorted({begin, max(begin, (begin + end) // 2 - SAMPLE_BYTES // 2),
+                                  max(begin, end - SAMPLE_BYTES)}):
+                    f.seek(data_start + at)
+                    samples += f.read(min(SAMPLE_BYTES, end - at))
+                entries.append((name, info["dtype"], list(info["shape"]), samples))
+    digest = hashlib.sha256()
+    for name, dtype, shape, samples in sorted(entries):
+        digest.update(f"{name}|{dtype}|{shape}|".encode())
+        digest.update(samples)
+    return "sha256:" + digest.hexdigest()
+
+
+def hf_base(hf_dir: str) -> BaseSource:
+    """The base record of an HF directory (architecture read and checked, weights fingerprinted)."""
+    from megatron_prune.model.arch import ModelArch
+
+    return BaseSource(kind="hf", path=os.path.abspath(hf_dir), arch=ModelArch.from_hf_dir(hf_dir).to_dict(),
+                      fingerprint=hf_fingerprint(hf_dir))
+
+
+def preset_base(name: str, *, seed: int) -> BaseSource:
+    from megatron_prune.model.arch import get_preset
+
+    return BaseSource(kind="preset", name=name, seed=seed, arch=get_preset(name).to_dict())
+
+
+def _arch_line(arch: dict) -> str:
+    return f"{arch.get('model_type')}, {arch.get('num_layers')} layers, hidden {arch.get('hidden_size')}"
+
+
+def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: str,
+                 preset: str | None = None) -> BaseSource:
+    """The base recorded by the LoRA checkpoint ``ckpt``, found and checked.
+
+    ``override`` (an HF directory given with ``flag``) replaces the recorded location; it must
+    hold the same weights. Raises ValueError with a sentence naming the recorded base and
+    ``flag`` when the base is missing, of another architecture, or holds other weights.
+    """
+    if not record:
+        raise ValueError(f"{ckpt} holds LoRA adapters but records no base model ({META_KEY} in meta.json); "
+                         "it was saved by an older version that kept the base weights in the checkpoint")
+    recorded = BaseSource.from_dict(record)
+    if preset is not None and (recorded.kind != "preset" or recorded.name != preset):
+        raise ValueError(f"{ckpt}: its adapters were trained on {recorded.describe()}, not on the preset "
+                         f"{preset!r}; drop --model-preset to use the recorded base")
+    if override is None and recorded.kind == "preset":
+        return recorded
+    where = override or recorded.path
+    if not os.path.isfile(os.path.join(where, "config.json")):
+        if override:
+            raise ValueError(f"{flag} {override}: not an HF model directory (no config.json)")
+        raise ValueError(f"{ckpt}: the base model its LoRA adapters were trained on, {recorded.path}, is missing "
+                         f"(moved or deleted); pass the base model directory with {flag} DIR")
+    found = hf_base(where)
+    source = f"{flag} {override}" if override else f"the recorded base {recorded.path}"
+    if found.arch != recorded.arch:
+        raise ValueError(f"{ckpt}: {source} is a different model ({_arch_line(found.arch)}) than the base its "
+                         f"LoRA adapters were trained on ({_arch_line(recorded.arch)}); pass the original base "
+                         f"with {flag} DIR")
+    if recorded.kind != "hf" or found.fingerprint != recorded.fingerprint:
+        was = recorded.describe() if recorded.kind != "hf" else f"{recorded.path} (fingerprint {recorded.fingerprint})"
+        raise ValueError(f"{ckpt}: {source} holds other weights (fingerprint {found.fingerprint}) than the base "
+                         f"its LoRA adapters were trained on, {was}; pass the original base with {flag} DIR")
+    return found
+
+
+def load_base_weights(chunks, source: BaseSource, *, arch) -> None:
+    """Fill the base weights of unwrapped ``chunks`` (this rank's shards) from ``source``."""
+    import torch
+
+    from megatron_prune.model.arch import ModelArch
+
+    assert ModelArch.from_dict(source.arch) == arch, "the base was checked against the architecture"
+    if source.kind == "preset":
+        from megatron_prune.model.init import init_model_chunks
+
+        init_model_chunks(chunks, seed=source.seed)
+        return
+    from megatron_prune.model.hf_convert import HFCheckpoint, fill_model_from_hf
+
+    modules = [c.module if hasattr(c, "module") else c for c in chunks]
+    with torch.no_grad(), HFCheckpoint(source.path) as hf:
+        fill_model_from_hf(modules, hf=hf, arch=arch)
+
+
+def base_tensor_reader(source: BaseSource, *, arch) -> Callable[[str, int | None], Any]:
+    """``read(megatron_key, layer)``: one whole base tensor (one layer of a layered key)."""
+    from megatron_prune.model.hf_mapping import megatron_shapes, megatron_tensor, tensor_rules
+
+    if source.kind == "preset":
+        from megatron_prune.model.init import _global_init
+
+        shapes = megatron_shapes(arch)
+
+        def read_preset(key: str, layer: int | None):
+            shape = shapes[key][1:] if layer is not None else shapes[key]
+            return _global_init(key, tuple(shape), source.seed, () if layer is None else (layer,))
+
+        return read_preset
+    from megatron_prune.model.hf_convert import HFCheckpoint
+
+    rules = {r.megatron_key: r for r in tensor_rules(arch)}
+    hf = HFCheckpoint(source.path)
+
+    def read_hf(key: str, layer: int | None):
+        return megatron_tensor(rules[key], layer=layer, hf=hf)
+
+    return read_hf

@@ -1,0 +1,115 @@
+"""The recorded base of a LoRA checkpoint: fingerprint, and finding it again at --load / export.
+
+The checkpoints here are meta.json files only (what ``check_load`` and ``resolve_base`` read);
+loading adapters onto the rebuilt base is tested in tests/distributed/test_lora.py and through
+the CLI in tests/e2e/test_lora_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from megatron_prune.lora_config import LoRAConfig, check_load, lora_meta
+from megatron_prune.model.lora_base import BaseSource, hf_base, hf_fingerprint, preset_base, resolve_base
+from tests.unit.model.hf_models import make_hf_model
+
+LORA = LoRAConfig(rank=4)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    return make_hf_model("qwen2", str(tmp_path_factory.mktemp("base") / "hf"), seed=1)
+
+
+def _lora_checkpoint(root, base: dict | None) -> str:
+    """A save directory whose one checkpoint's meta.json records ``base`` (no tensors needed here)."""
+    from megatron_prune.training.checkpoint import FORMAT, META, TRACKER, iteration_dir
+
+    arch = base["arch"] if base else preset_base("tiny", seed=0).arch
+    ckpt = iteration_dir(str(root), 3)
+    os.makedirs(os.path.join(ckpt, "dist"))
+    meta = {"format": FORMAT, "iteration": 3, "arch": arch, "has_optimizer": True, **lora_meta(LORA, base=base)}
+    with open(os.path.join(ckpt, META), "w") as f:
+        json.dump(meta, f)
+    with open(os.path.join(str(root), TRACKER), "w") as f:
+        f.write("3")
+    return ckpt
+
+
+def test_fingerprint_ignores_location_and_sharding_but_not_weights(hf_dir, tmp_path):
+    moved = shutil.copytree(hf_dir, tmp_path / "moved")
+    resharded = make_hf_model("qwen2", str(tmp_path / "sharded"), seed=1, max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(resharded, "model.safetensors.index.json"))
+    other = make_hf_model("qwen2", str(tmp_path / "other"), seed=2)
+    fp = hf_fingerprint(hf_dir)
+    assert fp.startswith("sha256:")
+    assert hf_fingerprint(str(moved)) == fp
+    assert hf_fingerprint(resharded) == fp
+    assert hf_fingerprint(other) != fp
+
+
+def test_starting_run_records_the_absolute_hf_path_or_the_preset(hf_dir, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(hf_dir))
+    record = check_load(None, LORA, hf_model=os.path.basename(hf_dir))
+    assert record["kind"] == "hf" and record["path"] == hf_dir and os.path.isabs(record["path"])
+    assert record["fingerprint"] == hf_fingerprint(hf_dir) and record["arch"]["model_type"] == "qwen2"
+    assert check_load(None, LORA, model_preset="tiny", seed=7) == preset_base("tiny", seed=7).to_dict()
+    assert check_load(None, LoRAConfig(), hf_model=hf_dir) is None
+
+
+def test_resume_finds_the_recorded_base_or_the_override(hf_dir, tmp_path):
+    root = tmp_path / "ckpt"
+    _lora_checkpoint(root, hf_base(hf_dir).to_dict())
+    assert check_load(str(root), LORA) == hf_base(hf_dir).to_dict()
+    copy = str(shutil.copytree(hf_dir, tmp_path / "copy"))
+    assert check_load(str(root), LORA, hf_model=copy)["path"] == copy
+
+
+def test_moved_base_is_one_clear_error_naming_the_path_and_the_flag(hf_dir, tmp_path):
+    moved = str(shutil.copytree(hf_dir, tmp_path / "was_here"))
+    root = tmp_path / "ckpt"
+    ckpt = _lora_checkpoint(root, hf_base(moved).to_dict())
+    shutil.rmtree(moved)
+    with pytest.raises(ValueError) as err:
+        check_load(str(root), LORA)
+    assert moved in str(err.value) and "--hf-model DIR" in str(err.value) and "missing" in str(err.value)
+    # Export names its own override flag.
+    with pytest.raises(ValueError) as err:
+        resolve_base(json.load(open(os.path.join(ckpt, "meta.json")))["lora_base"], ckpt=ckpt, override=None,
+                     flag="--base-hf")
+    assert moved in str(err.value) and "--base-hf DIR" in str(err.value)
+    # The override puts it right.
+    assert resolve_base(hf_base(hf_dir).to_dict(), ckpt=ckpt, override=hf_dir, flag="--base-hf").path == hf_dir
+
+
+def test_base_of_another_architecture_or_with_other_weights_is_refused(hf_dir, tmp_path):
+    ckpt = _lora_checkpoint(tmp_path / "ckpt", hf_base(hf_dir).to_dict())
+    record = hf_base(hf_dir).to_dict()
+    llama = make_hf_model("llama", str(tmp_path / "llama"), seed=1)
+    with pytest.raises(ValueError, match="is a different model .*llama.* than the base .*qwen2"):
+        resolve_base(record, ckpt=ckpt, override=llama, flag="--base-hf")
+    retrained = make_hf_model("qwen2", str(tmp_path / "retrained"), seed=5)
+    with pytest.raises(ValueError, match="holds other weights"):
+        resolve_base(record, ckpt=ckpt, override=retrained, flag="--hf-model")
+    with pytest.raises(ValueError, match="not an HF model directory"):
+        resolve_base(record, ckpt=ckpt, override=str(tmp_path), flag="--hf-model")
+
+
+def test_preset_base_is_rebuilt_from_its_name_and_seed(tmp_path):
+    record = preset_base("tiny", seed=11).to_dict()
+    _lora_checkpoint(tmp_path / "ckpt", record)
+    assert check_load(str(tmp_path / "ckpt"), LORA) == record
+    assert check_load(str(tmp_path / "ckpt"), LORA, model_preset="tiny", seed=99) == record  # the recorded seed
+    with pytest.raises(ValueError, match="not on the preset 'tiny-tied'"):
+        check_load(str(tmp_path / "ckpt"), LORA, model_preset="tiny-tied")
+    assert BaseSource.from_dict(record).describe() == "the preset 'tiny' (seed 11)"
+
+
+def test_checkpoint_without_a_base_record_is_refused(tmp_path):
+    _lora_checkpoint(tmp_path / "ckpt", None)
+    with pytest.raises(ValueError, match="records no base model"):
+        check_load(str(tmp_path / "ckpt"), LORA)
