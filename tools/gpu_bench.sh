@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (sized for one H200): the DPO pruning benchmark at the two GPU
-# presets, then the GPU-marked tests. Everything lands in $OUT (default ./bench_out):
-#   qwen3-0.6b.{json,png,log}, qwen3-4b-slice.{json,png,log}, pytest-gpu.log, env.txt, summary.txt
-# Budget: under 8 minutes in all (each step has its own timeout; bench_dpo rewrites its JSON after
+# presets, the Qwen3-4B slice again with LoRA rank 64 (the study's configuration), then the
+# GPU-marked tests. Everything lands in $OUT (default ./bench_out):
+#   qwen3-0.6b.{json,png,log}, qwen3-4b-slice.{json,png,log}, qwen3-4b-slice-lora64.{json,png,log},
+#   pytest-gpu.log, env.txt, summary.txt
+# Budget: under 11 minutes in all (each step has its own timeout; bench_dpo rewrites its JSON after
 # every mode, so a step cut short still leaves the modes it finished).
 #
 #   bash tools/gpu_bench.sh                 # from the repository root
@@ -51,5 +53,10 @@ run qwen3-0.6b 230 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --memory
 run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --warmup 1 --steps 3 --memory-steps 1 --timeout 80 \
   --modes concat branch position_branch sequence selective full \
   --json "$OUT/qwen3-4b-slice.json" --plot "$OUT/qwen3-4b-slice.png"
+# The same slice with LoRA rank 64 on every linear and the adapter-off reference; bench_dpo then
+# runs full-parameter concat once more for the memory comparison (total_mem_ratio_vs_full_param).
+run qwen3-4b-slice-lora64 190 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --lora-rank 64 --warmup 1 --steps 3 --memory-steps 1 --timeout 70 \
+  --modes concat branch position_branch position \
+  --json "$OUT/qwen3-4b-slice-lora64.json" --plot "$OUT/qwen3-4b-slice-lora64.png"
 run pytest-gpu 60 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider
 echo "results in $OUT:"; ls -l "$OUT"
