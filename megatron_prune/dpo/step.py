@@ -255,6 +255,7 @@ class DPOStep:
                     )[0]
                     for key, val in pruned_logps.items()
                 }
+
         def branches_of(p: PlannedPair) -> list[int]:
             if not self.s.prune.branch:
                 return [CHOSEN, REJECTED]

@@ -1,10 +1,11 @@
 """The DPO objective as ``DPOStep`` computes it, against an independent plain-PyTorch reference.
 
-- Pruning off: loss and every gradient equal the reference (``dpo_reference``) in both layouts,
-  both reductions, micro-batch 1 and 2.
+- Pruning off: loss and every gradient equal the reference (``dpo_reference``) in every layout
+  (full, concat, shared), both reductions, micro-batch 1 and 2.
 - Estimators through the real step: branch pruning's gradient, enumerated over every kept-branch
   pattern with the real ``plan()`` and weighted by each pattern's probability, equals the
-  unpruned gradient (q = 0.3 and 0.5); position pruning's reward estimate, enumerated over the
+  unpruned gradient (q = 0.3 and 0.5), in the concat layout and in the shared layout (with some
+  pairs running their pruned branch inside the training row and some in their own pass); position pruning's reward estimate, enumerated over the
   position subsets the trainer scores, equals the full-response log-ratio. Draws are controlled
   only at the draw functions of ``megatron_prune.sampling``.
 - Draw frequencies: the branch draw keeps chosen at rate q; the position draw keeps
@@ -29,7 +30,7 @@ BETA = 0.7
 PRUNE_OFF = dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False, branch_chosen_prob=0.5, selective_head=True)
 REFERENCE_CASES = [
     dict(layout=layout, reduction=reduction, micro_batch_size=mbs)
-    for layout in ("full", "concat") for reduction in ("mean", "sum") for mbs in (1, 2)
+    for layout in ("full", "concat", "shared") for reduction in ("mean", "sum") for mbs in (1, 2)
 ] + [dict(layout="concat", reduction="mean", micro_batch_size=2, selective_head=False)]
 ENUM_PAIRS = 4  # 2**4 branch patterns per q
 
@@ -183,10 +184,16 @@ def test_pruning_off_equals_independent_reference(reference_results, index):
 
 
 # -- 3a. branch pruning: unbiased by enumeration through the real plan() ---------------------------
-def branch_enumeration(q_values: tuple[float, ...]) -> dict:
+ENUM_LAYOUTS = {"concat": None, "shared": [0, 3]}  # layout: sample ids whose pruned branch joins the training row
+
+
+def branch_enumeration(q_values: tuple[float, ...], layout: str = "concat") -> dict:
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.parallel import model_parallel
+    from tests.distributed.dpo_harness import forced_join
 
+    joined = ENUM_LAYOUTS[layout]
+    join = None if joined is None else (lambda sid: sid in joined)
     samples = sample_pairs()[0][:ENUM_PAIRS]
     fixed = dict(position_ratio=0.6, seq_min_ratio=0.5)  # real position/prefix draws, the same in every pattern
     out = {}
@@ -194,12 +201,12 @@ def branch_enumeration(q_values: tuple[float, ...]) -> dict:
         _, policy, reference = _models()
         full = _step(_runner(policy, reference, **fixed), policy, samples)
         for q in q_values:
-            runner = _runner(policy, reference, **fixed, branch=True, branch_chosen_prob=q)
+            runner = _runner(policy, reference, layout=layout, **fixed, branch=True, branch_chosen_prob=q)
             expectation: dict[str, torch.Tensor] = {}
             total_prob, losses, draws = 0.0, [], 0
             for pattern in itertools.product((True, False), repeat=ENUM_PAIRS):
                 keep = {sid: k for (sid, _), k in zip(samples, pattern)}
-                with forced_branch_draws(keep, q=q) as calls:
+                with forced_branch_draws(keep, q=q) as calls, forced_join(join):
                     got = _step(runner, policy, samples)
                 draws += calls["branch"]
                 prob = math.prod(q if k else 1.0 - q for k in pattern)
@@ -212,9 +219,10 @@ def branch_enumeration(q_values: tuple[float, ...]) -> dict:
 
 
 @pytest.mark.distributed
-def test_branch_pruning_is_unbiased_through_the_step():
+@pytest.mark.parametrize("layout", list(ENUM_LAYOUTS))
+def test_branch_pruning_is_unbiased_through_the_step(layout):
     qs = (0.3, 0.5)
-    res = run_distributed(branch_enumeration, 1, q_values=qs)[0]
+    res = run_distributed(branch_enumeration, 1, q_values=qs, layout=layout)[0]
     from tests.distributed.dpo_reference import assert_grads_close
 
     for q in qs:

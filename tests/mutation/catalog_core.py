@@ -80,8 +80,8 @@ MUTANTS: list[dict] = [
         "why": "a concat row (chosen and rejected packed together) is masked causally over the whole row, "
                "so the rejected sequence attends to the chosen one",
         "file": "megatron_prune/dpo/batch.py",
-        "old": "mask[row, 0, start:end, start:end] = ~torch.ones(len(seq), len(seq), dtype=torch.bool).tril()\n",
-        "new": "mask[row, 0, start:end, :end] = ~torch.ones(len(seq), end, dtype=torch.bool).tril(start)\n",
+        "old": "segment_rows[row].append(Segment(start, end))\n",
+        "new": "segment_rows[row].append(Segment(start, end, 0, start))\n",
         "tests": ["tests/unit/test_core_invariants.py::test_concat_rows_mask_each_sequence_from_the_others"],
     },
     {

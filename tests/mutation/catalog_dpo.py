@@ -7,11 +7,14 @@ from __future__ import annotations
 
 OBJECTIVE = "tests/distributed/test_dpo_objective.py"
 REFERENCE = f"{OBJECTIVE}::test_pruning_off_equals_independent_reference"
-BRANCH = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step"
+BRANCH = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[concat]"
+BRANCH_SHARED = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[shared]"
 POSITION = f"{OBJECTIVE}::test_position_pruning_reward_estimate_is_unbiased_through_the_step"
 STRUCTURE = f"{OBJECTIVE}::test_branch_pruning_saves_compute_by_structure"
 BRANCH_RATE = f"{OBJECTIVE}::test_branch_draw_keeps_chosen_at_rate_q"
 LOSS_UNIT = "tests/unit/test_dpo_loss.py"
+SHARED_UNIT_FILE = "tests/unit/test_dpo_microbatches.py"
+SHARED_UNIT = f"{SHARED_UNIT_FILE}::test_shared_row_layout_positions_and_scored_tokens"
 
 MUTANTS: list[dict] = [
     {
@@ -138,8 +141,51 @@ MUTANTS: list[dict] = [
         "name": "dpo-pruned-branch-in-training-pass",
         "why": "the training pass runs both branches again under branch pruning (same loss, the compute saving is lost)",
         "file": "megatron_prune/dpo/step.py",
-        "old": "branches_of = (lambda p: [p.kept_branch]) if self.s.prune.branch else",
-        "new": "branches_of = (lambda p: [CHOSEN, REJECTED]) if self.s.prune.branch else",
+        "old": "if p.sample_id in joined else [p.kept_branch]",
+        "new": "if p.sample_id in joined else [p.kept_branch, 1 - p.kept_branch]",
         "tests": [STRUCTURE],
+    },
+    # -- the shared layout [prompt, chosen, rejected] ------------------------------------------------
+    {
+        "name": "dpo-shared-rejected-positions-continue-after-chosen",
+        "why": "rejected's position ids continue after chosen (P+C ...) instead of from the prompt's end: "
+               "rotary embeddings see rejected at the wrong distance from the prompt",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "positions += range(prompt, prompt + len(response))",
+        "new": "positions += range(start, start + len(response))",
+        "tests": [SHARED_UNIT, f"{REFERENCE}[shared-mean-2]"],
+    },
+    {
+        "name": "dpo-shared-rejected-first-token-from-chosen",
+        "why": "rejected's first token is scored from chosen's last position instead of the prompt's last",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "positions = torch.where(scored == 0, len(plan.prompt) - 1, start + scored - 1)",
+        "new": "positions = start + scored - 1",
+        "tests": [SHARED_UNIT, f"{REFERENCE}[shared-mean-2]"],
+    },
+    {
+        "name": "dpo-shared-rejected-sees-chosen",
+        "why": "rejected's prefix runs up to its own start, so it attends to chosen as well as the prompt",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "segments.append(Segment(start, start + len(response), 0, prompt))",
+        "new": "segments.append(Segment(start, start + len(response), 0, start))",
+        "tests": [SHARED_UNIT, f"{REFERENCE}[shared-mean-2]"],
+    },
+    {
+        "name": "dpo-shared-joined-pruned-branch-not-detached",
+        "why": "a pruned branch run inside the training row keeps its gradient: branch pruning's gradient is "
+               "no longer the unbiased 1/q-weighted kept branch",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "value = value.detach()  # a pruned response run inside the training row",
+        "new": "value = value  # a pruned response run inside the training row",
+        "tests": [BRANCH_SHARED],
+    },
+    {
+        "name": "dpo-shared-join-choice-inverted",
+        "why": "the pruned branch joins the training row exactly when that costs more than running it apart",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "return pruned_backward < prompt_again",
+        "new": "return pruned_backward > prompt_again",
+        "tests": [f"{SHARED_UNIT_FILE}::test_pruned_branch_joins_the_training_row_when_that_is_cheaper"],
     },
 ]

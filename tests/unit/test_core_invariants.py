@@ -24,15 +24,17 @@ def test_concat_rows_mask_each_sequence_from_the_others():
     seq_length = 16
     batch = build_microbatch(plans, branches=[[CHOSEN, REJECTED]] * 2, layout="concat", seq_length=seq_length,
                              pad_id=0)
-    assert batch.attention_mask.shape == (2, 1, seq_length, seq_length)
+    assert batch.attention_mask is None  # attention follows the segments
+    mask = batch.segments.dense_mask()
+    assert mask.shape == (2, 1, seq_length, seq_length)
     for row, plan in enumerate(plans):
         lengths = [len(plan.prompt) + len(plan.responses[b]) for b in (CHOSEN, REJECTED)]
         segment = [0] * lengths[0] + [1] * lengths[1] + [2] * (seq_length - sum(lengths))  # 2 = padding
         positions = list(range(lengths[0])) + list(range(lengths[1]))
         for q in range(seq_length):
             for k in range(seq_length):
-                allowed = segment[q] == segment[k] and k <= q
-                assert bool(batch.attention_mask[row, 0, q, k]) is not allowed, (row, q, k)
+                allowed = segment[q] == segment[k] and (k <= q if segment[q] < 2 else k == q)  # padding: itself
+                assert bool(mask[row, 0, q, k]) is not allowed, (row, q, k)
         assert batch.position_ids[row, : sum(lengths)].tolist() == positions
         assert torch.equal(batch.tokens[row, : sum(lengths)],
                            torch.tensor(plan.prompt + plan.responses[CHOSEN] + plan.prompt + plan.responses[REJECTED]))
