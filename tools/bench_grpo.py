@@ -22,7 +22,13 @@ filter            after rollout, every group whose rewards are all equal (DAPO-s
                   dynamic sampling without refill), no weights, dense packing
 cppo              in each group, the round(r_o G) completions with the smallest |A|   biased
                   (CPPO-style), no weights, dense packing
+grpo_shared       grpo with --shared-prompt: each group's completions behind one      unbiased
+                  prompt copy (exact: grpo's run on fewer training-pass tokens)
+dppo_shared       dppo with --shared-prompt (several groups per packed row)           unbiased
 ================  ==================================================================  ========
+
+The ``*_shared`` modes run only when asked for (``--modes``); the table's ``train tok`` column
+is the training-pass tokens relative to ``grpo``'s, ``train s`` the training-pass time.
 
 ``filter`` and ``cppo`` are benchmark baselines: this tool swaps the objective's pruner for a
 deterministic keep rule (keep probability 1, so weight 1); nothing in the trainer changes.
@@ -65,7 +71,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("grpo", "dppo", "dppo_completion", "dppo_prompt", "filter", "cppo")
+MODES = ("grpo", "dppo", "dppo_completion", "dppo_prompt", "filter", "cppo", "grpo_shared", "dppo_shared")
+SHARED_SUFFIX = "_shared"
 TASKS = ("toy", "toy-binary", "gsm8k")
 PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_time_s", "optimizer_time_s")
 
@@ -73,7 +80,7 @@ PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_ti
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=TASKS, default="toy")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+    p.add_argument("--modes", nargs="+", choices=MODES, default=[m for m in MODES if not m.endswith(SHARED_SUFFIX)],
                    help="modes to run (grpo is always added: it is the baseline)")
     p.add_argument("--seeds", type=int, default=3, help="seeds (policy initialisation, prompts and draws)")
     p.add_argument("--seed", type=int, default=1234, help="first seed; seeds are seed, seed+1, ...")
@@ -208,11 +215,14 @@ class SmallestAdvantageDrop(_KeepAll):
 def dppo_args(mode: str, args):
     from megatron_prune.grpo.config import DPPOArgs
 
+    shared = mode.endswith(SHARED_SUFFIX)
+    mode = mode.removesuffix(SHARED_SUFFIX)
     rates = {"grpo": (0.0, 0.0), "dppo": (args.prompt_rate, args.completion_rate),
              "dppo_completion": (0.0, args.completion_rate), "dppo_prompt": (args.prompt_rate, 0.0),
              "filter": (0.0, 0.0), "cppo": (0.0, 0.0)}[mode]
     extra = {"sampling": args.dppo_sampling} if args.dppo_sampling else {}
-    return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo", **extra)
+    return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo",
+                    shared_prompt=shared, **extra)
 
 
 # --------------------------------------------------------------------------------------- worker
@@ -378,7 +388,7 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
             records_eval0["heldout_reward"] = heldout_reward(objective, heldout, args)
         for step in range(max_steps):
             extra: dict = {}
-            if args.grad_variance and mode != "grpo" and step % args.grad_variance_every == 0:
+            if args.grad_variance and mode not in ("grpo", "grpo_shared") and step % args.grad_variance_every == 0:
                 extra.update(gradient_variance(objective, rule=objective.pruner, step=step, draws=args.grad_variance))
             for chunk in policy:
                 chunk.zero_grad_buffer()

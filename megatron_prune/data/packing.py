@@ -16,9 +16,7 @@ every window closes its rows, so a row holds only sequences from one window (a
 streaming packer that can emit rows as soon as a window is placed).
 
 For a packed row the helpers build the token tensor, position ids that restart at each
-sequence, its :class:`~megatron_prune.model.segments.Segment` list (one prefix-less segment
-per sequence: what segment attention computes, at the cost of the sequences rather than of
-the row), a block-diagonal causal attention mask (``True`` = masked, Megatron's
+sequence, a block-diagonal causal attention mask (``True`` = masked, Megatron's
 convention), ``cu_seqlens`` for THD / ``PackedSeqParams``, and map per-token outputs
 back to per-sequence order. The padding at the end of a row is treated as one extra
 segment that attends only to itself, so no query row of the mask is fully masked (a
@@ -32,8 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_prune.model.segments import Segment
-
 __all__ = [
     "PackedRow",
     "PackingPlan",
@@ -42,7 +38,6 @@ __all__ = [
     "row_segment_ids",
     "row_position_ids",
     "row_attention_mask",
-    "row_segments",
     "row_cu_seqlens",
     "build_row_tokens",
     "pack_tensors",
@@ -215,11 +210,6 @@ def row_attention_mask(row: PackedRow) -> torch.Tensor:
     return ~(same_segment & causal)
 
 
-def row_segments(row: PackedRow) -> list[Segment]:
-    """One causal segment per sequence of the row (the trailing padding is covered by none)."""
-    return [Segment(offset, offset + length) for offset, length in zip(row.offsets, row.lengths)]
-
-
 def row_cu_seqlens(row: PackedRow, *, include_padding: bool = False) -> torch.Tensor:
     """Int32 cumulative sequence lengths ``[0, l_0, l_0 + l_1, ...]`` for THD attention.
 
@@ -254,26 +244,23 @@ class PackedBatch:
     """``[rows, capacity]`` packed tokens, padded with ``pad_id``."""
     position_ids: torch.Tensor
     """``[rows, capacity]`` positions restarting at every sequence."""
-    attention_mask: torch.Tensor | None
-    """``[rows, 1, capacity, capacity]`` bool, True = masked; None when not asked for."""
+    attention_mask: torch.Tensor
+    """``[rows, 1, capacity, capacity]`` bool, True = masked."""
     segment_ids: torch.Tensor
     """``[rows, capacity]`` slot of the sequence in its row, -1 at padding."""
     valid: torch.Tensor
     """``[rows, capacity]`` bool, True at real tokens."""
 
 
-def pack_tensors(
-    plan: PackingPlan, sequences: Sequence[torch.Tensor], *, pad_id: int = 0, with_mask: bool = True
-) -> PackedBatch:
-    """Build the packed tensors of ``plan`` from the per-sequence tensors (without the
-    ``capacity^2`` masks when ``with_mask`` is False: segment attention does not need them)."""
+def pack_tensors(plan: PackingPlan, sequences: Sequence[torch.Tensor], *, pad_id: int = 0) -> PackedBatch:
+    """Build the packed tensors of ``plan`` from the per-sequence tensors."""
     if len(sequences) != plan.num_sequences:
         raise ValueError(f"plan packs {plan.num_sequences} sequences, got {len(sequences)}")
     segments = torch.stack([row_segment_ids(row) for row in plan.rows])
     return PackedBatch(
         tokens=torch.stack([build_row_tokens(row, sequences, pad_id=pad_id) for row in plan.rows]),
         position_ids=torch.stack([row_position_ids(row) for row in plan.rows]),
-        attention_mask=torch.stack([row_attention_mask(row) for row in plan.rows])[:, None] if with_mask else None,
+        attention_mask=torch.stack([row_attention_mask(row) for row in plan.rows])[:, None],
         segment_ids=segments,
         valid=segments >= 0,
     )

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_prune.data.packing import pack_sequences, pack_tensors, row_segments
+from megatron_prune.data.packing import pack_sequences
 from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_prune.model.segments import Segment, SegmentLayout
 from megatron_prune.model.selective_gpt import TokenSelection
@@ -89,6 +89,10 @@ class GRPOStepSettings:
     """Row length of packed rows."""
     pack_window: int = 64
     """Window of the first-fit-decreasing packer."""
+    shared_prompt: bool = False
+    """Lay each prompt's items out as ``[prompt, c1, ..., ck]`` (one prompt copy; every completion
+    attends to it and to itself, positions continuing from the prompt's end): the same log-probs,
+    fewer tokens. Groups longer than ``pack_capacity`` are split, each part with its own copy."""
     pad_multiple: int = 8
     """Row lengths are padded to a multiple of this (and of TP)."""
     temperature: float = 1.0
@@ -165,18 +169,86 @@ def microbatch_rows(num_rows: int, *, micro_batch_size: int, equal_shapes: bool)
     return [(start, size, run if equal_shapes else size) for start, size in zip(starts, sizes)]
 
 
-def _selection(placements: list[tuple[int, int, TrainItem]], num_rows: int, temperature: float | None = None) -> TokenSelection:
-    """Scored positions of items placed at ``(row, offset)``: completion token k is predicted at
-    ``offset + len(prompt) + k - 1``."""
-    if not placements:  # a placeholder scores one padding position with weight 0
+@dataclass
+class _Unit:
+    """Items laid out together: one item, or (``--shared-prompt``) a group's items behind one
+    copy of their prompt, ``[prompt, c1, ..., ck]``."""
+
+    items: list[TrainItem]
+    shared: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.items[0].prompt
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + sum(len(it.completion) for it in self.items)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + [t for it in self.items for t in it.completion]
+
+    def positions(self) -> torch.Tensor:
+        """Every completion continues from the prompt's end."""
+        p = len(self.prompt)
+        return torch.cat([torch.arange(p)] + [torch.arange(p, p + len(it.completion)) for it in self.items])
+
+    def segments(self, offset: int) -> list[Segment]:
+        if not self.shared:
+            return [Segment(offset, offset + self.length)]
+        p = len(self.prompt)
+        out, start = [Segment(offset, offset + p)], offset + p
+        for it in self.items:
+            out.append(Segment(start, start + len(it.completion), offset, offset + p))
+            start += len(it.completion)
+        return out
+
+    def scored_positions(self, offset: int) -> list[torch.Tensor]:
+        """Per item: where each completion token is predicted (its first from the prompt's last token)."""
+        p = len(self.prompt)
+        out, start = [], offset + p
+        for it in self.items:
+            positions = start - 1 + torch.arange(len(it.completion))
+            if len(it.completion):
+                positions[0] = offset + p - 1
+            out.append(positions)
+            start += len(it.completion)
+        return out
+
+
+def _units(items: list[TrainItem], *, shared: bool, capacity: int) -> list[_Unit]:
+    """One unit per item; with ``shared`` one per group of items with the same prompt (in order of
+    first appearance), split where a group would exceed ``capacity`` tokens."""
+    if not shared:
+        return [_Unit([it]) for it in items]
+    groups: dict = {}
+    for it in items:
+        groups.setdefault((it.prompt_id, tuple(it.prompt)), []).append(it)
+    units = []
+    for members in groups.values():
+        current = _Unit([], shared=True)
+        for it in members:
+            if current.items and current.length + len(it.completion) > capacity:
+                units.append(current)
+                current = _Unit([], shared=True)
+            current.items.append(it)
+        units.append(current)
+    return units
+
+
+def _selection(placements: list[tuple[int, int, _Unit]], num_rows: int, temperature: float | None = None) -> TokenSelection:
+    """Scored positions of the items of units placed at ``(row, offset)``, item by item."""
+    index, labels, seq_ids = [], [], []
+    k = 0
+    for row, offset, unit in placements:
+        for item, positions in zip(unit.items, unit.scored_positions(offset)):
+            index.append(positions * num_rows + row)
+            labels.append(torch.tensor(item.completion, dtype=torch.long))
+            seq_ids.append(torch.full((len(item.completion),), k, dtype=torch.long))
+            k += 1
+    if not index:  # a placeholder scores one padding position with weight 0
         zero = torch.zeros(1, dtype=torch.long)
         return TokenSelection(index=zero, labels=zero.clone(), seq_ids=zero.clone(), temperature=temperature)
-    index, labels, seq_ids = [], [], []
-    for k, (row, offset, item) in enumerate(placements):
-        positions = offset + len(item.prompt) - 1 + torch.arange(len(item.completion))
-        index.append(positions * num_rows + row)
-        labels.append(torch.tensor(item.completion, dtype=torch.long))
-        seq_ids.append(torch.full((len(item.completion),), k, dtype=torch.long))
     return TokenSelection(index=torch.cat(index), labels=torch.cat(labels), seq_ids=torch.cat(seq_ids),
                           temperature=temperature)
 
@@ -187,60 +259,57 @@ def _train_temperature(settings: GRPOStepSettings) -> float | None:
     return None if t in (0.0, 1.0) else float(t)
 
 
-def _padded_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int,
-                 equal_shapes: bool) -> Layout:
-    length = _round_up(max((it.length for it in items), default=1), multiple)
-    temperature = _train_temperature(settings)
+def _microbatch(rows_of_units: list[list[tuple[int, _Unit]]], *, rows: int, length: int,
+                settings: GRPOStepSettings, with_segments: bool) -> GRPOMicrobatch:
+    """Tensors of one microbatch: ``rows_of_units[r]`` lists ``(offset, unit)`` of real row ``r``;
+    rows beyond them are placeholders (equal shapes under PP), one causal segment each."""
+    tokens = torch.full((rows, length), settings.pad_id, dtype=torch.long)
+    position_ids = torch.arange(length).repeat(rows, 1)
+    segment_rows = [[Segment(0, length)] for _ in range(rows)]
+    placements = []
+    for r, placed in enumerate(rows_of_units):
+        segment_rows[r] = []
+        for offset, unit in placed:
+            tokens[r, offset : offset + unit.length] = torch.tensor(unit.tokens(), dtype=torch.long)
+            position_ids[r, offset : offset + unit.length] = unit.positions()
+            segment_rows[r].extend(unit.segments(offset))
+            placements.append((r, offset, unit))
+    selection = _selection(placements, rows, _train_temperature(settings))
+    segments = SegmentLayout(rows=segment_rows, seq_length=length) if with_segments else None
+    return GRPOMicrobatch(tokens, position_ids, None, selection, [it for _, _, u in placements for it in u.items],
+                          segments=segments)
+
+
+def _padded_rows(units: list[_Unit], *, settings: GRPOStepSettings, multiple: int, equal_shapes: bool) -> Layout:
+    length = _round_up(max((u.length for u in units), default=1), multiple)
     batches, slots = [], 0
-    for start, real, rows in microbatch_rows(len(items), micro_batch_size=settings.micro_batch_size,
+    for start, real, rows in microbatch_rows(len(units), micro_batch_size=settings.micro_batch_size,
                                              equal_shapes=equal_shapes):
-        chunk = items[start : start + real]
-        tokens = torch.full((rows, length), settings.pad_id, dtype=torch.long)
-        for row, item in enumerate(chunk):
-            tokens[row, : item.length] = torch.tensor(item.prompt + item.completion, dtype=torch.long)
-        position_ids = torch.arange(length).expand(rows, length).contiguous()
-        selection = _selection([(row, 0, item) for row, item in enumerate(chunk)], rows, temperature)
-        batches.append(GRPOMicrobatch(tokens, position_ids, None, selection, chunk))
+        placed = [[(0, unit)] for unit in units[start : start + real]]
+        batches.append(_microbatch(placed, rows=rows, length=length, settings=settings,
+                                   with_segments=settings.shared_prompt))
         slots += rows * length
-    return Layout(batches, length, sum(it.length for it in items), slots,
+    return Layout(batches, length, sum(u.length for u in units), slots,
                   max(b.tokens.shape[0] for b in batches))
 
 
-def _packed_rows(items: list[TrainItem], *, settings: GRPOStepSettings, multiple: int,
+def _packed_rows(units: list[_Unit], *, settings: GRPOStepSettings, multiple: int, capacity: int,
                  equal_shapes: bool) -> Layout:
-    capacity = _round_up(settings.pack_capacity, multiple)
-    longest = max((it.length for it in items), default=1)
+    longest = max((u.length for u in units), default=1)
     if longest > capacity:
         raise ValueError(f"a prompt + completion of {longest} tokens does not fit the packing capacity {capacity}; "
                          "raise --seq-length")
-    if not items:
-        return _padded_rows(items, settings=settings, multiple=multiple, equal_shapes=equal_shapes)
-    plan = pack_sequences([it.length for it in items], capacity=capacity, window=settings.pack_window)
-    packed = pack_tensors(plan, [torch.tensor(it.prompt + it.completion) for it in items], pad_id=settings.pad_id,
-                          with_mask=False)
+    if not units:
+        return _padded_rows(units, settings=settings, multiple=multiple, equal_shapes=equal_shapes)
+    plan = pack_sequences([u.length for u in units], capacity=capacity, window=settings.pack_window)
     # Rows are as long as the fullest row needs (the tail every row leaves empty is not run).
     length = _round_up(max(row.used for row in plan.rows), multiple)
-    temperature = _train_temperature(settings)
     batches, slots = [], 0
     for start, real, rows in microbatch_rows(plan.num_rows, micro_batch_size=settings.micro_batch_size,
                                              equal_shapes=equal_shapes):
-        tokens = torch.full((rows, length), settings.pad_id, dtype=torch.long)
-        position_ids = torch.arange(length).expand(rows, length).clone()
-        tokens[:real] = packed.tokens[start : start + real, :length]
-        position_ids[:real] = packed.position_ids[start : start + real, :length]
-        # Placeholder rows (equal shapes under PP) are one causal segment, as a padded row would be.
-        segments = SegmentLayout(
-            rows=[row_segments(row) for row in plan.rows[start : start + real]] + [[Segment(0, length)]] * (rows - real),
-            seq_length=length,
-        )
-        placements = [
-            (r, offset, items[index])
-            for r, row in enumerate(plan.rows[start : start + real])
-            for index, offset in zip(row.sequence_indices, row.offsets)
-        ]
-        selection = _selection(placements, rows, temperature)
-        batches.append(GRPOMicrobatch(tokens, position_ids, None, selection, [p[2] for p in placements],
-                                      segments=segments))
+        placed = [[(offset, units[index]) for index, offset in zip(row.sequence_indices, row.offsets)]
+                  for row in plan.rows[start : start + real]]
+        batches.append(_microbatch(placed, rows=rows, length=length, settings=settings, with_segments=True))
         slots += rows * length
     return Layout(batches, length, plan.total_tokens, slots, max(b.tokens.shape[0] for b in batches))
 
@@ -250,8 +319,11 @@ def layout_items(items: list[TrainItem], *, settings: GRPOStepSettings, tp: int 
     empty): only as many rows as the items need, at most ``micro_batch_size`` per microbatch,
     every microbatch the same shape when ``pp > 1``."""
     multiple = math.lcm(settings.pad_multiple, tp)
-    build = _packed_rows if settings.dense_packing else _padded_rows
-    return build(items, settings=settings, multiple=multiple, equal_shapes=pp > 1)
+    capacity = _round_up(settings.pack_capacity, multiple)
+    units = _units(items, shared=settings.shared_prompt, capacity=capacity)
+    if settings.dense_packing:
+        return _packed_rows(units, settings=settings, multiple=multiple, capacity=capacity, equal_shapes=pp > 1)
+    return _padded_rows(units, settings=settings, multiple=multiple, equal_shapes=pp > 1)
 
 
 def _forward_step(data_iterator, model):

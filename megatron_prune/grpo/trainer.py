@@ -383,7 +383,7 @@ def build_objective(*, configs: dict[str, Any], arch, policy, reference, source:
     dppo: DPPOArgs = configs["DPPOArgs"]
     settings = GRPOStepSettings(
         loss=grpo.loss_config(), micro_batch_size=train_cfg.micro_batch_size, pad_id=source.pad_id,
-        normalization=grpo.loss_normalization, dense_packing=dppo.dense_packing,
+        normalization=grpo.loss_normalization, dense_packing=dppo.dense_packing, shared_prompt=dppo.shared_prompt,
         pack_capacity=train_cfg.seq_length, pack_window=dppo.pack_window, temperature=grpo.temperature,
     )
     sampling = SamplingSettings(

@@ -1,0 +1,71 @@
+"""GRPO ``--shared-prompt`` is exact: the same step as without it, on fewer tokens.
+
+One GRPO step through the trainer's objective (rollout, DPPO keep draws, old-policy and
+reference scoring, the update) with each prompt's kept completions laid out as
+``[prompt, c1, ..., ck]`` must give the sampled completions, loss, policy loss, KL and every
+gradient of the same step without sharing — with DPPO completion pruning and the KL term, padded
+rows and dense packing (several groups per row), at one rank and at TP=2 and PP=2 — while the
+training pass runs fewer tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.distributed.test_grpo import grpo_step
+
+pytestmark = pytest.mark.distributed
+
+PRUNED_KL = dict(dppo=dict(completion_prune_rate=0.5), kl_beta=0.1)
+
+
+def _case(*, packed: bool, shared: bool) -> dict:
+    return dict(dppo=dict(PRUNED_KL["dppo"], dense_packing=packed, shared_prompt=shared), kl_beta=PRUNED_KL["kl_beta"])
+
+
+def _single_rank() -> dict:
+    return {(packed, shared): grpo_step(**_case(packed=packed, shared=shared))
+            for packed in (False, True) for shared in (False, True)}
+
+
+def _two_ranks() -> dict:
+    return {name: grpo_step(parallel=par, **_case(packed=True, shared=True))
+            for name, par in (("tp2", dict(tensor_model_parallel_size=2)),
+                              ("pp2", dict(pipeline_model_parallel_size=2)))}
+
+
+@functools.lru_cache(maxsize=1)
+def single_rank() -> dict:
+    return run_distributed(_single_rank, 1)[0]
+
+
+def assert_same_step(ref: dict, got: dict, label: str, *, rtol=1e-5, atol=1e-7) -> None:
+    """Same completions, loss terms, KL and gradients (relative to each tensor's scale)."""
+    assert [i[:3] for i in got["items"]] == [i[:3] for i in ref["items"]], f"{label}: sampled completions differ"
+    for name in ("loss", "policy_loss", "kl_loss", "kl", "reward_mean", "kept_completion_fraction"):
+        torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=rtol, atol=atol,
+                                   msg=f"{label}: {name}")
+    assert set(got["grads"]) == set(ref["grads"])
+    for key, expected in ref["grads"].items():
+        scale_atol = max(atol, rtol * float(expected.abs().max()))
+        torch.testing.assert_close(got["grads"][key], expected, rtol=rtol, atol=scale_atol,
+                                   msg=lambda m: f"{label}: grad {key}: {m}")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_shared_prompt_equals_unshared(packed):
+    runs = single_rank()
+    plain, shared = runs[(packed, False)], runs[(packed, True)]
+    assert plain["metrics"]["kept_completion_fraction"] < 1.0 and plain["metrics"]["kl_loss"] != 0.0
+    assert_same_step(plain, shared, f"shared vs not ({'packed' if packed else 'padded'})")
+    assert shared["metrics"]["train_tokens"] < plain["metrics"]["train_tokens"]
+
+
+def test_shared_prompt_at_tp2_and_pp2():
+    ref = single_rank()[(True, False)]
+    for name, result in run_distributed(_two_ranks, 2)[0].items():
+        assert_same_step(ref, result, name)
