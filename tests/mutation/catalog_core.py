@@ -148,4 +148,13 @@ MUTANTS: list[dict] = [
         "new": "        return out\n",
         "tests": ["tests/distributed/test_segment_attention.py::test_shared_row_equals_separate_rows"],
     },
+    {
+        "name": "grpo-shared-positions-follow-row",
+        "why": "GRPO --shared-prompt numbers positions along the row, so completion j rotates as if it "
+               "followed completions 1..j-1 instead of the prompt",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "        return torch.cat([torch.arange(p)] + [torch.arange(p, p + len(it.completion)) for it in self.items])\n",
+        "new": "        return torch.arange(self.length)\n",
+        "tests": ["tests/distributed/test_grpo_shared_prompt.py::test_shared_prompt_equals_unshared"],
+    },
 ]
