@@ -130,3 +130,29 @@ def test_shared_parallel_layouts_match_single_rank_tp2xpp2(single):
     results = run_distributed(parallel_checks, 4, layouts={"tp2xpp2": par})[0]
     for (layout, name, join, mbs), got in results.items():
         assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_cli_shared_layout_trains_like_concat(tmp_path):
+    """``python -m megatron_prune.dpo --dpo-layout shared`` with every pruning, the precomputed
+    reference and a held-out set gives concat's run (online reference): same losses over two
+    optimizer steps, same held-out accuracy."""
+    from tests.e2e.test_dpo_cli import HELDOUT, run_cli
+
+    common = ("--train-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
+              "--prune-preset", "study", "--eval-data-path", HELDOUT, "--eval-interval", "2")
+    (tmp_path / "concat").mkdir()
+    (tmp_path / "shared").mkdir()
+    concat = run_cli(tmp_path / "concat", *common, "--dpo-layout", "concat")
+    shared = run_cli(tmp_path / "shared", *common, "--dpo-layout", "shared", "--ref-mode", "precomputed",
+                     "--ref-cache", str(tmp_path / "cache"))
+    steps = [r for r in concat if "loss" in r]
+    assert len(steps) == 2 and len([r for r in shared if "loss" in r]) == 2
+    for a, b in zip(steps, [r for r in shared if "loss" in r]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        # The tiny model runs every pruned branch in its own row: only the reference would share.
+        assert b["policy_tokens"] <= a["policy_tokens"] and b["ref_tokens"] == 0
+    evals = [(a["eval_reward_accuracy"], b["eval_reward_accuracy"]) for a, b in zip(concat, shared)
+             if "eval_reward_accuracy" in a]
+    assert evals and all(x == y for x, y in evals)
