@@ -23,6 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", required=True, help="Megatron checkpoint (save root or iter_* directory)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks of a Qwen3-MoE model (must divide the data-parallel size); "
+                        "a MoE model at TP > 1 runs with sequence parallelism")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted max |delta logits|")
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=2)
@@ -39,13 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_prune.training.checkpoint import CheckpointError
 
     try:
-        read_hf_arch(args.hf_dir)
+        arch = read_hf_arch(args.hf_dir)
         from megatron_prune.model.provider import ParallelConfig
         from megatron_prune.training.parallel import initialize_distributed
 
         initialize_distributed()
         parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                  expert_model_parallel_size=args.expert_model_parallel_size,
+                                  sequence_parallel=arch.is_moe and args.tensor_model_parallel_size > 1)
         result = compare_hf_and_megatron(hf_dir=args.hf_dir, load_dir=args.load, parallel=parallel,
                                          seq_length=args.seq_length, batch_size=args.batch_size,
                                          seed=args.seed, hf_device=args.hf_device)
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = result.ok(args.tolerance)
     if not dist.is_initialized() or dist.get_rank() == 0:
         layout = f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size}"
+        if args.expert_model_parallel_size > 1:
+            layout += f" EP={args.expert_model_parallel_size}"
         print(f"{layout}: {result.summary()}")
         print("OK" if ok else f"FAIL: max |dlogits| {result.max_abs_diff:.3e} > tolerance {args.tolerance:.1e}")
     return 0 if ok else 1

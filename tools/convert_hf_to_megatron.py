@@ -1,4 +1,4 @@
-"""Convert an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3; safetensors) to a Megatron checkpoint.
+"""Convert an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE; safetensors) to a Megatron checkpoint.
 
     python tools/convert_hf_to_megatron.py --hf-dir HF --save OUT [--dtype auto|fp32|bf16]
 
@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="layout to convert at (memory per rank only; the checkpoint loads at any layout)")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks of a Qwen3-MoE model (must divide the data-parallel size); "
+                        "a MoE model at TP > 1 runs with sequence parallelism")
     return p.parse_args(argv)
 
 
@@ -35,13 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_prune.model.hf_convert import convert_hf_to_megatron, read_hf_arch
 
     try:
-        read_hf_arch(args.hf_dir)  # refuse an unsupported model before starting anything
+        arch = read_hf_arch(args.hf_dir)  # refuse an unsupported model before starting anything
         from megatron_prune.model.provider import ParallelConfig
         from megatron_prune.training.parallel import initialize_distributed
 
         initialize_distributed()
         parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                  expert_model_parallel_size=args.expert_model_parallel_size,
+                                  sequence_parallel=arch.is_moe and args.tensor_model_parallel_size > 1)
         path = convert_hf_to_megatron(hf_dir=args.hf_dir, save_dir=args.save, dtype=args.dtype, parallel=parallel)
     except (ValueError, FileNotFoundError) as exc:
         from megatron_prune.training.session import fail_usage

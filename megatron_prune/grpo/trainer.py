@@ -402,6 +402,11 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     log_cfg: LoggingConfig = configs["LoggingConfig"]
     grpo: GRPOConfig = configs["GRPOConfig"]
     arch = session.resolve_arch(model_cfg, ckpt_cfg)
+    if model_cfg.expert_model_parallel_size > 1:
+        # Each data-parallel rank stops sampling when its own completions end, but expert-parallel
+        # ranks must run every MoE forward together.
+        raise session.UsageError("GRPO with --expert-model-parallel-size > 1 is not supported yet "
+                                 "(the rollout's ranks generate independently); use EP=1")
     from megatron_prune.lora_config import check_load, lora_meta
 
     try:

@@ -39,6 +39,7 @@ from megatron_prune.model.hf_mapping import (
     expected_hf_shapes,
     hf_config_from_arch,
     hf_tensors,
+    PerExpertView,
     megatron_shapes,
     megatron_tensor,
     padded_vocab_size,
@@ -276,10 +277,11 @@ def convert_hf_to_megatron(
     from megatron_prune.training.checkpoint import save_checkpoint
     from megatron_prune.training.parallel import barrier, model_parallel
 
-    with HFCheckpoint(hf_dir) as hf:
+    with HFCheckpoint(hf_dir) as checkpoint:
+        hf = PerExpertView(checkpoint, arch) if arch.is_moe else checkpoint
         check_hf_tensors(hf.shapes(), arch, source=hf_dir)
         check_tied_lm_head(hf, arch, source=hf_dir)
-        torch_dtype = resolve_dtype(dtype, config=config, hf=hf)
+        torch_dtype = resolve_dtype(dtype, config=config, hf=checkpoint)
         parallel = dataclasses.replace(parallel or ParallelConfig(), bf16=torch_dtype == torch.bfloat16)
         assets = os.path.join(save_dir, ASSETS_DIR)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -446,15 +448,25 @@ def _check_checkpoint_tensors(metadata: dict, arch: ModelArch, ckpt: str) -> Non
 def _iter_checkpoint_hf_tensors(dist_dir: str, *, metadata: dict, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors in checkpoint order, reading one layer (or the embedding, or the head) at a time."""
     rules = tensor_rules(arch)
-    head = [r for r in rules if not r.layered and r.megatron_key != EMBED]
+    head = [r for r in rules if r.stack is None and r.layer is None and r.megatron_key != EMBED]
     steps = [([r for r in rules if r.megatron_key == EMBED], None)]
-    steps += [([r for r in rules if r.layered], layer) for layer in range(arch.num_layers)]
+    for layer in range(arch.num_layers):
+        steps.append(([r for r in rules if r.layered], layer))
+        # Per-layer keys of a MoE model (read whole: a MoE layer's experts come as one stacked tensor).
+        steps.append(([r for r in rules if r.layer == layer], None))
     steps += [(head, None)]
     for step_rules, layer in steps:
+        if not step_rules:
+            continue
         tensors = _load_layer(dist_dir, metadata=metadata, keys=[r.megatron_key for r in step_rules], layer=layer,
                               num_layers=arch.num_layers)
         for rule in step_rules:
-            yield from hf_tensors(rule, layer=layer, tensor=tensors.pop(rule.megatron_key)).items()
+            tensor = tensors.pop(rule.megatron_key)
+            if rule.stack == "expert":
+                for expert in range(arch.num_experts):
+                    yield from hf_tensors(rule, layer=expert, tensor=tensor[expert]).items()
+            else:
+                yield from hf_tensors(rule, layer=layer, tensor=tensor).items()
 
 
 def _write_config(path: str, config: dict[str, Any]) -> None:

@@ -15,12 +15,18 @@ Layouts (``H`` query heads, ``G`` key/value groups, ``d`` head dim, ``h`` hidden
   the local and the Transformer-Engine layer specs).
 - Embedding / output layer: padded with zero rows to :func:`padded_vocab_size`; padding is
   stripped on the way back.
+- Qwen3-MoE: Megatron keys its layers one by one (``decoder.layers.{i}.*``, no layer axis) when
+  dense-MLP and MoE layers mix. A MoE layer's router ``mlp.router.weight = mlp.gate.weight``
+  ``[E, h]``; its experts are stacked on a leading expert axis,
+  ``mlp.experts.experts.linear_fc1[e] = cat([experts.{e}.gate_proj, experts.{e}.up_proj])`` and
+  ``linear_fc2[e] = experts.{e}.down_proj``. The fused HF expert layout
+  (``experts.gate_up_proj [E, 2I, h]``, ``experts.down_proj [E, h, I]``) is read as well.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -59,7 +65,11 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+ROUTER = "mlp.router.weight"
+EXPERT_FC1 = "mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = "mlp.experts.experts.linear_fc2.weight"
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
@@ -71,9 +81,9 @@ class TensorRule:
     """How one Megatron checkpoint key is made from HF tensors, and back."""
 
     megatron_key: str
-    """Megatron checkpoint key (``decoder.layers.*`` keys are stacked over layers)."""
+    """Megatron checkpoint key (``decoder.layers.*`` keys are stacked over layers unless ``stack`` says otherwise)."""
     hf_names: tuple[str, ...]
-    """HF tensor names; ``{layer}`` is replaced by the layer index for layered rules."""
+    """HF tensor names; ``{layer}`` / ``{expert}`` is replaced by the index along ``stack``."""
     hf_shapes: tuple[tuple[int, ...], ...]
     """Expected shape of each HF tensor, in the order of ``hf_names``."""
     shape: tuple[int, ...]
@@ -82,15 +92,20 @@ class TensorRule:
     """HF tensors (in ``hf_names`` order) -> the Megatron tensor."""
     to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
     """The Megatron tensor -> HF tensors (in ``hf_names`` order)."""
+    stack: str | None = None
+    """The leading axis the checkpoint stacks this key over: "layer", "expert" or None."""
+    layer: int | None = None
+    """The layer of a per-layer key (Megatron keys the layers of a MoE model one by one)."""
 
     @property
     def layered(self) -> bool:
-        return self.megatron_key.startswith("decoder.layers.")
+        return self.stack == "layer"
 
     def names(self, layer: int | None) -> tuple[str, ...]:
-        if self.layered:
-            assert layer is not None, f"{self.megatron_key} needs a layer index"
-            return tuple(n.format(layer=layer) for n in self.hf_names)
+        """HF names at index ``layer`` along :attr:`stack` (a layer, or an expert)."""
+        if self.stack is not None:
+            assert layer is not None, f"{self.megatron_key} needs a {self.stack} index"
+            return tuple(n.format(**{self.stack: layer}) for n in self.hf_names)
         return self.hf_names
 
 
@@ -167,7 +182,8 @@ def tensor_rules(arch: ModelArch) -> list[TensorRule]:
 
     def rule(key, names, hf_shapes, shape, to_megatron=_identity, to_hf=_as_list) -> TensorRule:
         return TensorRule(megatron_key=key, hf_names=tuple(names), hf_shapes=tuple(hf_shapes), shape=shape,
-                          to_megatron=to_megatron, to_hf=to_hf)
+                          to_megatron=to_megatron, to_hf=to_hf,
+                          stack="layer" if key.startswith("decoder.layers.") else None)
 
     rules = [
         rule(EMBED, [HF_EMBED], [(v, h)], (vp, h), vocab_in, vocab_out),
@@ -191,16 +207,52 @@ def tensor_rules(arch: ModelArch) -> list[TensorRule]:
     ]
     if not arch.tie_word_embeddings:
         rules.append(rule(OUTPUT, [HF_LM_HEAD], [(v, h)], (vp, h), vocab_in, vocab_out))
-    return rules
+    return _per_layer_moe_rules(rules, arch) if arch.is_moe else rules
+
+
+def _per_layer_moe_rules(rules: list[TensorRule], arch: ModelArch) -> list[TensorRule]:
+    """A MoE model's rules: every layered rule split into one rule per layer, and a MoE layer's
+    dense MLP rules replaced by its router and its expert-stacked MLP."""
+    h, i_e, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+    out: list[TensorRule] = []
+    for layer, sparse in enumerate(arch.moe_layer_pattern()):
+        prefix = f"decoder.layers.{layer}."
+        hf_layer = HF_LAYER.format(layer=layer)
+        for r in rules:
+            if not r.layered or (sparse and r.megatron_key in (FC1, FC2)):
+                continue
+            out.append(replace(r, megatron_key=prefix + r.megatron_key[len("decoder.layers."):],
+                               hf_names=tuple(n.format(layer=layer) for n in r.hf_names), stack=None, layer=layer))
+        if not sparse:
+            continue
+        expert = hf_layer + "mlp.experts.{expert}."
+        out += [
+            TensorRule(megatron_key=prefix + ROUTER, hf_names=(hf_layer + "mlp.gate.weight",), hf_shapes=((e, h),),
+                       shape=(e, h), to_megatron=_identity, to_hf=_as_list, layer=layer),
+            TensorRule(megatron_key=prefix + EXPERT_FC1,
+                       hf_names=(expert + "gate_proj.weight", expert + "up_proj.weight"),
+                       hf_shapes=((i_e, h), (i_e, h)), shape=(2 * i_e, h), to_megatron=_cat_rows, to_hf=_halves,
+                       stack="expert", layer=layer),
+            TensorRule(megatron_key=prefix + EXPERT_FC2, hf_names=(expert + "down_proj.weight",),
+                       hf_shapes=((h, i_e),), shape=(h, i_e), to_megatron=_identity, to_hf=_as_list,
+                       stack="expert", layer=layer),
+        ]
+    return [r for r in rules if r.stack is None and r.megatron_key == EMBED] + out + [
+        r for r in rules if r.stack is None and r.megatron_key != EMBED
+    ]
 
 
 def layer_indices(rule: TensorRule, arch: ModelArch) -> list[int | None]:
-    return list(range(arch.num_layers)) if rule.layered else [None]
+    """The indices along the rule's stacked axis (layers or experts), or [None]."""
+    if rule.stack is None:
+        return [None]
+    return list(range(arch.num_layers if rule.stack == "layer" else arch.num_experts))
 
 
 def megatron_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Whole Megatron tensor shapes (layered keys with their leading layer axis)."""
-    return {r.megatron_key: ((arch.num_layers,) if r.layered else ()) + r.shape for r in tensor_rules(arch)}
+    """Whole Megatron tensor shapes (stacked keys with their leading layer or expert axis)."""
+    return {r.megatron_key: (() if r.stack is None else (len(layer_indices(r, arch)),)) + r.shape
+            for r in tensor_rules(arch)}
 
 
 def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -214,8 +266,11 @@ def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         for r in rules:
             if r.layered:
                 out.update(zip(r.names(layer), r.hf_shapes))
+            elif r.layer == layer:
+                for index in layer_indices(r, arch):
+                    out.update(zip(r.names(index), r.hf_shapes))
     for r in rules:
-        if not r.layered and r.megatron_key != EMBED:
+        if r.stack is None and r.layer is None and r.megatron_key != EMBED:
             out.update(zip(r.names(None), r.hf_shapes))
     return out
 
@@ -313,19 +368,79 @@ def iter_megatron_tensors(hf: Mapping[str, torch.Tensor], arch: ModelArch) -> It
             yield rule.megatron_key, layer, megatron_tensor(rule, layer=layer, hf=hf)
 
 
+class PerExpertView(Mapping):
+    """A lazy view of HF tensors in which the fused expert layout of newer transformers releases
+    (``mlp.experts.gate_up_proj [E, 2I, h]``, ``mlp.experts.down_proj [E, h, I]``) reads as the
+    per-expert tensors (``mlp.experts.{e}.gate_proj.weight`` ...); other names pass through."""
+
+    _FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+    def __init__(self, hf: Mapping[str, torch.Tensor], arch: ModelArch) -> None:
+        self._hf = hf
+        self._arch = arch
+        self._virtual: dict[str, tuple[str, int, int]] = {}  # per-expert name -> (fused name, expert, part)
+        for name in list(hf.shapes() if hasattr(hf, "shapes") else hf.keys()):
+            for suffix in self._FUSED:
+                if name.endswith(suffix):
+                    base = name[: -len(suffix)] + ".mlp.experts."
+                    for e in range(arch.num_experts):
+                        if suffix.endswith("gate_up_proj"):
+                            self._virtual[f"{base}{e}.gate_proj.weight"] = (name, e, 0)
+                            self._virtual[f"{base}{e}.up_proj.weight"] = (name, e, 1)
+                        else:
+                            self._virtual[f"{base}{e}.down_proj.weight"] = (name, e, -1)
+
+    @property
+    def fused(self) -> bool:
+        return bool(self._virtual)
+
+    def _names(self) -> list[str]:
+        fused = {v[0] for v in self._virtual.values()}
+        return [n for n in self._hf if n not in fused] + list(self._virtual)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._virtual:
+            return self._hf[name]
+        fused, e, part = self._virtual[name]
+        t = self._hf[fused][e]
+        if part < 0:
+            return t
+        return t.chunk(2, dim=0)[part]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._virtual or name in self._hf
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        base = self._hf.shapes() if hasattr(self._hf, "shapes") else {k: tuple(v.shape) for k, v in self._hf.items()}
+        fused = {v[0] for v in self._virtual.values()}
+        out = {k: v for k, v in base.items() if k not in fused}
+        for name, (src, _, part) in self._virtual.items():
+            shape = base[src][1:]
+            out[name] = shape if part < 0 else (shape[0] // 2,) + tuple(shape[1:])
+        return out
+
+
 def hf_to_megatron_state(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, source: str = "HF state") -> dict[str, torch.Tensor]:
     """Whole Megatron tensors (layered keys stacked on a leading layer axis) from an HF state dict.
 
     ``hf`` may be lazy (any Mapping; :class:`megatron_prune.model.hf_convert.HFCheckpoint` reads on
     access). Dtypes are preserved.
     """
+    if arch.is_moe:
+        hf = PerExpertView(hf, arch)
     shapes = hf.shapes() if hasattr(hf, "shapes") else {k: tuple(v.shape) for k, v in hf.items()}
     check_hf_tensors(shapes, arch, source=source)
     check_tied_lm_head(hf, arch, source=source)
     out: dict[str, torch.Tensor] = {}
     for rule in tensor_rules(arch):
         parts = [megatron_tensor(rule, layer=layer, hf=hf) for layer in layer_indices(rule, arch)]
-        out[rule.megatron_key] = torch.stack(parts) if rule.layered else parts[0]
+        out[rule.megatron_key] = torch.stack(parts) if rule.stack is not None else parts[0]
     return out
 
 
@@ -398,8 +513,12 @@ def hf_config_from_arch(arch: ModelArch, *, dtype: str = "float32") -> dict[str,
         config["rope_scaling"] = dict(arch.rope_scaling)
     if arch.model_type == "mistral":
         config["sliding_window"] = None
-    if arch.model_type in ("qwen2", "qwen3"):
+    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         config["use_sliding_window"] = False
+    if arch.is_moe:
+        config.update(num_experts=arch.num_experts, num_experts_per_tok=arch.num_experts_per_tok,
+                      moe_intermediate_size=arch.moe_intermediate_size, norm_topk_prob=arch.norm_topk_prob,
+                      decoder_sparse_step=arch.decoder_sparse_step, mlp_only_layers=list(arch.mlp_only_layers))
     if arch.model_type != "qwen2":
         config["attention_bias"] = arch.qkv_bias
     return config
