@@ -16,8 +16,9 @@ backward pass that runs after other microbatches' forwards. Any other ``attentio
 dense bool mask, or None for causal) goes to the parent class unchanged, so without segments
 the layer is Megatron's own attention, bit for bit.
 
-Paths: on CPU (and in fp32) PyTorch ops on padded groups of similar-length segments (one
-matmul-softmax-matmul per group, fp32 softmax like Megatron's). On a CUDA device with
+Paths: on CPU (and in fp32) PyTorch's ``scaled_dot_product_attention`` on padded groups of
+similar-length segments, one call per group with the group's boolean mask (fp16/bf16 inputs are
+computed in fp32, as Megatron's softmax is). On a CUDA device with
 fp16/bf16 activations and the ``flash_attn`` package, ``flash_attn_varlen_func`` with separate
 query and key lengths (each segment's query block against its gathered ``[prefix ; own]`` keys;
 flash's causal mask is bottom-right aligned when there are fewer queries than keys, which is
@@ -58,7 +59,7 @@ def is_segment_table(attention_mask) -> bool:
 class _Group:
     q_index: torch.Tensor  # [n, Lq] flat (position * b + row) query indices, padded with 0
     k_index: torch.Tensor  # [n, Lk] flat key indices: prefix, then own tokens
-    allowed: torch.Tensor  # [n, 1, 1, Lq, Lk] bool
+    allowed: torch.Tensor  # [n, 1, Lq, Lk] bool, True = attend
     q_valid: torch.Tensor  # [n, Lq] bool: real queries
 
 
@@ -78,7 +79,7 @@ class _Plan:
 
 def _build_plan(layout: SegmentLayout, device: torch.device) -> _Plan:
     s, b = layout.seq_length, layout.batch_size
-    segs = []  # (q positions, k positions) as flat index lists
+    segs = []  # (flat query indices, flat key indices [prefix ; own], prefix length) per segment
     covered = torch.zeros(s * b, dtype=torch.bool)
     for r, row in enumerate(layout.rows):
         for seg in row:
@@ -117,7 +118,7 @@ def _build_plan(layout: SegmentLayout, device: torch.device) -> _Plan:
             own = j - prefix
             allowed[m] = (j < prefix) | ((own >= 0) & (own <= i.clamp(max=len(q) - 1)))
             outputs.extend(q)
-        built.append(_Group(q_index.to(device), k_index.to(device), allowed[:, None, None].to(device),
+        built.append(_Group(q_index.to(device), k_index.to(device), allowed[:, None].to(device),
                             q_valid.to(device)))
     pad_index = (~covered).nonzero().flatten()
     order = torch.tensor(outputs + pad_index.tolist(), dtype=torch.long)
@@ -192,19 +193,18 @@ def segment_attention(
             plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, dropout_p=0.0, softmax_scale=scale, causal=True,
         ))
     else:
+        compute = torch.float32 if softmax_in_fp32 and query.dtype in (torch.float16, torch.bfloat16) else query.dtype
         for group in plan.groups:
             n, lq = group.q_index.shape
             lk = group.k_index.shape[1]
-            qg = q.index_select(0, group.q_index.flatten()).view(n, lq, ng, rep, hn).permute(0, 2, 3, 1, 4)
-            kg = k.index_select(0, group.k_index.flatten()).view(n, lk, ng, 1, hn).permute(0, 2, 3, 1, 4)
-            vg = v.index_select(0, group.k_index.flatten()).view(n, lk, ng, 1, hn).permute(0, 2, 3, 1, 4)
-            scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [n, ng, rep, lq, lk]
-            if softmax_in_fp32:
-                scores = scores.float()
-            probs = scores.masked_fill(~group.allowed, float("-inf")).softmax(dim=-1).to(query.dtype)
-            context = torch.matmul(probs, vg)  # [n, ng, rep, lq, hn]
-            context = context.permute(0, 3, 1, 2, 4).reshape(n, lq, np_, hn)
-            pieces.append(context[group.q_valid])
+            qg = q.index_select(0, group.q_index.flatten()).view(n, lq, np_, hn).transpose(1, 2)
+            kg = k.index_select(0, group.k_index.flatten()).view(n, lk, ng, hn).transpose(1, 2)
+            vg = v.index_select(0, group.k_index.flatten()).view(n, lk, ng, hn).transpose(1, 2)
+            context = torch.nn.functional.scaled_dot_product_attention(
+                qg.to(compute), kg.to(compute), vg.to(compute), attn_mask=group.allowed, scale=scale,
+                enable_gqa=rep > 1,
+            ).to(query.dtype)  # [n, np, lq, hn]
+            pieces.append(context.transpose(1, 2)[group.q_valid])
     pieces.append(v.index_select(0, plan.pad_index).repeat_interleave(rep, dim=1))
     out = torch.cat(pieces).index_select(0, plan.out_order)
     return out.view(s, b, np_ * hn)

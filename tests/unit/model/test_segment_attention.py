@@ -210,3 +210,12 @@ def test_attention_pairs_count_the_real_work():
     assert shared_pair_layout(p, c, r, s=16).attention_pairs() == (
         p * (p + 1) // 2 + c * p + c * (c + 1) // 2 + r * p + r * (r + 1) // 2 + (16 - p - c - r)
     )
+
+
+def test_bf16_inputs_track_the_reference():
+    layout = random_layout(random.Random(5), b=2, s=24)
+    q, k, v = (t.detach().to(torch.bfloat16) for t in qkv(24, 2, 4, 2, 8, seed=5))
+    got = segment_attention(q, k, v, layout.to_table())
+    assert got.dtype == torch.bfloat16
+    want = reference_attention(q.float(), k.float(), v.float(), allowed_pairs(layout.rows, 24))
+    assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
