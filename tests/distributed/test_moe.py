@@ -20,7 +20,10 @@ RTOL, ATOL = 1e-5, 1e-7
 # Longer than every concatenated pair of the sample, so all rows pad to this one length.
 COMMON_LENGTH = 256
 
-LAYOUTS_2 = {"ep2": dict(expert_model_parallel_size=2)}
+LAYOUTS_2 = {
+    "ep2": dict(expert_model_parallel_size=2),
+    "ep2-allgather": dict(expert_model_parallel_size=2, moe_token_dispatcher="allgather"),
+}
 LAYOUTS_4 = {
     "ep2xtp2-sp": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     "ep2xpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
@@ -28,9 +31,16 @@ LAYOUTS_4 = {
 }
 
 
-def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z, corrupt=None) -> dict:
-    """One DPO step on tiny-moe: metrics, whole gradients (None under the distributed optimizer,
-    where each rank holds a slice) and whole parameters after the step."""
+EXPERT_FC1 = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
+ALL_PRUNINGS = dict(position_ratio=0.6, seq_min_ratio=0.5, branch=True)
+
+
+def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z, corrupt=None,
+                 prune: dict | None = None, steps: tuple[int, ...] = (0,), save_dir: str | None = None,
+                 load_dir: str | None = None) -> dict:
+    """DPO steps on tiny-moe: metrics, whole gradients (None under the distributed optimizer,
+    where each rank holds a slice) and whole parameters after the last step. ``load_dir``: resume
+    from that checkpoint first; ``save_dir``: save model and optimizer after the first step."""
     from megatron.core import parallel_state
 
     from megatron_prune.config import DPOConfig, PruneConfig
@@ -39,6 +49,7 @@ def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z
     from megatron_prune.model.arch import get_preset
     from megatron_prune.model.global_state import gather_global_state
     from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
     from megatron_prune.training.step import reduce_metrics
@@ -58,26 +69,38 @@ def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z
         # ulp-level in the parameters (the distributed optimizer supports Adam only).
         optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=0.01, adam_eps=1e-3, clip_grad=1.0,
                                                         use_distributed_optimizer=distopt), bf16=False)
-        settings = DPOStepSettings(dpo=DPOConfig(layout="concat"), prune=PruneConfig(**off), seed=SEED,
-                                   micro_batch_size=1, pad_id=pad_id, pad_multiple=COMMON_LENGTH)
+        settings = DPOStepSettings(dpo=DPOConfig(layout="concat"), prune=PruneConfig(**{**off, **(prune or {})}),
+                                   seed=SEED, micro_batch_size=1, pad_id=pad_id, pad_multiple=COMMON_LENGTH)
         runner = DPOStep(settings=settings, policy=policy, reference=reference)
         mine = dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),
                         dp_size=parallel_state.get_data_parallel_world_size())
-        for chunk in policy:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        outputs, _ = runner.run(0, mine)
-        metrics = reduce_metrics(outputs)
-        grads = None if distopt else gather_global_state(policy, source="main_grad")
-        _, grad_norm, _ = optimizer.step()
+        if load_dir is not None:
+            load_checkpoint(load_dir, model=policy, arch=arch, optimizer=optimizer)
+        for step in steps:
+            for chunk in policy:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            outputs, _ = runner.run(step, mine)
+            metrics = reduce_metrics(outputs)
+            grads = None if distopt else gather_global_state(policy, source="main_grad")
+            _, grad_norm, _ = optimizer.step()
+            if save_dir is not None and step == steps[0]:
+                save_checkpoint(save_dir, iteration=step + 1, model=policy, arch=arch, optimizer=optimizer)
         params = gather_global_state(policy)
     return dict(metrics=metrics, grad_norm=grad_norm, grads=grads, params=params)
 
 
-def run_layouts(layouts: dict, *, negative_control: bool = False) -> dict:
+def run_layouts(layouts: dict, *, negative_control: bool = False, resume_root: str | None = None) -> dict:
     out = {name: moe_dpo_step(parallel=par) for name, par in layouts.items()}
+    if resume_root is not None:
+        # Two steps straight through at EP=2 x DP=2 with the distributed optimizer, saving after the
+        # first; then the second step again from that checkpoint.
+        distopt = LAYOUTS_4["ep2xdp2-distopt"]
+        out["resume: straight"] = moe_dpo_step(parallel=distopt, steps=(0, 1), save_dir=resume_root)
+        out["resume: ep2xdp2"] = moe_dpo_step(parallel=distopt, steps=(1,), load_dir=resume_root)
     if negative_control:
         out["swapped-experts"] = moe_dpo_step(parallel=LAYOUTS_2["ep2"], corrupt=_swap_two_local_experts)
+        out["all-prunings"] = moe_dpo_step(parallel=LAYOUTS_2["ep2"], prune=ALL_PRUNINGS)
     return out
 
 
@@ -97,7 +120,8 @@ def _swap_two_local_experts(model) -> None:
 
 
 def single_rank_checks() -> dict:
-    return dict(main=moe_dpo_step(), no_router_losses=moe_dpo_step(aux=0.0, z=0.0))
+    return dict(main=moe_dpo_step(), no_router_losses=moe_dpo_step(aux=0.0, z=0.0),
+                all_prunings=moe_dpo_step(prune=ALL_PRUNINGS))
 
 
 def assert_same_step(ref: dict, got: dict, label: str) -> None:
@@ -141,6 +165,8 @@ def test_single_rank_step_is_a_moe_step(single):
 def test_expert_parallel_2_ranks_matches_single_rank(single):
     results = run_distributed(run_layouts, 2, layouts=LAYOUTS_2, negative_control=True)[0]
     bad = results.pop("swapped-experts")
+    # Position, sequence and branch pruning together (the pruned branch runs forward-only).
+    assert_same_step(single["all_prunings"], results.pop("all-prunings"), "ep2, all prunings")
     for name, got in results.items():
         assert_same_step(single["main"], got, name)
     with pytest.raises(AssertionError):
@@ -148,6 +174,14 @@ def test_expert_parallel_2_ranks_matches_single_rank(single):
 
 
 @pytest.mark.distributed
-def test_expert_parallel_4_ranks_matches_single_rank(single):
-    for name, got in run_distributed(run_layouts, 4, layouts=LAYOUTS_4)[0].items():
+def test_expert_parallel_4_ranks_matches_single_rank(single, tmp_path):
+    results = run_distributed(run_layouts, 4, layouts=LAYOUTS_4, resume_root=str(tmp_path / "ckpt"))[0]
+    straight = results.pop("resume: straight")
+    same = results.pop("resume: ep2xdp2")
+    for name, got in results.items():
         assert_same_step(single["main"], got, name)
+    # Resuming at the saved layout is bit-exact: expert and dense parameters and their sharded
+    # optimizer state (expert-data-parallel groups) round-trip through the checkpoint.
+    assert not torch.equal(straight["params"][EXPERT_FC1], single["main"]["params"][EXPERT_FC1])
+    assert same["metrics"] == straight["metrics"]
+    assert all(torch.equal(same["params"][k], v) for k, v in straight["params"].items())
