@@ -14,7 +14,7 @@ DPO_FLAGS = [
 ]
 GRPO_FLAGS = ["--task", "--group-size", "--max-new-tokens", "--std-normalization", "--no-std-normalization",
               "--advantage-std", "--skip-invalid-records", "--max-prompt-length", "--sgd-momentum",
-              "--dppo-prompt-prune-rate", "--dppo-completion-prune-rate", "--dense-packing"]
+              "--dppo-prompt-prune-rate", "--dppo-completion-prune-rate", "--dense-packing", "--shared-prompt"]
 CHOICES = {
     "--optimizer": ["adam", "sgd"], "--lr-decay-style": ["constant", "linear", "cosine"],
     "--data-format": ["auto", "explicit", "hh", "helpsteer3"], "--model-preset": ["tiny", "tiny-tied"],
