@@ -101,15 +101,23 @@ class SelectiveGPTModel(GPTModel):
             raise ValueError("segments do not support context parallelism")
         if self._segment_attention_in_spec():
             return segments.to_table()
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        others = {type(core).__name__ for core in self._core_attentions() if not isinstance(core, DotProductAttention)}
+        if others:
+            # Transformer Engine's core attention under a causal mask type ignores a dense mask.
+            raise ValueError(f"segments need segment attention or Megatron's DotProductAttention; this model's "
+                             f"layers use {', '.join(sorted(others))}")
         return segments.dense_mask().to(position_ids.device)
+
+    def _core_attentions(self) -> list:
+        return [getattr(layer.self_attention, "core_attention", None) for layer in getattr(self.decoder, "layers", [])]
 
     def _segment_attention_in_spec(self) -> bool:
         from megatron_prune.model.segment_attention import SegmentAttentionMixin
 
-        layers = getattr(self.decoder, "layers", [])
-        return len(layers) > 0 and all(
-            isinstance(getattr(layer.self_attention, "core_attention", None), SegmentAttentionMixin) for layer in layers
-        )
+        cores = self._core_attentions()
+        return len(cores) > 0 and all(isinstance(core, SegmentAttentionMixin) for core in cores)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)

@@ -175,8 +175,29 @@ def core_attention_bit_identity() -> dict:
     return results
 
 
+def refusals() -> list[str]:
+    """Messages of the model's refusals: a mask and segments together; position ids of another shape."""
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    batch = _single_batches("shared")[0]
+    messages = []
+    with model_parallel(ParallelConfig(), seed=SEED):
+        model = setup_model(get_preset("tiny"), ParallelConfig(), seed=SEED, trainable=False)[0]
+        for mask, positions in ((batch["segments"].dense_mask(), batch["positions"]),
+                                (None, batch["positions"][:, :-1])):
+            try:
+                model(batch["tokens"], positions, mask, segments=batch["segments"])
+            except ValueError as exc:
+                messages.append(str(exc))
+    return messages
+
+
 def single_rank() -> dict:
     results = {kind: run_batches(_single_batches(kind)) for kind in ("shared", "separate", "row_index_rope")}
+    results["refusals"] = refusals()
     results["recompute"] = run_batches(_single_batches("shared"), recompute=True)
     results["bit_identity"] = core_attention_bit_identity()
     return results
@@ -207,6 +228,12 @@ def test_shared_row_equals_separate_rows(single):
 
 def test_shared_row_with_recomputation(single):
     assert_same(single["recompute"], single["separate"])
+
+
+def test_bad_segment_inputs_are_refused(single):
+    mask_and_segments, wrong_positions = single["refusals"]
+    assert "either an attention_mask or segments" in mask_and_segments
+    assert "position_ids are" in wrong_positions
 
 
 def test_segment_attention_without_segments_is_megatrons(single):
