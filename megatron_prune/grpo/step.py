@@ -3,7 +3,10 @@
 The surviving completions of a rollout (:class:`TrainItem`) are laid out as rows — one
 padded sequence per row, or densely packed (window-based first-fit-decreasing, one attention
 segment per sequence, restarting position ids) — and run through the selective head, which scores
-exactly the completion tokens. A pass runs only the rows its items need: as few microbatches as
+exactly the completion tokens. With ``shared_prompt`` the unit laid out is a prompt's group,
+``[prompt, c1, ..., ck]``: one prompt copy that every completion attends to (segment attention,
+:mod:`megatron_prune.model.segment_attention`), each completion's positions continuing from the
+prompt's end. A pass runs only the rows its items need: as few microbatches as
 ``micro_batch_size`` allows with the rows spread evenly over them (never padded up to
 ``micro_batch_size``; under pipeline parallelism every microbatch has the shape of the largest),
 packed rows as long as the fullest one; ``Layout.density`` is that of what runs. Forward-only passes (old policy, reference) run under
