@@ -282,7 +282,10 @@ def convert_hf_to_megatron(
         check_hf_tensors(hf.shapes(), arch, source=hf_dir)
         check_tied_lm_head(hf, arch, source=hf_dir)
         torch_dtype = resolve_dtype(dtype, config=config, hf=checkpoint)
-        parallel = dataclasses.replace(parallel or ParallelConfig(), bf16=torch_dtype == torch.bfloat16)
+        # Every weight is overwritten from the HF tensors (a weight left unfilled is an error below), so
+        # Megatron's initialisation and its full-size fp32 copy would only add to the peak memory.
+        parallel = dataclasses.replace(parallel or ParallelConfig(), bf16=torch_dtype == torch.bfloat16,
+                                       perform_initialization=False)
         assets = os.path.join(save_dir, ASSETS_DIR)
         if not dist.is_initialized() or dist.get_rank() == 0:
             copied = copy_hf_assets(hf_dir, assets)

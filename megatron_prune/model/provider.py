@@ -55,6 +55,10 @@ class ParallelConfig:
     """Coefficient of the router's load-balancing loss, added in training passes only (0 = off)."""
     moe_z_loss_coeff: float = 0.0
     """Coefficient of the router's z-loss, added in training passes only (0 = off)."""
+    perform_initialization: bool = True
+    """Run Megatron's weight initialisation. False leaves the parameters unset (and skips the full-size
+    fp32 copy Megatron's CPU initialisation makes): only for a model whose every weight is then
+    overwritten, as the HF importer does."""
 
 
 def use_transformer_engine(parallel: ParallelConfig) -> bool:
@@ -99,8 +103,10 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig) -> Transformer
         bf16=parallel.bf16,
         # Weights are then overwritten by megatron_prune.model.init (layout independent) or a
         # checkpoint, but Megatron only marks TP-split weights (tensor_model_parallel, used by the
-        # grad-norm and checkpoint code) inside its init routines, so they must run.
-        perform_initialization=True,
+        # grad-norm and checkpoint code) inside its init routines, so they run unless the caller
+        # overwrites every weight and only saves it (the HF importer; the checkpoint's shard map
+        # comes from the modules, not from those marks).
+        perform_initialization=parallel.perform_initialization,
         use_cpu_initialization=get_accelerator().kind == "cpu",
         deallocate_pipeline_outputs=True,
         init_method_std=0.02,
