@@ -235,9 +235,11 @@ def build_microbatch(
                 label_ids.append(torch.tensor(response, dtype=torch.long)[scored])
                 seq_ids.append(torch.full((len(scored),), len(responses), dtype=torch.long))
                 responses.append(Response(plan_i, branch, len(scored), len(response)))
-            # The full-logits head has one label per position: the first response's first token.
-            labels[row, len(plan.prompt) - 1] = plan.responses[sequences[0][1]][0] if plan.responses[
-                sequences[0][1]] else pad_id
+            # One label per position (the full-logits head, refused with this layout): the prompt's
+            # last position gets the first response's first token.
+            first = plan.responses[sequences[0][1]]
+            labels[row, : len(plan.prompt) - 1] = torch.tensor(plan.prompt[1:], dtype=torch.long)
+            labels[row, len(plan.prompt) - 1] = first[0] if first else pad_id
             executed += len(seq)
             continue
         start = 0
