@@ -17,6 +17,8 @@ sequence           concat   selective  sequence, rho_min = 0.5
 branch             concat   selective  branch, q_w = 0.5
 position_branch    concat   selective  position + branch
 all                concat   selective  position + sequence + branch
+shared             shared   selective  none (one row [prompt, chosen, rejected] per pair)
+shared_all         shared   selective  position + sequence + branch
 =================  =======  =========  ==========================================
 
 Timed steps run first and touch no memory statistics. Then the first ``--memory-steps`` timed
@@ -74,6 +76,8 @@ MODES: dict[str, dict] = {
     "branch": dict(layout="concat", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=True),
     "position_branch": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=1.0, branch=True),
     "all": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5, branch=True),
+    "shared": dict(layout="shared", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=False),
+    "shared_all": dict(layout="shared", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5, branch=True),
 }
 
 _QWEN3 = dict(model_type="qwen3", qk_norm=True, rope_theta=1000000.0, max_position_embeddings=4096)
@@ -237,16 +241,21 @@ def run_worker(args) -> None:
         passes: list[dict] = []
         original_mb = runner._microbatches
 
-        def recording_microbatches(plans, branches_of):
-            batches, seq_length, groups = original_mb(plans, branches_of)
+        def recording_microbatches(plans, branches_of, **kw):
+            batches, seq_length, groups = original_mb(plans, branches_of, **kw)
             mbs = []
             for g, b in zip(groups, batches):
                 rows = []
                 for p in g:
                     lens = [len(p.prompt) + len(p.responses[br]) for br in branches_of(p)]
                     rows.extend([lens] if mode["layout"] == "concat" else [[n] for n in lens])
+                shared = {}
+                if mode["layout"] == "shared":  # the prompt once, each response with it as prefix
+                    segs = b.segments.rows
+                    rows = [[s.length for s in row] for row in segs]
+                    shared = dict(prefixes=[[s.prefix_length for s in row] for row in segs])
                 mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),
-                                selective=mode["selective_head"]))
+                                selective=mode["selective_head"], **shared))
                 assert row_length(g, layout=mode["layout"], branches=[branches_of(p) for p in g]) <= seq_length
             passes.append({"kind": "forward", "microbatches": mbs})
             return batches, seq_length, groups
@@ -271,10 +280,13 @@ def run_worker(args) -> None:
                 open_window()
             acc.synchronize()
             t = time.perf_counter()
-            with torch.profiler.record_function(f"phase:{phases[len(schedule_times)]}"):
+            # Under the shared layout a step may have no pruned-branch pass (every pruned branch
+            # ran inside its training row), so each call is named by what it is.
+            label = "train" if not kw.get("forward_only") else ("pruned_branch" if schedule_times else "reference")
+            with torch.profiler.record_function(f"phase:{label}"):
                 out = original_schedule(**kw)
             acc.synchronize()
-            schedule_times.append(("forward" if kw.get("forward_only") else "train", time.perf_counter() - t))
+            schedule_times.append((label, time.perf_counter() - t))
             if memory_window["on"]:
                 close_window()
             return out
@@ -336,13 +348,18 @@ def run_worker(args) -> None:
             passes[-1]["kind"] = "train"
             if args.lora_rank:
                 passes[0]["adapters"] = False
-            splits = {name: dt for name, (_, dt) in zip(phases, schedule_times)}
+            splits = dict.fromkeys(phases, 0.0)
+            for name, dt in schedule_times:
+                splits[name] += dt
             splits["optimizer"] = t1 - t_opt
             splits["other"] = (t1 - t0) - sum(splits.values())
             record = dict(step=step, step_time_s=t1 - t0, counters=counters, splits=splits,
                           passes=[dict(p) for p in passes])
             if measure_memory:
-                by_phase = torch.tensor([float(v) for v in phase_peaks], dtype=torch.float64, device=acc.device)
+                peaks = dict.fromkeys(phases + ["optimizer"], 0.0)
+                for name, v in zip([n for n, _ in schedule_times] + ["optimizer"], phase_peaks):
+                    peaks[name] = max(peaks[name], float(v))
+                by_phase = torch.tensor(list(peaks.values()), dtype=torch.float64, device=acc.device)
                 if dist.is_initialized():
                     dist.all_reduce(by_phase, op=dist.ReduceOp.MAX)
                 record["peak_mem_by_phase_bytes"] = dict(zip(phases + ["optimizer"], map(int, by_phase.tolist())))

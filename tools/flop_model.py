@@ -123,6 +123,10 @@ class Microbatch:
     """Positions the selective head scores (response positions after position pruning)."""
     selective: bool = True
     """False: the baseline head projects every position onto the vocabulary."""
+    prefixes: list[list[int]] | None = None
+    """Per row and sequence, the keys of a shared prefix earlier in the row that the sequence's
+    queries also attend to (the shared DPO layout ``[prompt, chosen, rejected]``: rows
+    ``[P, C, R]``, prefixes ``[0, P, P]``); None: every sequence attends only to itself."""
 
     @property
     def tokens(self) -> int:
@@ -156,6 +160,8 @@ def forward_flops(shape: Shape, mb: Microbatch, *, view: str = "ideal") -> dict[
     if view == "ideal":
         tokens = mb.tokens
         pairs = sum(_causal_pairs(n) for r in mb.rows for n in r)
+        if mb.prefixes is not None:  # attention per segment: its prefix plus its own causal keys
+            pairs += sum(n * k for r, ks in zip(mb.rows, mb.prefixes) for n, k in zip(r, ks))
     elif view == "padded":
         tokens = mb.padded_tokens
         pairs = len(mb.rows) * _causal_pairs(mb.seq_length)
@@ -273,6 +279,8 @@ def passes_from_dict(data: list[dict]) -> list[Pass]:
 
 def passes_to_dict(passes: list[Pass]) -> list[dict]:
     return [{"kind": p.kind, "microbatches": [dict(rows=mb.rows, seq_length=mb.seq_length, scored=mb.scored,
-                                                    selective=mb.selective) for mb in p.microbatches],
+                                                    selective=mb.selective,
+                                                    **({} if mb.prefixes is None else {"prefixes": mb.prefixes}))
+                                               for mb in p.microbatches],
              **({} if p.adapters else {"adapters": False})}
             for p in passes]

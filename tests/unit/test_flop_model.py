@@ -149,7 +149,8 @@ def test_summary_has_the_documented_schema():
     modes = {m: bench_dpo.summarise(m, _fake_worker(m, 2.0 if m in ("full", "concat") else 1.5), shape=shape,
                                     recompute=False, bytes_per_elem=4) for m in bench_dpo.MODES}
     bench_dpo.add_ratios(modes)
-    assert list(modes) == ["full", "concat", "selective", "position", "sequence", "branch", "position_branch", "all"]
+    assert list(modes) == ["full", "concat", "selective", "position", "sequence", "branch", "position_branch", "all",
+                           "shared", "shared_all"]
     for m in modes.values():
         for key in ("step_time_s", "peak_mem_bytes", "policy_tokens", "speedup_vs_concat",
                     "ideal_speedup_vs_concat", "mem_ratio_vs_concat", "logits_elements", "ref_tokens"):
@@ -302,3 +303,20 @@ def test_lora_memory_is_compared_with_full_parameter_concat():
     assert modes["branch"]["total_mem_bytes"] == 1500 and ref["total_mem_bytes"] == 5000
     assert modes["branch"]["total_mem_ratio_vs_full_param"] == pytest.approx(0.3)
     assert "vs full-param" in bench_dpo.lora_table(modes, ref)
+
+
+def test_shared_row_counts_the_prompt_once_and_attention_per_segment():
+    """[prompt, chosen, rejected] executes P + C + R tokens; each response attends to the prompt
+    and causally to itself, never to the other response."""
+    p, c, r = 7, 3, 4
+    shared = fm.Microbatch(rows=[[p, c, r]], prefixes=[[0, p, p]], seq_length=p + c + r, scored=c + r)
+    concat = fm.Microbatch(rows=[[p + c, p + r]], seq_length=2 * p + c + r, scored=c + r)
+    assert shared.tokens == p + c + r
+    pairs = p * (p + 1) / 2 + c * p + c * (c + 1) / 2 + r * p + r * (r + 1) / 2
+    got = fm.forward_flops(BODY, shared)
+    assert got["attention"] == BODY.attention_flops(pairs)
+    assert got["body"] == BODY.body_flops_per_token() * (p + c + r) + BODY.attention_flops(pairs)
+    # concat's attention holds the prompt's pairs twice; shared's the prompt's once plus the responses' cross terms
+    assert fm.forward_flops(BODY, concat)["attention"] - got["attention"] == BODY.attention_flops(p * (p + 1) / 2)
+    again = fm.passes_from_dict(fm.passes_to_dict([fm.Pass(kind="forward", microbatches=[shared])]))
+    assert again[0].microbatches[0].prefixes == [[0, p, p]]
