@@ -1,0 +1,28 @@
+"""``python -m megatron_prune.dpo`` on the tiny-moe preset at EP=2: flags to metrics to checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.e2e.test_dpo_cli import run_cli
+
+
+@pytest.mark.e2e
+def test_dpo_cli_runs_moe_with_expert_parallelism(tmp_path):
+    rows = run_cli(tmp_path, "--model-preset", "tiny-moe", "--expert-model-parallel-size", "2",
+                   "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--train-iters", "2",
+                   "--global-batch-size", "4", "--micro-batch-size", "1", "--prune-position-ratio", "0.6",
+                   "--prune-branch", "--save", str(tmp_path / "ckpt"), nproc=2)
+    assert [r["step"] for r in rows] == [0, 1]
+    # Reported on every step; positive (each is coefficient x a positive loss, over 3 MoE layers).
+    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in rows)
+    assert os.path.isdir(tmp_path / "ckpt" / "iter_0000002")
+
+
+@pytest.mark.e2e
+def test_dense_runs_report_no_router_losses(tmp_path):
+    rows = run_cli(tmp_path, "--train-iters", "1", "--global-batch-size", "2", "--micro-batch-size", "1",
+                   "--moe-aux-loss-coeff", "0.01")
+    assert "moe_aux_loss" not in rows[0] and "moe_z_loss" not in rows[0]
