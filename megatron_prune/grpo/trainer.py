@@ -265,7 +265,13 @@ class GRPOObjective:
 
     def _mine(self, items: list[TrainItem]) -> list[TrainItem]:
         dp_rank, dp_size = _dp()
-        return items[dp_rank::dp_size]
+        if not self.runner.s.shared_prompt:
+            return items[dp_rank::dp_size]
+        # Whole groups per rank, so that a group's completions share one prompt copy.
+        groups: dict = {}
+        for it in items:
+            groups.setdefault(it.prompt_id, []).append(it)
+        return [it for k, members in enumerate(groups.values()) if k % dp_size == dp_rank for it in members]
 
     # -- the loop's interface ---------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:

@@ -4,7 +4,7 @@ One GRPO step through the trainer's objective (rollout, DPPO keep draws, old-pol
 reference scoring, the update) with each prompt's kept completions laid out as
 ``[prompt, c1, ..., ck]`` must give the sampled completions, loss, policy loss, KL and every
 gradient of the same step without sharing — with DPPO completion pruning and the KL term, padded
-rows and dense packing (several groups per row), at one rank and at TP=2 and PP=2 — while the
+rows and dense packing (several groups per row), at one rank and at DP=2, TP=2 and PP=2 — while the
 training pass runs fewer tokens.
 """
 
@@ -34,7 +34,7 @@ def _single_rank() -> dict:
 
 def _two_ranks() -> dict:
     return {name: grpo_step(parallel=par, **_case(packed=True, shared=True))
-            for name, par in (("tp2", dict(tensor_model_parallel_size=2)),
+            for name, par in (("dp2", dict()), ("tp2", dict(tensor_model_parallel_size=2)),
                               ("pp2", dict(pipeline_model_parallel_size=2)))}
 
 
@@ -65,7 +65,10 @@ def test_shared_prompt_equals_unshared(packed):
     assert shared["metrics"]["train_tokens"] < plain["metrics"]["train_tokens"]
 
 
-def test_shared_prompt_at_tp2_and_pp2():
+def test_shared_prompt_at_dp2_tp2_and_pp2():
     ref = single_rank()[(True, False)]
+    shared_tokens = single_rank()[(True, True)]["metrics"]["train_tokens"]
     for name, result in run_distributed(_two_ranks, 2)[0].items():
         assert_same_step(ref, result, name)
+        # Data-parallel ranks take whole groups: the prompts are not copied more often than on one rank.
+        assert result["metrics"]["train_tokens"] == shared_tokens, name
