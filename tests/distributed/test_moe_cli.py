@@ -26,3 +26,21 @@ def test_dense_runs_report_no_router_losses(tmp_path):
     rows = run_cli(tmp_path, "--train-iters", "1", "--global-batch-size", "2", "--micro-batch-size", "1",
                    "--moe-aux-loss-coeff", "0.01")
     assert "moe_aux_loss" not in rows[0] and "moe_z_loss" not in rows[0]
+
+
+@pytest.mark.e2e
+def test_grpo_cli_runs_moe_with_dppo(tmp_path):
+    """GRPO with DPPO and dense packing on tiny-moe at DP=2 (EP=1: the rollout's ranks generate
+    independently, which expert parallelism cannot follow yet), router losses reported."""
+    from tests.e2e.conftest import read_jsonl
+    from tests.e2e.test_grpo_cli import DPPO, TOY, run_grpo
+
+    metrics = tmp_path / "m.jsonl"
+    toy = [a if a != "tiny" else "tiny-moe" for a in TOY]
+    run_grpo([*toy, *DPPO, "--micro-batch-size", "8", "--train-iters", "2", "--moe-aux-loss-coeff", "0.01",
+              "--metrics-jsonl", str(metrics)],
+             log=tmp_path / "run.log").check_ok()
+    records = read_jsonl(metrics)
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["moe_aux_loss"] > 0 for r in records) and "moe_z_loss" not in records[-1]
+    assert records[-1]["kept_completion_fraction"] < 1.0
