@@ -27,6 +27,9 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "ep2xtp2-sp": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     "ep2xpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+    # One layer per model chunk: the dense layer 0 and the MoE layers land on different chunks.
+    "ep2xpp2-vpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2),
     "ep2xdp2-distopt": dict(expert_model_parallel_size=2, distopt=True),
 }
 
