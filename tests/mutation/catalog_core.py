@@ -106,7 +106,7 @@ MUTANTS: list[dict] = [
         "name": "reference-shares-policy",
         "why": "the DPO trainer's reference is the policy itself (shared parameters): every log-ratio stays 0",
         "file": "megatron_prune/dpo/trainer.py",
-        "old": "        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source)\n",
+        "old": "        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source, lora_base=lora_base)\n",
         "new": "        return parts.model\n",
         "tests": [REFERENCE_FROZEN],
     },
