@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--completion-rate", type=float, default=0.5, help="r_o of dppo, dppo_completion and cppo")
     p.add_argument("--dppo-sampling", default=None,
                    help="DPPO's completion keep draws (the trainer's --dppo-sampling; default: the trainer's default)")
+    p.add_argument("--dppo-prompt-sampling", default=None, choices=("independent", "systematic"),
+                   help="DPPO's prompt keep draws (the trainer's --dppo-prompt-sampling; default: the trainer's default)")
+    p.add_argument("--prompt-floor", type=float, default=None,
+                   help="DPPO's prompt keep-probability floor (the trainer's --dppo-prompt-floor; default: the trainer's)")
+    p.add_argument("--completion-floor", type=float, default=None,
+                   help="DPPO's completion keep-probability floor (the trainer's --dppo-completion-floor; "
+                        "default: the trainer's)")
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
@@ -220,7 +227,9 @@ def dppo_args(mode: str, args):
     rates = {"grpo": (0.0, 0.0), "dppo": (args.prompt_rate, args.completion_rate),
              "dppo_completion": (0.0, args.completion_rate), "dppo_prompt": (args.prompt_rate, 0.0),
              "filter": (0.0, 0.0), "cppo": (0.0, 0.0)}[mode]
-    extra = {"sampling": args.dppo_sampling} if args.dppo_sampling else {}
+    chosen = {"sampling": args.dppo_sampling, "prompt_sampling": args.dppo_prompt_sampling,
+              "prompt_floor": args.prompt_floor, "completion_floor": args.completion_floor}
+    extra = {k: v for k, v in chosen.items() if v is not None}
     return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo",
                     shared_prompt=shared, **extra)
 

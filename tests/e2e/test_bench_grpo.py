@@ -53,7 +53,14 @@ def test_every_mode_one_step(tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_with_kl(tmp_path):
     result = _bench(tmp_path, ["--task", "toy-binary", "--modes", "grpo", "dppo", "--tensor-model-parallel-size", "2",
-                               "--kl-beta", "0.05", "--kv-cache", "--no-match-time"], "tp2")
+                               "--kl-beta", "0.05", "--kv-cache", "--no-match-time", "--dppo-prompt-sampling",
+                               "systematic", "--prompt-floor", "0.3", "--completion-floor", "0.25"], "tp2")
     assert result["config"]["tensor_model_parallel_size"] == 2
     for s in result["modes"].values():
         assert s["reference_time_s"] > 0.0
+    # the DPPO options reach the objective's config (recorded as the run used it) and bound its weights
+    assert result["config"]["dppo_prompt_sampling"] == "systematic"
+    dppo_config = result["config"]["dppo_config"]
+    for part in ("prompt_floor=0.3", "completion_floor=0.25", "prompt_sampling='systematic'"):
+        assert part in dppo_config, (part, dppo_config)
+    assert 1.0 <= result["modes"]["dppo"]["weight_max_max"] <= 1.0 / (0.3 * 0.25) + 1e-6
