@@ -342,7 +342,7 @@ def run_worker(args) -> None:
                     with open(os.path.join(args.profile, f"{args.worker}.txt"), "w") as f:
                         f.write(f"# one step of {args.worker}, by self time\n")
                         f.write(prof.key_averages().table(sort_by=key, row_limit=25))
-                        f.write(f"\n# the same step's memory peak (rank 0), by phase, direction and op\n")
+                        f.write("\n# the same step's memory peak (rank 0), by phase, direction and op\n")
                         f.write(format_live_at_peak(*live_at_peak(prof, acc.device.type)) + "\n")
             # the last call of _microbatches is the training pass; the first is the reference
             passes[-1]["kind"] = "train"
