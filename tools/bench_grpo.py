@@ -158,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "grpo" not in args.modes:
         args.modes = ["grpo"] + list(args.modes)
     args.modes = [m for m in MODES if m in args.modes]
+    for mode in args.modes:  # refuse rates and floors the objective would refuse, before any worker starts
+        try:
+            dppo_args(mode, args)
+        except ValueError as exc:
+            p.error(f"mode {mode} (--prompt-rate, --completion-rate, --prompt-floor, --completion-floor): {exc}")
     return args
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -64,3 +65,13 @@ def test_tensor_parallel_with_kl(tmp_path):
     for part in ("prompt_floor=0.3", "completion_floor=0.25", "prompt_sampling='systematic'"):
         assert part in dppo_config, (part, dppo_config)
     assert 1.0 <= result["modes"]["dppo"]["weight_max_max"] <= 1.0 / (0.3 * 0.25) + 1e-6
+
+
+def test_unreachable_prompt_floor_is_refused_before_any_run(tmp_path):
+    # rate 0.5 with floor 0.6: every prompt keeps >= 0.6, so at most 0.4 can be pruned
+    cmd = [sys.executable, str(REPO / "tools" / "bench_grpo.py"), "--modes", "grpo", "dppo", "--prompt-rate", "0.5",
+           "--prompt-floor", "0.6", "--json", str(tmp_path / "never.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "at most 1 - floor = 0.4 can be pruned" in done.stderr
+    assert not (tmp_path / "never.json").exists()
