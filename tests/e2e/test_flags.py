@@ -113,5 +113,5 @@ def test_unknown_model_preset_fails_validation_in_one_line(monkeypatch, capsys):
     code, err = _main([*TINY_DPO[2:], "--model-preset", "big", "--dry-run"], monkeypatch, capsys)
     assert code == 2
     assert err.strip().splitlines() == [
-        "megatron-prune-dpo: error: argument --model-preset: invalid choice: 'big' (choose from 'tiny', 'tiny-tied') "
+        "megatron-prune-dpo: error: argument --model-preset: invalid choice: 'big' (choose from 'tiny', 'tiny-tied', 'tiny-moe') "
         "(run with --help to see every flag, its choices and default)"]

@@ -95,7 +95,11 @@ def test_lora_reference_modes_agree(tmp_path):
                  "--metrics-jsonl", str(d / "m.jsonl")], log=tmp_path / f"{mode}.txt").check_ok()
         runs[mode] = [(r["loss"], r["grad_norm"]) for r in read_jsonl(d / "m.jsonl")]
     assert len(runs["adapter-off"]) == 3
-    assert runs["online"] == runs["adapter-off"] == runs["precomputed"]
+    assert runs["online"] == runs["adapter-off"]
+    # The cache is filled by its own pass with other microbatch shapes, so segment attention sums
+    # over other padded blocks: equal up to float rounding, not bit for bit.
+    for (loss, norm), (ref_loss, ref_norm) in zip(runs["precomputed"], runs["adapter-off"], strict=True):
+        assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6)
 
 
 def test_lora_checkpoint_finds_its_hf_base(tmp_path):

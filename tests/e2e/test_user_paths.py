@@ -102,7 +102,7 @@ def test_unknown_model_preset_under_torchrun_ends_with_one_line(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert lines[-1] == ("megatron-prune-dpo: error: argument --model-preset: invalid choice: 'big' (choose from "
-                         "'tiny', 'tiny-tied') (run with --help to see every flag, its choices and default)"), \
+                         "'tiny', 'tiny-tied', 'tiny-moe') (run with --help to see every flag, its choices and default)"), \
         proc.stdout[-4000:]
     assert "usage:" not in proc.stdout and "[rank0]:" not in proc.stdout
 
