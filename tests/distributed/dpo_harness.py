@@ -102,7 +102,14 @@ def forced_join(join):
 def assert_same(ref: dict, got: dict, label: str, *, rtol=1e-5, atol=1e-7) -> None:
     """Metrics and every gradient equal within fp32 tolerance; gradients are compared relative
     to each tensor's own scale (reductions in another order differ by ulps of the largest entry)."""
-    for name in ("loss", "margin", "reward_accuracy", "chosen_reward", "rejected_reward"):
+    assert_metrics_and_grads(ref, got, label, ("loss", "margin", "reward_accuracy", "chosen_reward", "rejected_reward"),
+                             rtol=rtol, atol=atol)
+
+
+def assert_metrics_and_grads(ref: dict, got: dict, label: str, metrics: tuple[str, ...], *, rtol: float,
+                             atol: float) -> None:
+    """``metrics`` equal within (rtol, atol); every gradient within rtol of its tensor's largest entry."""
+    for name in metrics:
         torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=rtol, atol=atol,
                                    msg=f"{label}: {name}")
     assert set(got["grads"]) == set(ref["grads"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
+from tests.distributed.dpo_harness import assert_metrics_and_grads
 
 pytestmark = pytest.mark.distributed
 
@@ -87,16 +88,14 @@ def single_rank() -> dict:
     return run_distributed(_single_rank_all, 1)[0]
 
 
-def assert_same(ref: dict, got: dict, label: str, *, rtol=1e-5, atol=1e-7) -> None:
+STEP_METRICS = ("loss", "policy_loss", "kl_loss", "reward_mean", "kept_completion_fraction", "policy_tokens")
+
+
+def assert_same(ref: dict, got: dict, label: str, *, metrics: tuple[str, ...] = STEP_METRICS, rtol=1e-5,
+                atol=1e-7) -> None:
+    """Same sampled completions, ``metrics`` and every gradient."""
     assert [i[:3] for i in got["items"]] == [i[:3] for i in ref["items"]], f"{label}: sampled completions differ"
-    for name in ("loss", "policy_loss", "kl_loss", "reward_mean", "kept_completion_fraction", "policy_tokens"):
-        torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=rtol, atol=atol,
-                                   msg=f"{label}: {name}")
-    assert set(got["grads"]) == set(ref["grads"])
-    for key, expected in ref["grads"].items():
-        scale_atol = max(atol, rtol * float(expected.abs().max()))
-        torch.testing.assert_close(got["grads"][key], expected, rtol=rtol, atol=scale_atol,
-                                   msg=lambda m: f"{label}: grad {key}: {m}")
+    assert_metrics_and_grads(ref, got, label, metrics, rtol=rtol, atol=atol)
 
 
 def test_dppo_off_is_plain_grpo():
