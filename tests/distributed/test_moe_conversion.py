@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
+from tests.distributed.test_hf_conversion import _tool
 from tests.unit.model.hf_models import FAKE_ASSETS, randomize
 
 # fp32 on CPU: logits of order 1 agree to ~1e-6 (measured below); every control is far beyond.
@@ -114,16 +115,6 @@ def _swap_two_experts(state: dict) -> dict:
 def _router_transposed(state: dict) -> dict:
     name = "model.layers.0.mlp.gate.weight"
     return {**state, name: state[name].t().reshape(state[name].shape).contiguous()}
-
-
-def _tool(name: str):
-    """A module of tools/ (not a package), loaded from its file."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def conversion_suite(*, root: str, hf_dir: str, fused_dir: str) -> dict:
