@@ -7,6 +7,10 @@ Costs, in matmul FLOPs (2 per multiply-add):
 - forward  = body (q/k/v/o projections, SwiGLU MLP: ``2 * params`` per token, plus the attention
   core ``QK^T`` and ``AV``: ``4 * heads * head_dim`` per attended (query, key) pair, causal) +
   head (``2 * hidden * vocab`` per row the LM head projects);
+- a mixture-of-experts layer counts its *active* parameters per token: the router
+  (``hidden x num_experts``) plus the SwiGLU MLPs of the ``top_k`` experts the token is routed to
+  (width ``expert_ffn``), not all ``num_experts``; the model's dense layers keep the dense MLP
+  (drop-less routing: every token reaches its top-k experts);
 - a training pass costs forward + backward = 3 x forward; full recompute adds one more body
   forward; the reference and a pruned branch are forward only.
 
@@ -30,7 +34,8 @@ Two views of the same step:
   efficiency of the executed work; padded / ideal shows what padding and recompute cost.
 
 Memory (``padded`` view only, rough): a training microbatch stores per token and layer about
-``6h + 3q + 4kv + 5ffn`` activations plus ``2 * heads * seq_length`` attention scores/probs (the
+``6h + 3q + 4kv + 5ffn`` activations (a MoE layer: ``5 * top_k * expert_ffn`` plus the router's
+probabilities and the token's permuted copies) plus ``2 * heads * seq_length`` attention scores/probs (the
 unfused local attention keeps them), or only the layer input under full recompute plus one layer's
 working set; a forward-only microbatch keeps one layer's working set (residual stream plus the
 larger of attention and MLP intermediates); the baseline head holds one fp32 ``rows x vocab``
@@ -62,15 +67,41 @@ class Shape:
     ffn: int
     vocab: int
     """Vocabulary the head projects onto (the padded embedding size)."""
+    moe_layers: int = 0
+    """Layers whose MLP is a mixture of experts (the other ``layers - moe_layers`` keep the dense
+    MLP of width ``ffn``); 0 for a dense model."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (the router's output width)."""
+    top_k: int = 0
+    """Experts each token runs in a MoE layer."""
+    expert_ffn: int = 0
+    """SwiGLU inner width of one expert."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.moe_layers <= self.layers:
+            raise ValueError(f"moe_layers must be in 0..layers ({self.layers}), got {self.moe_layers}")
+        if self.moe_layers and not (1 <= self.top_k <= self.num_experts and self.expert_ffn > 0):
+            raise ValueError(f"a MoE shape needs 1 <= top_k <= num_experts and expert_ffn > 0, got top_k={self.top_k}, "
+                             f"num_experts={self.num_experts}, expert_ffn={self.expert_ffn}")
 
     @classmethod
     def from_arch(cls, arch, *, vocab: int | None = None) -> "Shape":
         """From a :class:`megatron_prune.model.arch.ModelArch` (or a dict of its fields)."""
-        get = (lambda k: arch[k]) if isinstance(arch, dict) else (lambda k: getattr(arch, k))
-        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
-        return cls(hidden=get("hidden_size"), layers=get("num_layers"), heads=get("num_attention_heads"),
-                   kv_heads=get("num_key_value_heads"), head_dim=head_dim, ffn=get("intermediate_size"),
-                   vocab=vocab or get("vocab_size"))
+        if isinstance(arch, dict):
+            from megatron_prune.model.arch import ModelArch
+
+            arch = ModelArch.from_dict(arch)
+        moe = {}
+        if arch.is_moe:
+            moe = dict(moe_layers=sum(arch.moe_layer_pattern()), num_experts=arch.num_experts,
+                       top_k=arch.num_experts_per_tok, expert_ffn=arch.moe_intermediate_size)
+        return cls(hidden=arch.hidden_size, layers=arch.num_layers, heads=arch.num_attention_heads,
+                   kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, ffn=arch.intermediate_size,
+                   vocab=vocab or arch.vocab_size, **moe)
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
 
     @property
     def q_width(self) -> int:
@@ -80,13 +111,26 @@ class Shape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def attention_params(self) -> int:
+        """Matmul parameters of one layer's attention (q/k/v and output projections)."""
+        return self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
+
     def layer_params(self) -> int:
-        """Matmul parameters of one transformer layer."""
-        attn = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
-        return attn + 3 * self.hidden * self.ffn
+        """Matmul parameters of one dense transformer layer."""
+        return self.attention_params() + 3 * self.hidden * self.ffn
+
+    def moe_layer_active_params(self) -> int:
+        """Matmul parameters one token runs through in one MoE layer: attention, the router and
+        its ``top_k`` experts."""
+        return self.attention_params() + self.hidden * self.num_experts + self.top_k * 3 * self.hidden * self.expert_ffn
+
+    def active_params(self) -> int:
+        """Matmul parameters one token runs through in the whole body (all layers)."""
+        return self.layer_params() * self.dense_layers + (self.moe_layer_active_params() * self.moe_layers
+                                                          if self.moe_layers else 0)
 
     def body_flops_per_token(self) -> float:
-        return 2.0 * self.layer_params() * self.layers
+        return 2.0 * self.active_params()
 
     def attention_flops(self, attended_pairs: float) -> float:
         """Attention core (QK^T and AV) over ``attended_pairs`` (query, key) pairs, all layers."""
@@ -96,19 +140,35 @@ class Shape:
         return 2.0 * self.hidden * self.vocab * rows
 
     def adapter_params(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
-        """LoRA parameters of one layer: ``rank * (in + out)`` per adapted linear."""
+        """LoRA parameters of one dense layer: ``rank * (in + out)`` per adapted linear."""
+        return self._adapter_params(rank, targets, ffn=self.ffn, mlp_copies=1)
+
+    def _adapter_params(self, rank: int, targets: tuple[str, ...], *, ffn: int, mlp_copies: int) -> int:
         widths = {"linear_qkv": (self.hidden, self.q_width + 2 * self.kv_width),
                   "linear_proj": (self.q_width, self.hidden),
-                  "linear_fc1": (self.hidden, 2 * self.ffn),
-                  "linear_fc2": (self.ffn, self.hidden)}
+                  "linear_fc1": (self.hidden, 2 * ffn),
+                  "linear_fc2": (ffn, self.hidden)}
         unknown = [t for t in targets if t not in widths]
         if unknown:
             raise ValueError(f"unknown LoRA target(s) {unknown}; choose from {list(widths)}")
-        return sum(rank * (widths[t][0] + widths[t][1]) for t in targets)
+        return sum(rank * (widths[t][0] + widths[t][1]) * (mlp_copies if t in ("linear_fc1", "linear_fc2") else 1)
+                   for t in targets)
 
     def adapter_flops_per_token(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> float:
-        """Forward FLOPs of the adapters per token, all layers (``x A^T`` then ``B``)."""
-        return 2.0 * self.adapter_params(rank, targets) * self.layers
+        """Forward FLOPs of the adapters per token, all layers (``x A^T`` then ``B``); in a MoE
+        layer a token runs the adapters of its ``top_k`` experts."""
+        moe = (self._adapter_params(rank, targets, ffn=self.expert_ffn, mlp_copies=self.top_k) * self.moe_layers
+               if self.moe_layers else 0)
+        return 2.0 * (self.adapter_params(rank, targets) * self.dense_layers + moe)
+
+    def mlp_activation_width(self) -> float:
+        """Per token, the MLP's inner width averaged over layers (a MoE layer: its top-k experts')."""
+        return (self.ffn * self.dense_layers + self.top_k * self.expert_ffn * self.moe_layers) / self.layers
+
+    def moe_dispatch_width(self) -> float:
+        """Per token, averaged over layers: what a MoE layer holds besides its experts' MLPs (router
+        logits and probabilities; the token's top-k permuted copies in and out)."""
+        return (2 * self.num_experts + 2 * self.top_k * self.hidden) * self.moe_layers / self.layers
 
 
 @dataclass(kw_only=True)
@@ -220,16 +280,19 @@ def _lora_step_flops(shape: Shape, passes: list[Pass], *, recompute: bool, view:
 
 def activation_elements_per_token_layer(shape: Shape, seq_length: int) -> float:
     """Stored activations of one token in one layer (no recompute), unfused local attention."""
-    return (6 * shape.hidden + 3 * shape.q_width + 4 * shape.kv_width + 5 * shape.ffn
-            + 2 * shape.heads * seq_length)
+    return (6 * shape.hidden + 3 * shape.q_width + 4 * shape.kv_width + 5 * shape.mlp_activation_width()
+            + shape.moe_dispatch_width() + 2 * shape.heads * seq_length)
 
 
 def forward_working_set_per_token(shape: Shape, seq_length: int) -> float:
     """Live elements per token while a no-grad pass runs one layer: the residual stream and its
     norm, plus the larger of the attention block (q, k, v, output, scores and probs) and the MLP
-    (gate, up and activation)."""
+    (gate, up and activation; a MoE layer: its top-k experts' and the dispatch copies)."""
     attention = 2 * shape.q_width + 2 * shape.kv_width + 2 * shape.heads * seq_length
-    return 2 * shape.hidden + max(attention, 3 * shape.ffn)
+    mlp = 3 * shape.ffn if shape.dense_layers else 0
+    if shape.moe_layers:
+        mlp = max(mlp, 3 * shape.top_k * shape.expert_ffn + 2 * shape.num_experts + 2 * shape.top_k * shape.hidden)
+    return 2 * shape.hidden + max(attention, mlp)
 
 
 def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False, bytes_per_elem: int = 4,

@@ -320,3 +320,67 @@ def test_shared_row_counts_the_prompt_once_and_attention_per_segment():
     assert fm.forward_flops(BODY, concat)["attention"] - got["attention"] == BODY.attention_flops(p * (p + 1) / 2)
     again = fm.passes_from_dict(fm.passes_to_dict([fm.Pass(kind="forward", microbatches=[shared])]))
     assert again[0].microbatches[0].prefixes == [[0, p, p]]
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+def _moe_arch(**kw):
+    from megatron_prune.model.arch import ModelArch
+
+    # 4 layers; decoder_sparse_step 2 makes layers 1 and 3 sparse, mlp_only_layers keeps layer 1 dense.
+    fields = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=4,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=4, qk_norm=True, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=6, decoder_sparse_step=2, mlp_only_layers=[1])
+    return ModelArch(**{**fields, **kw})
+
+
+def _dense_like(arch, **kw):
+    """``arch`` without experts (every layer a dense MLP), fields in ``kw`` replaced."""
+    import dataclasses
+
+    return dataclasses.replace(arch, model_type="qwen3", num_experts=0, num_experts_per_tok=0,
+                               moe_intermediate_size=None, mlp_only_layers=[], decoder_sparse_step=1, **kw)
+
+
+def test_moe_counts_active_parameters_by_hand():
+    """Per token: attention 8*(8 + 2*4) + 8*8 = 192 in every layer; dense MLP 3*8*16 = 384 in layers
+    0, 1, 2; the one MoE layer (3) runs the router 8*4 = 32 and 2 of its 4 experts, 2*3*8*6 = 288.
+    Body 4*192 + 3*384 + 32 + 288 = 2240 parameters -> 4480 FLOPs per token; a 3-token row adds
+    attention 4*8*4*(1+2+3) = 768; head 2*8*10 per scored row."""
+    shape = fm.Shape.from_arch(_moe_arch())
+    assert (shape.moe_layers, shape.num_experts, shape.top_k, shape.expert_ffn) == (1, 4, 2, 6)
+    assert shape.body_flops_per_token() == 2 * 2240
+    f = fm.forward_flops(shape, _mb([[3]], 2))
+    assert f["body"] == 2 * 2240 * 3 + 768 and f["head"] == 2 * 8 * 10 * 2
+    # The benchmark's JSON records the architecture as a dict: the same shape.
+    assert fm.Shape.from_arch(_moe_arch().to_dict()) == shape
+    # All experts' weights would be 4 * 3*8*6 = 576 per MoE layer; only the routed ones count.
+    assert fm.Shape.from_arch(_moe_arch(num_experts_per_tok=4)).body_flops_per_token() == 2 * (2240 + 288)
+
+
+def test_moe_with_every_expert_routed_is_a_dense_mlp_of_all_experts_plus_the_router():
+    """top_k = num_experts runs every expert: the MLP of a dense model whose inner width is
+    num_experts * expert_ffn (SwiGLU is separable over inner units), plus the router."""
+    arch = _moe_arch(num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[])
+    moe = fm.Shape.from_arch(arch)
+    dense = fm.Shape.from_arch(_dense_like(arch, intermediate_size=4 * 6))
+    assert moe.moe_layers == 4 and dense.moe_layers == 0
+    router_fwd = 2.0 * 8 * 4 * moe.layers  # per token, all layers
+    for step in (concat_step(), branch_step()):
+        tokens = sum(mb.tokens * (3 if p.kind == "train" else 1) for p in step for mb in p.microbatches)
+        assert fm.step_flops(moe, step)["total"] - fm.step_flops(dense, step)["total"] == pytest.approx(
+            router_fwd * tokens, rel=1e-12)
+
+
+def test_moe_shape_is_validated_and_its_memory_model_uses_the_routed_experts():
+    with pytest.raises(ValueError, match="top_k"):
+        fm.Shape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10, moe_layers=1, num_experts=4,
+                 top_k=5, expert_ffn=6)
+    with pytest.raises(ValueError, match="moe_layers"):
+        fm.Shape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10, moe_layers=3, num_experts=4,
+                 top_k=2, expert_ffn=6)
+    few = fm.Shape.from_arch(_moe_arch(num_experts_per_tok=1))
+    many = fm.Shape.from_arch(_moe_arch(num_experts_per_tok=4))
+    step = concat_step()
+    assert fm.step_peak_bytes(few, step) < fm.step_peak_bytes(many, step)
+    # LoRA on a MoE layer adapts the routed experts' linears: more routed experts, more adapter FLOPs.
+    assert few.adapter_flops_per_token(2) < many.adapter_flops_per_token(2)
