@@ -357,8 +357,6 @@ def gradient_variance(objective, *, rule, step: int, draws: int) -> dict:
 def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool = False) -> list[dict]:
     """Train ``mode`` from the seed's initial policy; one record per step (step -1: the evaluation
     before training). ``warmup``: one step, no evaluation (first-call costs of the process)."""
-    import torch
-
     from megatron_prune.config import TrainConfig
     from megatron_prune.grpo.config import GRPOConfig
     from megatron_prune.grpo.trainer import build_objective

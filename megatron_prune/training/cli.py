@@ -70,6 +70,9 @@ def run_cli(
     except NonFiniteError as exc:
         print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return 1
+    from megatron_prune.training.parallel import shutdown_distributed
+
+    shutdown_distributed()
     return 0
 
 

@@ -184,6 +184,22 @@ def barrier() -> None:
         dist.barrier()
 
 
+def shutdown_distributed() -> None:
+    """End a finished run: wait for every rank, then destroy all process groups, world included.
+
+    Leaving gloo groups to interpreter teardown lets one rank close its sockets while a peer's
+    gloo threads still run, which intermittently aborts that peer ("terminate called without an
+    active exception") after a run that had finished. Only called after success: on an error the
+    peers may never reach the barrier.
+    """
+    if not dist.is_initialized():
+        return
+    with guard_collectives("the end-of-run barrier"):
+        dist.barrier()
+    destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -203,6 +219,7 @@ __all__ = [
     "initialize_model_parallel",
     "is_logging_rank",
     "model_parallel",
+    "shutdown_distributed",
     "validate_layout",
     "world_size",
 ]

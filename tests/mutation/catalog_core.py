@@ -1,4 +1,4 @@
-"""Seeded bugs of the shared core (log-prob op, packing masks, draws, sampler, reference) and the
+"""Seeded bugs of the shared core (log-prob op, packing masks, draws, sampler, reference, MoE) and the
 tests that must catch each; two canaries check the harness itself.
 
 Format: ``tools/mutants.py`` (``MUTANTS``: name, why, file, old, new, tests).
@@ -12,6 +12,8 @@ OP_TP2 = "tests/distributed/test_logprobs_op.py::test_tp2_matches_single_process
 INVARIANTS = "tests/distributed/test_core_invariants.py"
 DRAWS_AGREE = f"{INVARIANTS}::test_pruning_draws_are_the_same_on_every_rank"
 REFERENCE_FROZEN = f"{INVARIANTS}::test_reference_stays_the_starting_policy_while_the_policy_trains"
+MOE_EP2 = "tests/distributed/test_moe.py::test_expert_parallel_2_ranks_matches_single_rank"
+MOE_EP4 = "tests/distributed/test_moe.py::test_expert_parallel_4_ranks_matches_single_rank"
 
 MUTANTS: list[dict] = [
     {
@@ -156,5 +158,34 @@ MUTANTS: list[dict] = [
         "old": "        return torch.cat([torch.arange(p)] + [torch.arange(p, p + len(it.completion)) for it in self.items])\n",
         "new": "        return torch.arange(self.length)\n",
         "tests": ["tests/distributed/test_grpo_shared_prompt.py::test_shared_prompt_equals_unshared"],
+    },
+    {
+        "name": "moe-router-loss-summed-over-dp",
+        "why": "the reported router losses are summed over data-parallel ranks instead of averaged: "
+               "moe_aux_loss and moe_z_loss grow with the number of ranks",
+        "file": "megatron_prune/model/moe.py",
+        "old": "            total /= parallel_state.get_data_parallel_world_size()\n",
+        "new": "",
+        "tests": [MOE_EP2],
+    },
+    {
+        "name": "moe-layer-pattern-ignores-stage",
+        "why": "each pipeline stage reads the dense/MoE layer pattern from layer 0 instead of its own "
+               "first layer: later stages build the wrong MLP for some layers",
+        "file": "megatron_prune/model/moe.py",
+        "old": "pattern[offset + i]",
+        "new": "pattern[i]",
+        "tests": [MOE_EP4],
+    },
+    {
+        "name": "moe-fused-gate-up-swapped",
+        "why": "the fused HF expert layout (experts.gate_up_proj) is split with gate and up exchanged",
+        "file": "megatron_prune/model/hf_mapping.py",
+        "old": "                            self._virtual[f\"{base}{e}.gate_proj.weight\"] = (name, e, 0)\n"
+               "                            self._virtual[f\"{base}{e}.up_proj.weight\"] = (name, e, 1)\n",
+        "new": "                            self._virtual[f\"{base}{e}.gate_proj.weight\"] = (name, e, 1)\n"
+               "                            self._virtual[f\"{base}{e}.up_proj.weight\"] = (name, e, 0)\n",
+        "tests": ["tests/distributed/test_moe_conversion.py::"
+                  "test_fused_and_per_expert_layouts_map_to_the_same_megatron_state"],
     },
 ]
