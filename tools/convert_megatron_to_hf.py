@@ -99,4 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from megatron_prune.training.parallel import shutdown_distributed
+
+    shutdown_distributed()  # every rank returned: leave no gloo group to interpreter teardown
+    sys.exit(code)
