@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N*M tools/compare_hf_megatron.py --hf-dir HF --load OUT \
         --tensor-model-parallel-size N --pipeline-model-parallel-size M [--tolerance 1e-4] [--seq-length 32]
+        [--virtual-pipeline-model-parallel-size V] [--expert-model-parallel-size E]
 
 Runs the Megatron model at the given layout (fp32) and transformers' model of HF (fp32, on
 rank 0) on the same random tokens; prints max |delta logits|, mean |delta logits|,
@@ -23,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", required=True, help="Megatron checkpoint (save root or iter_* directory)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved schedule; needs PP > 1): the "
+                        "--batch-size rows run as one-row microbatches, padded to a multiple of PP")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert-parallel ranks of a Qwen3-MoE model (must divide the data-parallel size); "
                         "a MoE model at TP > 1 runs with sequence parallelism")
@@ -43,12 +47,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         arch = read_hf_arch(args.hf_dir)
+        chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
+        if arch.num_layers % chunks:
+            raise ValueError(f"the model's {arch.num_layers} layers do not split into --pipeline-model-parallel-size x "
+                             f"--virtual-pipeline-model-parallel-size = {chunks} equal model chunks")
         from megatron_prune.model.provider import ParallelConfig
         from megatron_prune.training.parallel import initialize_distributed
 
         initialize_distributed()
         parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                  virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
                                   expert_model_parallel_size=args.expert_model_parallel_size,
                                   sequence_parallel=arch.is_moe and args.tensor_model_parallel_size > 1)
         result = compare_hf_and_megatron(hf_dir=args.hf_dir, load_dir=args.load, parallel=parallel,
@@ -63,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = result.ok(args.tolerance)
     if not dist.is_initialized() or dist.get_rank() == 0:
         layout = f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size}"
+        if args.virtual_pipeline_model_parallel_size:
+            layout += f" VPP={args.virtual_pipeline_model_parallel_size}"
         if args.expert_model_parallel_size > 1:
             layout += f" EP={args.expert_model_parallel_size}"
         print(f"{layout}: {result.summary()}")
@@ -71,4 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from megatron_prune.training.parallel import shutdown_distributed
+
+    shutdown_distributed()  # every rank returned: leave no gloo group to interpreter teardown
+    sys.exit(code)

@@ -613,7 +613,9 @@ def megatron_logits(model: list[torch.nn.Module], tokens: torch.Tensor) -> torch
     """Full (padded) vocabulary logits ``[b, s, V_padded]`` of ``tokens``, fp32 on CPU, on every rank.
 
     Drives Megatron's forward-only pipeline schedule at the current layout, gathers the
-    vocabulary over TP on the last stage and broadcasts along the pipeline.
+    vocabulary over TP on the last stage and broadcasts along the pipeline. With virtual pipeline
+    stages (several chunks) the interleaved schedule needs a multiple of PP microbatches: the rows
+    run one per microbatch, the last row repeated to fill the count (its repeats are dropped).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -623,20 +625,26 @@ def megatron_logits(model: list[torch.nn.Module], tokens: torch.Tensor) -> torch
 
     device = get_accelerator().device
     b, s = tokens.shape
-    data = [iter([tokens.to(device)]) for _ in model]
+    if len(model) > 1:
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        microbatches = [tokens[i:i + 1] for i in range(b)]
+        microbatches += [tokens[-1:]] * (-b % pp)
+    else:
+        microbatches = [tokens]
+    data = [iter([mb.to(device) for mb in microbatches]) for _ in model]
     outputs = run_schedule(
         forward_step_func=_logits_forward_step,
         data_iterator=data if len(model) > 1 else data[0],
         model=model,
-        num_microbatches=1,
+        num_microbatches=len(microbatches),
         seq_length=s,
-        micro_batch_size=b,
+        micro_batch_size=microbatches[0].shape[0],
         forward_only=True,
     )
     chunk = model[-1].module if hasattr(model[-1], "module") else model[-1]
     vocab = chunk.vocab_size
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        logits = outputs[0]["logits"].float().contiguous()
+        logits = torch.cat([out["logits"] for out in outputs])[:b].float().contiguous()
     else:
         logits = torch.empty(b, s, vocab, dtype=torch.float32, device=device)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

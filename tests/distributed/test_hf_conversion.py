@@ -6,9 +6,9 @@ TP=1 (DP=4), TP=2, PP=2 and TP=2 x PP=2, and exports back to HF; it runs the neg
 (a wrong QKV interleave, swapped gate/up, wrong rope base, rope scaling dropped) through the same
 comparison; and it trains one SGD step on a converted model, saves it as the trainer does and
 exports it. The bf16, sharded Qwen2 goes through the three command-line tools (their ``main``, on
-the same 4 ranks, as under torchrun). The tests then read the results and check the exported
-directories with transformers in the test process; one more runs an exporter as a plain
-single-process ``python tools/...`` command.
+the same 4 ranks, as under torchrun); the compare tool also checks the 4-layer Qwen3 at PP=2 x
+VPP=2. The tests then read the results and check the exported directories with transformers in
+the test process; one more runs an exporter as a plain single-process ``python tools/...`` command.
 """
 
 from __future__ import annotations
@@ -195,6 +195,10 @@ def conversion_suite(*, root: str, hf_dirs: dict[str, str]) -> dict:
                 hf_dir=hf_dir, load_dir=converted, parallel=ParallelConfig(**layout))
         if kind != CLI_KIND:
             hf_convert.export_megatron_to_hf(load_dir=converted, hf_out=exported)
+    # Virtual pipeline stages split no reduction: the logits stay exactly those of PP=2 (measured 0).
+    out["compare at PP=2 x VPP=2"] = _tool("compare_hf_megatron").main(
+        ["--hf-dir", hf_dirs["qwen3"], "--load", os.path.join(root, "qwen3-megatron"), "--pipeline-model-parallel-size",
+         "2", "--virtual-pipeline-model-parallel-size", "2", "--tolerance", "1e-6"])
     out["errors"] = _checkpoint_side_errors(root=root, hf_dirs=hf_dirs)
     controls = out["controls"]
     controls["qkv concatenated, not interleaved"] = _controlled_comparison(hf_dirs["qwen3"], qkv_plain=True)
@@ -320,6 +324,18 @@ def test_tools_convert_compare_export(suite, hf_models):
     exported = os.path.join(suite[0], f"{CLI_KIND}-exported")
     assert os.path.isfile(os.path.join(exported, "model.safetensors.index.json"))
     assert len([n for n in os.listdir(exported) if n.endswith(".safetensors")]) > 1
+
+
+@pytest.mark.distributed
+def test_compare_tool_runs_virtual_pipeline_stages(suite, hf_models):
+    """PP=2 x VPP=2 on 4 ranks (the interleaved schedule over the model's 4 layers in 4 chunks)
+    matches transformers to 1e-6; a layer count the chunks cannot split is a usage error."""
+    assert suite[1]["compare at PP=2 x VPP=2"] == 0
+    compare = _tool("compare_hf_megatron")
+    with pytest.raises(SystemExit) as exc:  # the 2-layer Qwen2 in 2 x 2 chunks
+        compare.main(["--hf-dir", hf_models[CLI_KIND], "--load", "unused", "--pipeline-model-parallel-size", "2",
+                      "--virtual-pipeline-model-parallel-size", "2"])
+    assert exc.value.code == 2
 
 
 @pytest.mark.distributed
