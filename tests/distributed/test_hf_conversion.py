@@ -65,12 +65,10 @@ class _Renamed(dict):
 def _controlled_comparison(hf_dir: str, *, arch_change: dict | None = None, qkv_plain: bool = False,
                            swap_gate_up: bool = False):
     from megatron_prune.model import hf_convert
-    from megatron_prune.model.provider import ParallelConfig, build_model_chunks
-    from megatron_prune.training.parallel import broadcast_object, model_parallel
+    from megatron_prune.model.provider import ParallelConfig
 
     arch = dataclasses.replace(hf_convert.read_hf_arch(hf_dir), **(arch_change or {}))
     parallel = ParallelConfig(**LAYOUTS["tp2"])
-    tokens = hf_convert.comparison_tokens(vocab_size=arch.vocab_size, batch_size=2, seq_length=32, seed=0)
     with hf_convert.HFCheckpoint(hf_dir) as lazy:
         hf = dict(lazy.items())
     if swap_gate_up:
@@ -79,9 +77,23 @@ def _controlled_comparison(hf_dir: str, *, arch_change: dict | None = None, qkv_
             gate, up = f"model.layers.{layer}.mlp.gate_proj.weight", f"model.layers.{layer}.mlp.up_proj.weight"
             swaps.update({gate: up, up: gate})
         hf = _Renamed(hf, swaps)
+    return logits_against_hf(hf_dir, hf=hf, arch=arch, parallel=parallel,
+                             fill_context=_plain_qkv_concatenation if qkv_plain else contextlib.nullcontext)
+
+
+def logits_against_hf(hf_dir: str, *, hf, arch, parallel, fill_context=contextlib.nullcontext):
+    """Fill Megatron chunks at ``parallel`` from the HF tensors ``hf`` (inside ``fill_context()``)
+    and compare their logits with transformers' model in ``hf_dir``; every rank gets the result."""
+    from megatron_prune.model import hf_convert
+    from megatron_prune.model.provider import build_model_chunks
+    from megatron_prune.training.parallel import broadcast_object, model_parallel
+
+    tokens = hf_convert.comparison_tokens(vocab_size=arch.vocab_size, batch_size=2, seq_length=32, seed=0)
     with model_parallel(parallel):
         chunks = build_model_chunks(arch, parallel)
-        with _plain_qkv_concatenation() if qkv_plain else contextlib.nullcontext():
+        for chunk in chunks:
+            chunk.eval()
+        with fill_context():
             hf_convert.fill_model_from_hf(chunks, hf=hf, arch=arch)
         logits = hf_convert.megatron_logits(chunks, tokens)
     result = None

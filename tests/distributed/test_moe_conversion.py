@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
-from tests.distributed.test_hf_conversion import _tool
+from tests.distributed.test_hf_conversion import _tool, logits_against_hf
 from tests.unit.model.hf_models import FAKE_ASSETS, randomize
 
 # fp32 on CPU: logits of order 1 agree to ~1e-6 (measured below); every control is far beyond.
@@ -84,23 +84,10 @@ def make_fused_copy(src: str, dst: str) -> str:
 def _controlled_comparison(hf_dir: str, *, change) -> object:
     """Fill the model from HF tensors altered by ``change`` and compare with transformers."""
     from megatron_prune.model import hf_convert
-    from megatron_prune.model.provider import ParallelConfig, build_model_chunks
-    from megatron_prune.training.parallel import broadcast_object, model_parallel
+    from megatron_prune.model.provider import ParallelConfig
 
-    arch = hf_convert.read_hf_arch(hf_dir)
-    parallel = ParallelConfig(**LAYOUTS["ep2xtp2"])
-    tokens = hf_convert.comparison_tokens(vocab_size=arch.vocab_size, batch_size=2, seq_length=32, seed=0)
-    hf = change(_state(hf_dir))
-    with model_parallel(parallel):
-        chunks = build_model_chunks(arch, parallel)
-        for chunk in chunks:
-            chunk.eval()
-        hf_convert.fill_model_from_hf(chunks, hf=hf, arch=arch)
-        logits = hf_convert.megatron_logits(chunks, tokens)
-    result = None
-    if torch.distributed.get_rank() == 0:
-        result = hf_convert.compare_logits(hf_convert.hf_logits(hf_dir, tokens), logits)
-    return broadcast_object(result)
+    return logits_against_hf(hf_dir, hf=change(_state(hf_dir)), arch=hf_convert.read_hf_arch(hf_dir),
+                             parallel=ParallelConfig(**LAYOUTS["ep2xtp2"]))
 
 
 def _swap_two_experts(state: dict) -> dict:
