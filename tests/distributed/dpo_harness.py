@@ -112,8 +112,21 @@ def assert_metrics_and_grads(ref: dict, got: dict, label: str, metrics: tuple[st
     for name in metrics:
         torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=rtol, atol=atol,
                                    msg=f"{label}: {name}")
-    assert set(got["grads"]) == set(ref["grads"])
-    for key, expected in ref["grads"].items():
-        scale_atol = max(atol, rtol * float(expected.abs().max()))
-        torch.testing.assert_close(got["grads"][key], expected, rtol=rtol, atol=scale_atol,
-                                   msg=lambda m: f"{label}: grad {key}: {m}")
+    assert_same_tensors(ref, got, label, kinds=("grads",), rtol=rtol, atol=atol, relative_atol=True)
+
+
+def assert_same_tensors(ref: dict, got: dict, label: str, *, kinds: tuple[str, ...] = ("grads", "params"),
+                        rtol: float, atol: float, relative_atol: bool = False) -> None:
+    """Whole tensors ``got[kind][key]`` equal ``ref[kind][key]`` (same keys, no NaN left by an
+    unfilled shard); ``relative_atol``: atol grows to rtol x the tensor's largest entry. A kind
+    that ``got`` holds as None (a rank that keeps only a slice) is skipped."""
+    for kind in kinds:
+        if got[kind] is None:
+            continue
+        assert set(got[kind]) == set(ref[kind]), f"{label}: different {kind} keys"
+        for key, expected in ref[kind].items():
+            actual = got[kind][key]
+            assert not torch.isnan(actual).any(), f"{label}: {kind} {key} has unfilled shards"
+            tol = max(atol, rtol * float(expected.abs().max())) if relative_atol else atol
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=tol,
+                                       msg=lambda m: f"{label}: {kind} {key}: {m}")

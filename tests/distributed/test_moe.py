@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
-from tests.distributed.dpo_harness import SEED, sample_pairs
+from tests.distributed.dpo_harness import SEED, assert_same_tensors, sample_pairs
 
 AUX, Z = 1e-2, 1e-3
 RTOL, ATOL = 1e-5, 1e-7
@@ -132,16 +132,7 @@ def assert_same_step(ref: dict, got: dict, label: str) -> None:
         torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=RTOL, atol=ATOL,
                                    msg=f"{label}: {name}")
     torch.testing.assert_close(got["grad_norm"], ref["grad_norm"], rtol=RTOL, atol=0, msg=f"{label}: grad norm")
-    for kind in ("grads", "params"):
-        if got[kind] is None:
-            continue
-        assert set(got[kind]) == set(ref[kind]), f"{label}: different {kind} keys"
-        for key, expected in ref[kind].items():
-            actual = got[kind][key]
-            assert not torch.isnan(actual).any(), f"{label}: {kind} {key} has unfilled shards"
-            scale_atol = max(ATOL, RTOL * float(expected.abs().max()))
-            torch.testing.assert_close(actual, expected, rtol=RTOL, atol=scale_atol,
-                                       msg=lambda m: f"{label}: {kind} {key}: {m}")
+    assert_same_tensors(ref, got, label, rtol=RTOL, atol=ATOL, relative_atol=True)
 
 
 @pytest.fixture(scope="module")

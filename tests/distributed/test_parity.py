@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.dist import DistributedTestError, run_distributed
+from tests.distributed.dpo_harness import assert_same_tensors
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -140,14 +141,7 @@ def _registered_cpu() -> list[str]:
 def assert_same_step(ref: dict, got: dict, label: str) -> None:
     torch.testing.assert_close(got["loss"], ref["loss"], rtol=RTOL, atol=0, msg=f"{label}: loss")
     torch.testing.assert_close(got["grad_norm"], ref["grad_norm"], rtol=RTOL, atol=0, msg=f"{label}: grad norm")
-    for kind in ("grads", "params"):
-        if got[kind] is None:
-            continue
-        assert set(got[kind]) == set(ref[kind]), f"{label}: different {kind} keys"
-        for key, expected in ref[kind].items():
-            actual = got[kind][key]
-            assert not torch.isnan(actual).any(), f"{label}: {kind} {key} has unfilled shards"
-            torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label}: {kind} {key}: {m}")
+    assert_same_tensors(ref, got, label, rtol=RTOL, atol=ATOL)
 
 
 @pytest.fixture(scope="module")
