@@ -43,6 +43,7 @@ Lengths come from the bundled HH-RLHF sample tokenized with the tiny tokenizer (
 
     python tools/bench_dpo.py --preset cpu-small --json /tmp/bench.json --plot /tmp/bench.png
     python tools/bench_dpo.py --preset cpu-small --modes concat branch --steps 3
+    python tools/bench_dpo.py --preset cpu-moe-small --json /tmp/bench-moe.json
     python tools/bench_dpo.py --preset gpu-qwen3-0.6b --json out/qwen3-0.6b.json
     python tools/bench_dpo.py --preset cpu-small --tensor-model-parallel-size 2
     python tools/bench_dpo.py --preset cpu-small --lora-rank 64 --json /tmp/bench-lora.json
@@ -81,6 +82,7 @@ MODES: dict[str, dict] = {
 }
 
 _QWEN3 = dict(model_type="qwen3", qk_norm=True, rope_theta=1000000.0, max_position_embeddings=4096)
+_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 
 PRESETS: dict[str, dict] = {
     # Head share of forward FLOPs ~10% at 512 tokens (Qwen3-4B: 9.5%); a step takes seconds on 2 cores.
@@ -95,6 +97,14 @@ PRESETS: dict[str, dict] = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
         pairs=4, micro_batch_size=2, max_seq_length=384, max_prompt_length=192, warmup=1, steps=6,
         device="cpu", bf16=False),
+    # cpu-small's attention and vocabulary with a Qwen3-MoE MLP in every layer: 8 experts of width
+    # 256, top-2 (Qwen3-30B-A3B routes 8 of 128), so a token runs half of cpu-small's dense MLP width.
+    "cpu-moe-small": dict(
+        arch=dict(_QWEN3_MOE, vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=256),
+        pairs=4, micro_batch_size=2, max_seq_length=256, max_prompt_length=160, warmup=1, steps=6,
+        device="cpu", bf16=False),
     # Qwen3-0.6B's shape (tied embeddings), random weights.
     "gpu-qwen3-0.6b": dict(
         arch=dict(_QWEN3, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
@@ -106,6 +116,15 @@ PRESETS: dict[str, dict] = {
         arch=dict(_QWEN3, vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=8,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
         pairs=32, micro_batch_size=4, max_seq_length=1024, max_prompt_length=512, warmup=2, steps=4,
+        device="cuda", bf16=True),
+    # Qwen3-30B-A3B's widths (128 experts of width 768, top-8, hidden 2048, untied 151k vocabulary)
+    # with 6 of its 48 layers, all experts on one GPU (EP=1): ~4.4B parameters, ~87 GB of bf16
+    # weights, fp32 gradients, fp32 main weights, Adam state and the bf16 reference on one H200.
+    "gpu-qwen3-30b-a3b-slice": dict(
+        arch=dict(_QWEN3_MOE, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=6,
+                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                  num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False),
+        pairs=16, micro_batch_size=2, max_seq_length=1024, max_prompt_length=512, warmup=1, steps=3,
         device="cuda", bf16=True),
 }
 
@@ -632,6 +651,7 @@ def main(argv: list[str] | None = None) -> dict:
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size, "lora_rank": args.lora_rank,
         "data": args.data_path or ["bundled HH-RLHF sample (tiny tokenizer lengths)"],
         "head_share_fwd_flops_at_512": flop_model.head_share(shape, 512),
+        "active_params_per_token": shape.active_params(),
         "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python", "tools/bench_dpo.py", *(argv or sys.argv[1:])]),
     }

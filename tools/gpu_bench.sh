@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (sized for one H200): the DPO pruning benchmark at the two GPU
-# presets, the Qwen3-4B slice again with LoRA rank 64 (the study's configuration), then the
-# GPU-marked tests. Everything lands in $OUT (default ./bench_out):
+# One command for a GPU machine (sized for one H200): the DPO pruning benchmark at the dense GPU
+# presets, the Qwen3-4B slice again with LoRA rank 64 (the study's configuration), a Qwen3-30B-A3B
+# (mixture-of-experts) slice, then the GPU-marked tests. Everything lands in $OUT (default ./bench_out):
 #   qwen3-0.6b.{json,png,log}, qwen3-4b-slice.{json,png,log}, qwen3-4b-slice-lora64.{json,png,log},
-#   pytest-gpu.log, env.txt, summary.txt
-# Budget: under 11 minutes in all (each step has its own timeout; bench_dpo rewrites its JSON after
+#   qwen3-30b-a3b-slice.{json,png,log}, pytest-gpu.log, env.txt, summary.txt
+# Budget: under 14 minutes in all (each step has its own timeout; bench_dpo rewrites its JSON after
 # every mode, so a step cut short still leaves the modes it finished).
 #
 #   bash tools/gpu_bench.sh                 # from the repository root
@@ -58,5 +58,10 @@ run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice 
 run qwen3-4b-slice-lora64 190 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --lora-rank 64 --warmup 1 --steps 3 --memory-steps 1 --timeout 70 \
   --modes concat branch position_branch position \
   --json "$OUT/qwen3-4b-slice-lora64.json" --plot "$OUT/qwen3-4b-slice-lora64.png"
+# Qwen3-30B-A3B's widths (128 experts, top-8), 6 of 48 layers, EP=1 on the one GPU (~87 GB of
+# training state): the modes the goals are judged on, 1 warm-up + 3 timed steps of 16 pairs each.
+run qwen3-30b-a3b-slice 200 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-30b-a3b-slice --memory-steps 1 --timeout 90 \
+  --modes concat branch position_branch \
+  --json "$OUT/qwen3-30b-a3b-slice.json" --plot "$OUT/qwen3-30b-a3b-slice.png"
 run pytest-gpu 60 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider
 echo "results in $OUT:"; ls -l "$OUT"

@@ -384,3 +384,65 @@ def test_moe_shape_is_validated_and_its_memory_model_uses_the_routed_experts():
     assert fm.step_peak_bytes(few, step) < fm.step_peak_bytes(many, step)
     # LoRA on a MoE layer adapts the routed experts' linears: more routed experts, more adapter FLOPs.
     assert few.adapter_flops_per_token(2) < many.adapter_flops_per_token(2)
+
+
+def test_cpu_moe_small_preset_routes_half_of_cpu_small_mlp_width():
+    """cpu-moe-small: cpu-small's attention and vocabulary, every layer a MoE of 8 experts of width
+    256, top-2: per token the MLP runs 2 * 256 = 512 of cpu-small's 1024 inner units, plus an
+    8-wide router; the options the benchmark documents parse."""
+    from megatron_prune.model.arch import ModelArch
+
+    args = bench_dpo.parse_args(["--preset", "cpu-moe-small", "--modes", "branch", "--json", "/tmp/x.json"])
+    assert args.modes == ["concat", "branch"] and args.json == "/tmp/x.json" and args.device == "cpu"
+    moe = fm.Shape.from_arch(ModelArch(**bench_dpo.PRESETS["cpu-moe-small"]["arch"]))
+    dense = fm.Shape.from_arch(ModelArch(**bench_dpo.PRESETS["cpu-small"]["arch"]))
+    assert moe.moe_layers == moe.layers == 4
+    h = 256
+    assert dense.active_params() - moe.active_params() == 4 * (3 * h * 1024 - (h * 8 + 2 * 3 * h * 256))
+
+
+@pytest.mark.benchmark
+def test_bench_dpo_moe_json_smoke(tmp_path):
+    """cpu-moe-small through the benchmark (two modes, one step each): the JSON records the
+    MoE architecture, its active parameters, and FLOP ratios from the active-parameter model."""
+    out = tmp_path / "bench.json"
+    bench_dpo.main(["--preset", "cpu-moe-small", "--modes", "branch", "--pairs", "2", "--warmup", "0", "--steps", "1",
+                    "--max-seq-length", "128", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == {"concat", "branch"}
+    assert data["config"]["arch"]["num_experts"] == 8
+    from megatron_prune.model.arch import ModelArch
+
+    shape = fm.Shape.from_arch(ModelArch(**data["config"]["arch"]), vocab=data["config"]["padded_vocab"])
+    assert data["config"]["active_params_per_token"] == shape.active_params()
+    for name, m in data["modes"].items():
+        passes = fm.passes_from_dict(data["records"][name][0]["passes"])
+        assert m["flops_ideal"] == pytest.approx(fm.step_flops(shape, passes)["total"])
+    assert data["modes"]["branch"]["ideal_speedup_vs_concat"] > 1.2
+
+
+def test_gpu_bench_commands_parse_and_the_moe_slice_fits_one_h200(tmp_path):
+    """Every benchmark line of tools/gpu_bench.sh parses (its dry run prints them); the
+    Qwen3-30B-A3B slice keeps the model's widths, and its training state (bf16 weights, fp32
+    gradients, fp32 main weights, Adam's two moments: 18 bytes a parameter; the bf16 reference
+    2 more) stays well inside one H200's 141 GB with EP=1."""
+    import shlex
+    import subprocess
+
+    from megatron_prune.model.arch import ModelArch
+
+    script = os.path.join(TOOLS, "gpu_bench.sh")
+    out = subprocess.run(["bash", script], env=dict(os.environ, DRY_RUN="1", OUT=str(tmp_path)), check=True,
+                         capture_output=True, text=True).stdout
+    lines = [shlex.split(line.split("] ", 1)[1]) for line in out.splitlines() if "tools/bench_dpo.py" in line]
+    presets = {bench_dpo.parse_args(words[words.index("tools/bench_dpo.py") + 1:]).preset for words in lines}
+    assert "gpu-qwen3-30b-a3b-slice" in presets
+    arch = ModelArch(**bench_dpo.PRESETS["gpu-qwen3-30b-a3b-slice"]["arch"])
+    assert (arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.num_experts,
+            arch.num_experts_per_tok, arch.moe_intermediate_size, arch.vocab_size) == (
+                2048, 32, 4, 128, 128, 8, 768, 151936)
+    assert arch.model_type == "qwen3_moe" and arch.norm_topk_prob and arch.moe_layer_pattern() == [1] * arch.num_layers
+    h = arch.hidden_size
+    layer = h * 32 * 128 * 2 + h * 4 * 128 * 2 + h * 128 + 128 * 3 * h * 768
+    params = arch.num_layers * layer + 2 * 151936 * h  # untied embedding and output layer (before padding)
+    assert 60e9 < 20 * params < 100e9
