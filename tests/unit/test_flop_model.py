@@ -394,6 +394,8 @@ def test_cpu_moe_small_preset_routes_half_of_cpu_small_mlp_width():
 
     args = bench_dpo.parse_args(["--preset", "cpu-moe-small", "--modes", "branch", "--json", "/tmp/x.json"])
     assert args.modes == ["concat", "branch"] and args.json == "/tmp/x.json" and args.device == "cpu"
+    with pytest.raises(SystemExit):  # LoRA on MoE is refused before any worker starts
+        bench_dpo.parse_args(["--preset", "cpu-moe-small", "--lora-rank", "8"])
     moe = fm.Shape.from_arch(ModelArch(**bench_dpo.PRESETS["cpu-moe-small"]["arch"]))
     dense = fm.Shape.from_arch(ModelArch(**bench_dpo.PRESETS["cpu-small"]["arch"]))
     assert moe.moe_layers == moe.layers == 4
