@@ -23,6 +23,13 @@ embedding on the inference path takes positions from the cache offset, not from
 ``position_ids``, so left padding would shift them). On CPU the cache is allocated through the
 ``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and
 uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
+
+Under expert parallelism the ranks of an expert-parallel group (data-parallel ranks with their
+own prompts) must run every MoE forward together. So, only then, the data-parallel ranks agree
+before each forward on how many microbatches it runs (the most any rank needs) and keep
+stepping until none of them has a row left: a rank whose rows have ended (or that has none)
+runs padding rows, and a KV-cached batch is sized for the longest any rank needs. Padding rows
+draw nothing, so the tokens stay a pure function of (seed, step, prompt id, completion index).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_prune.grpo.step import expert_parallel_max
 from megatron_prune.training.step import run_schedule
 
 __all__ = ["SamplingSettings", "Completion", "generate", "sample_from_logits", "completion_seed"]
@@ -144,15 +152,23 @@ def _last_position_logits(output: torch.Tensor, *, last: torch.Tensor, vocab_siz
     return torch.zeros((), device=output.device), {"logits": full[:, :vocab_size].float().cpu()}
 
 
+def _num_microbatches(num_sequences: int, settings: SamplingSettings) -> int:
+    if not num_sequences:
+        return 0
+    return -(-num_sequences // min(settings.micro_batch_size or num_sequences, num_sequences))
+
+
 def next_token_logits(
-    model: list[torch.nn.Module], sequences: Sequence[Sequence[int]], *, settings: SamplingSettings
+    model: list[torch.nn.Module], sequences: Sequence[Sequence[int]], *, settings: SamplingSettings,
+    num_microbatches: int | None = None,
 ) -> torch.Tensor | None:
-    """Logits ``[n, vocab]`` of the next token of each sequence (last stage), None on other stages."""
+    """Logits ``[n, vocab]`` of the next token of each sequence (last stage), None on other stages.
+    ``num_microbatches``: run that many (at least what the sequences need), the extra ones of padding
+    rows only; ``sequences`` may then be empty."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    length = _round_up(max(len(s) for s in sequences), math.lcm(settings.pad_multiple, tp))
-    mbs = settings.micro_batch_size or len(sequences)
-    mbs = min(mbs, len(sequences))
-    num_micro = -(-len(sequences) // mbs)
+    length = _round_up(max((len(s) for s in sequences), default=1), math.lcm(settings.pad_multiple, tp))
+    mbs = max(min(settings.micro_batch_size or len(sequences), len(sequences)), 1)
+    num_micro = max(_num_microbatches(len(sequences), settings), num_microbatches or 0)
     batches = []
     for m in range(num_micro):
         chunk = list(sequences[m * mbs : (m + 1) * mbs])
@@ -217,9 +233,13 @@ def generate(
         return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
     active = list(range(len(completions)))
     for _ in range(settings.max_new_tokens):
-        if not active:
+        num_micro = expert_parallel_max(_num_microbatches(len(active), settings))
+        if not num_micro:
             break
-        logits = next_token_logits(model, [contexts[i] + completions[i].tokens for i in active], settings=settings)
+        logits = next_token_logits(model, [contexts[i] + completions[i].tokens for i in active], settings=settings,
+                                   num_microbatches=num_micro)
+        if not active:  # padding rows only, run with the other ranks of the expert-parallel group
+            continue
         tokens = torch.zeros(len(active), dtype=torch.long)
         logprobs = torch.zeros(len(active), dtype=torch.float32)
         if logits is not None:
@@ -249,12 +269,13 @@ def _generate_cached(
 
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     mbs = settings.micro_batch_size or max(len(order), 1)
+    num_batches = expert_parallel_max(-(-len(order) // mbs))
     was_training = model.training
     model.eval()  # Megatron turns the causal mask off for cached decoding only outside training mode
     try:
         with torch.no_grad():
-            for start in range(0, len(order), mbs):
-                _cached_batch(model, order[start : start + mbs], contexts, completions, generators,
+            for k in range(num_batches):
+                _cached_batch(model, order[k * mbs : (k + 1) * mbs], contexts, completions, generators,
                               settings=settings, context_cls=StaticInferenceContext)
     finally:
         model.train(was_training)
@@ -263,14 +284,21 @@ def _generate_cached(
 def _cached_batch(model, rows, contexts, completions, generators, *, settings, context_cls) -> None:
     """One batch from the shortest prompt on: a prefill of ``shortest`` tokens, then one token per
     forward for every row — a prompt token while the row's prompt lasts, a sampled token after it,
-    padding (read by nothing) once the row has ended."""
-    b = len(rows)
-    lengths = [len(contexts[i]) for i in rows]
+    padding (read by nothing) once the row has ended.
+
+    Under expert parallelism (``rows`` may then be empty: one padding row runs) the batch keeps
+    stepping until every data-parallel rank's batch has ended, its cache sized for the most
+    forwards any of them needs."""
+    prompts = [contexts[i] for i in rows] or [[settings.pad_id]]
+    b = len(prompts)
+    lengths = [len(p) for p in prompts]
     shortest = min(lengths)
-    context = context_cls(b, max(lengths) + settings.max_new_tokens)
-    tokens = torch.tensor([contexts[i][:shortest] for i in rows], dtype=torch.long)
+    # A row of length L samples at forwards L - shortest ... L - shortest + max_new_tokens - 1.
+    forwards = expert_parallel_max(max(lengths) - shortest + settings.max_new_tokens)
+    context = context_cls(b, shortest + forwards)
+    tokens = torch.tensor([p[:shortest] for p in prompts], dtype=torch.long)
     position_ids = torch.arange(shortest, dtype=torch.long).expand(b, shortest).contiguous()
-    done = [False] * b
+    done = [not rows] * b
     fed = shortest  # tokens of each row in the cache once this forward has run
     while True:
         logits = model(tokens, position_ids, None, inference_context=context, runtime_gather_output=True)
@@ -280,7 +308,7 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
         sampling = [r for r in range(b) if not done[r] and fed >= lengths[r]]
         for r in range(b):
             if fed < lengths[r]:
-                next_tokens[r] = contexts[rows[r]][fed]
+                next_tokens[r] = prompts[r][fed]
         if sampling:
             last = logits[:, -1, : settings.vocab_size].float()
             drawn, logprobs = sample_from_logits(last[sampling], [generators[rows[r]] for r in sampling],
@@ -291,7 +319,7 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
                 completion.sample_logprobs.append(logprob)
                 next_tokens[r] = token
                 done[r] = token == settings.eos_id or len(completion.tokens) == settings.max_new_tokens
-        if all(done):
+        if not expert_parallel_max(int(not all(done))):
             break
         tokens = next_tokens[:, None]
         position_ids = torch.full((b, 1), fed, dtype=torch.long)

@@ -9,7 +9,10 @@ exactly the completion tokens. With ``shared_prompt`` the unit laid out is a pro
 prompt's end. A pass runs only the rows its items need: as few microbatches as
 ``micro_batch_size`` allows with the rows spread evenly over them (never padded up to
 ``micro_batch_size``; under pipeline parallelism every microbatch has the shape of the largest),
-packed rows as long as the fullest one; ``Layout.density`` is that of what runs. Forward-only passes (old policy, reference) run under
+packed rows as long as the fullest one; ``Layout.density`` is that of what runs. Under expert
+parallelism (the ranks of an expert-parallel group run each MoE forward together) every
+data-parallel rank runs as many microbatches as the busiest one, the extra ones placeholders
+without items. Forward-only passes (old policy, reference) run under
 ``no_grad`` through Megatron's forward-only schedule; the update runs forward-backward with
 the GRPO token loss (:func:`megatron_prune.grpo.loss.grpo_loss`) on the last stage.
 
@@ -40,7 +43,7 @@ from megatron_prune.model.selective_gpt import TokenSelection
 from megatron_prune.training.step import run_schedule
 
 __all__ = ["TrainItem", "GRPOStepSettings", "GRPOMicrobatch", "GRPOStep", "Layout", "layout_items", "microbatch_rows",
-           "sum_metrics"]
+           "sum_metrics", "expert_parallel_max", "pad_microbatches"]
 
 SUMMED = ("loss", "policy_loss", "kl_loss")
 """Metrics summed over microbatches and ranks (parts of the global loss)."""
@@ -365,6 +368,36 @@ def sum_metrics(outputs: list[dict], names: Sequence[str]) -> dict[str, tuple[fl
     return {name: (float(totals[i, 0]), float(totals[i, 1])) for i, name in enumerate(names)}
 
 
+def expert_parallel_max(value: int) -> int:
+    """The largest ``value`` over the data-parallel ranks under expert parallelism, ``value`` itself
+    otherwise (then nothing is communicated).
+
+    The ranks of an expert-parallel group (a slice of the data-parallel ranks) run every MoE
+    forward together — the token dispatcher is a collective over the group — so they must run as
+    many forwards as each other. Collective over the data-parallel group when EP > 1.
+    """
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(total)
+
+
+def pad_microbatches(layout: Layout, count: int, *, settings: GRPOStepSettings) -> Layout:
+    """``layout`` with placeholder microbatches (one padding row, or as many rows as the others
+    under pipeline parallelism; no items, so they add exactly zero to the loss, the gradient and
+    the scored log-probs) appended up to ``count`` microbatches."""
+    extra = count - len(layout.batches)
+    if extra <= 0:
+        return layout
+    rows = layout.micro_batch_size if parallel_state.get_pipeline_model_parallel_world_size() > 1 else 1
+    with_segments = layout.batches[0].segments is not None
+    placeholders = [_microbatch([], rows=rows, length=layout.seq_length, settings=settings,
+                                with_segments=with_segments) for _ in range(extra)]
+    return Layout(layout.batches + placeholders, layout.seq_length, layout.valid_tokens,
+                  layout.row_tokens + extra * rows * layout.seq_length, layout.micro_batch_size)
+
+
 class GRPOStep:
     """Runs the forward-only and forward-backward passes of GRPO for this data-parallel rank."""
 
@@ -378,8 +411,11 @@ class GRPOStep:
         self.reference = reference
 
     def layout(self, items: list[TrainItem]) -> Layout:
-        return layout_items(items, settings=self.s, tp=parallel_state.get_tensor_model_parallel_world_size(),
-                            pp=parallel_state.get_pipeline_model_parallel_world_size())
+        """Microbatches of ``items``; under expert parallelism padded with placeholders to the most
+        any data-parallel rank runs (collective over the data-parallel group then)."""
+        layout = layout_items(items, settings=self.s, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                              pp=parallel_state.get_pipeline_model_parallel_world_size())
+        return pad_microbatches(layout, expert_parallel_max(len(layout.batches)), settings=self.s)
 
     def _run(self, model, layout: Layout, *, forward_only: bool) -> list[dict]:
         iterators = [iter(layout.batches) for _ in model] if len(model) > 1 else iter(layout.batches)
@@ -401,6 +437,8 @@ class GRPOStep:
         outputs = self._run(model, layout, forward_only=True)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for batch, out in zip(layout.batches, outputs):
+                if not batch.items:  # a placeholder
+                    continue
                 for item, values in zip(batch.items, _split(out["logps"], batch.items)):
                     setattr(item, f"{which}_logprobs", values)
         return layout

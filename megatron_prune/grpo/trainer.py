@@ -143,6 +143,10 @@ def _dp() -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
+def _expert_parallel() -> bool:
+    return parallel_state.get_expert_model_parallel_world_size() > 1
+
+
 def _gather_over_dp(local: list) -> list:
     """Concatenation of every DP rank's ``local`` list, in DP-rank order."""
     _, size = _dp()
@@ -184,8 +188,10 @@ class GRPOObjective:
     def _generate(self, prompts: list[Prompt], rollout: int) -> dict[Hashable, list[Completion]]:
         dp_rank, dp_size = _dp()
         mine = prompts[dp_rank::dp_size]
-        groups = generate(model=self.runner.policy, prompts=[(p.prompt_id, p.tokens) for p in mine],
-                          group_size=self.grpo.group_size, settings=self.sampling, step=rollout) if mine else []
+        groups = []
+        if mine or _expert_parallel():  # a rank without prompts still runs the MoE forwards of its EP group
+            groups = generate(model=self.runner.policy, prompts=[(p.prompt_id, p.tokens) for p in mine],
+                              group_size=self.grpo.group_size, settings=self.sampling, step=rollout)
         local = [(p.prompt_id, [c.tokens for c in group]) for p, group in zip(mine, groups)]
         return dict(_gather_over_dp(local))
 
@@ -235,15 +241,17 @@ class GRPOObjective:
 
         forward_only = 0  # this rank's tokens of the forward-only passes; summed over DP in train_step
         timer = time.perf_counter()
+        # A minibatch (or a rank's share) may lose every completion to pruning; under expert
+        # parallelism the rank still runs placeholder forwards with its EP group.
         if self.grpo.kl_beta > 0:
             for items in minibatches:
-                if self._mine(items):  # a minibatch (or a rank's share) may lose every completion to pruning
+                if self._mine(items) or _expert_parallel():
                     forward_only += self.runner.score(self._mine(items), which="ref").valid_tokens
         metrics["reference_time_s"] = time.perf_counter() - timer
         timer = time.perf_counter()
         if self.grpo.updates_per_rollout > 1:
             for items in minibatches:
-                if self._mine(items):
+                if self._mine(items) or _expert_parallel():
                     forward_only += self.runner.score(self._mine(items), which="old").valid_tokens
         metrics["old_logprob_time_s"] = time.perf_counter() - timer
         metrics["forward_only_tokens"] = float(forward_only)
@@ -408,11 +416,6 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     log_cfg: LoggingConfig = configs["LoggingConfig"]
     grpo: GRPOConfig = configs["GRPOConfig"]
     arch = session.resolve_arch(model_cfg, ckpt_cfg)
-    if model_cfg.expert_model_parallel_size > 1:
-        # Each data-parallel rank stops sampling when its own completions end, but expert-parallel
-        # ranks must run every MoE forward together.
-        raise session.UsageError("GRPO with --expert-model-parallel-size > 1 is not supported yet "
-                                 "(the rollout's ranks generate independently); use EP=1")
     from megatron_prune.lora_config import check_load, lora_meta
 
     try:

@@ -30,14 +30,16 @@ def test_dense_runs_report_no_router_losses(tmp_path):
 
 @pytest.mark.e2e
 def test_grpo_cli_runs_moe_with_dppo(tmp_path):
-    """GRPO with DPPO and dense packing on tiny-moe at DP=2 (EP=1: the rollout's ranks generate
-    independently, which expert parallelism cannot follow yet), router losses reported."""
+    """GRPO with DPPO and dense packing on tiny-moe at EP=2 (DP=2: the ranks' rollouts end at
+    different steps and their training passes run different numbers of microbatches), router
+    losses reported."""
     from tests.e2e.conftest import read_jsonl
     from tests.e2e.test_grpo_cli import DPPO, TOY, run_grpo
 
     metrics = tmp_path / "m.jsonl"
     toy = [a if a != "tiny" else "tiny-moe" for a in TOY]
     run_grpo([*toy, *DPPO, "--micro-batch-size", "8", "--train-iters", "2", "--moe-aux-loss-coeff", "0.01",
+              "--expert-model-parallel-size", "2",
               "--metrics-jsonl", str(metrics)],
              log=tmp_path / "run.log").check_ok()
     records = read_jsonl(metrics)

@@ -100,15 +100,3 @@ def test_expert_parallelism_needs_a_moe_model_and_divides_data_parallel():
         validate_layout(ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2), 2)
     assert validate_layout(ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 4) == 2
 
-
-def test_grpo_refuses_expert_parallelism_before_starting():
-    """The rollout's data-parallel ranks stop generating independently, which expert-parallel
-    ranks (one MoE forward together) cannot follow: refused with a message, nothing started."""
-    from megatron_prune.arguments import UsageError, parse_configs
-    from megatron_prune.grpo.__main__ import GROUPS
-    from megatron_prune.grpo.trainer import run_grpo
-
-    _, configs = parse_configs("megatron-prune-grpo", GROUPS, "",
-                               ["--model-preset", "tiny-moe", "--task", "toy", "--expert-model-parallel-size", "2"])
-    with pytest.raises(UsageError, match="expert-model-parallel-size > 1 is not supported"):
-        run_grpo(configs)
