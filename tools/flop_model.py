@@ -35,10 +35,10 @@ Two views of the same step:
 
 Memory (``padded`` view only, rough): a training microbatch stores per token and layer about
 ``6h + 3q + 4kv + 5ffn`` activations (a MoE layer: ``5 * top_k * expert_ffn`` plus the router's
-probabilities and the token's permuted copies) plus ``2 * heads * seq_length`` attention scores/probs (the
-unfused local attention keeps them), or only the layer input under full recompute plus one layer's
-working set; a forward-only microbatch keeps one layer's working set (residual stream plus the
-larger of attention and MLP intermediates); the baseline head holds one fp32 ``rows x vocab``
+probabilities and the token's permuted copies) plus ``2 * heads * seq_length`` attention
+scores/probs (the unfused local attention keeps them), or only the layer input under full
+recompute plus one layer's working set; a forward-only microbatch keeps one layer's working set
+(residual stream plus the larger of attention and MLP intermediates); the baseline head holds one fp32 ``rows x vocab``
 tensor (Megatron's cross entropy turns the logits into softmax and then into their gradient in
 place; half-precision logits add their own copy), the fused selective head one chunk;
 a training microbatch also holds the head weight's gradient before it reaches the grad buffer
@@ -126,8 +126,7 @@ class Shape:
 
     def active_params(self) -> int:
         """Matmul parameters one token runs through in the whole body (all layers)."""
-        return self.layer_params() * self.dense_layers + (self.moe_layer_active_params() * self.moe_layers
-                                                          if self.moe_layers else 0)
+        return self.layer_params() * self.dense_layers + self.moe_layer_active_params() * self.moe_layers
 
     def body_flops_per_token(self) -> float:
         return 2.0 * self.active_params()
@@ -157,9 +156,8 @@ class Shape:
     def adapter_flops_per_token(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> float:
         """Forward FLOPs of the adapters per token, all layers (``x A^T`` then ``B``); in a MoE
         layer a token runs the adapters of its ``top_k`` experts."""
-        moe = (self._adapter_params(rank, targets, ffn=self.expert_ffn, mlp_copies=self.top_k) * self.moe_layers
-               if self.moe_layers else 0)
-        return 2.0 * (self.adapter_params(rank, targets) * self.dense_layers + moe)
+        moe = self._adapter_params(rank, targets, ffn=self.expert_ffn, mlp_copies=self.top_k)
+        return 2.0 * (self.adapter_params(rank, targets) * self.dense_layers + moe * self.moe_layers)
 
     def mlp_activation_width(self) -> float:
         """Per token, the MLP's inner width averaged over layers (a MoE layer: its top-k experts')."""
