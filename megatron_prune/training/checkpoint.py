@@ -141,6 +141,45 @@ def optimizer_format(optimizer) -> str:
     return DISTRIBUTED_OPTIMIZER if kinds.pop() else LOCAL_OPTIMIZER
 
 
+def _check_expert_split(ckpt: str, optimizer_state: dict[str, Any]) -> None:
+    """Refuse, before loading, optimizer state saved across Megatron's expert split.
+
+    Under expert parallelism Megatron keeps the expert parameters in an optimizer of their own,
+    chained after the dense one, and keys the saved state by optimizer (``chained_<i>.optimizer...``);
+    at EP=1 one optimizer holds every parameter (``optimizer...``). The state does not load
+    across that split. Collective: every rank refuses if any rank would miss its state.
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = set(dist_checkpointing.load_tensors_metadata(os.path.join(ckpt, "dist")).keys())
+    wanted = {v.key for v in nested_values(optimizer_state) if isinstance(v, ShardedTensor)}
+
+    def unsplit(key: str) -> str:
+        return key.split(".", 1)[1] if key.startswith("chained_") else key
+
+    missing = wanted - saved
+    across = bool(missing) and {unsplit(k) for k in missing} <= {unsplit(k) for k in saved}
+    flag = torch.tensor([int(across)])
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    saved_split = any(k.startswith("chained_") for k in saved)
+    split = parallel_state.get_expert_model_parallel_world_size() > 1
+
+    def describe(is_split: bool) -> str:
+        return ("at --expert-model-parallel-size > 1 (separate optimizers for the dense and the expert parameters)"
+                if is_split else "at --expert-model-parallel-size 1 (one optimizer for all parameters)")
+
+    raise CheckpointError(
+        f"{ckpt}: optimizer state was saved {describe(saved_split)} and cannot be loaded {describe(split)}; "
+        f"resume with --expert-model-parallel-size {'> 1' if saved_split else '1'} as saved, or use --finetune "
+        "to load the weights only (they reshard across expert parallelism) with a fresh optimizer from step 0"
+    )
+
+
 def _is_torch_adam(inner) -> bool:
     return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
 
@@ -303,6 +342,7 @@ def load_checkpoint(
     state = _model_sharded_state_dict(model, adapters_only=_check_lora_layout(meta, model, ckpt))
     if optimizer is not None:
         state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=True)
+        _check_expert_split(ckpt, state["optimizer"])
     loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)
