@@ -51,6 +51,10 @@ def _checks(configs) -> None:
     if grpo.kv_cache and (model.pipeline_model_parallel_size > 1 or model.virtual_pipeline_model_parallel_size):
         raise UsageError("--kv-cache needs one pipeline stage (--pipeline-model-parallel-size 1, no virtual "
                          "pipeline); drop --kv-cache to sample with full recompute under pipeline parallelism")
+    if grpo.kv_cache and model.sequence_parallel:
+        raise UsageError("--kv-cache cannot run with --sequence-parallel (a cached decoding step feeds one token, "
+                         "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
+                         "to sample with full recompute")
 
 
 def _run(configs):

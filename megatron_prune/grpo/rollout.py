@@ -229,6 +229,9 @@ def generate(
         if not _kv_cache_supported(model):
             raise ValueError("KV-cached generation needs one pipeline stage and one model chunk; "
                              "sample without the cache under pipeline parallelism")
+        if _unwrap_config(model[0]).sequence_parallel:
+            raise ValueError("KV-cached generation cannot run with sequence parallelism (a decoding step feeds "
+                             "one token); sample without the cache")
         _generate_cached(model[0], contexts, completions, generators, settings=settings)
         return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
     active = list(range(len(completions)))
@@ -253,6 +256,10 @@ def generate(
             completions[i].sample_logprobs.append(logprob)
         active = [i for i in active if completions[i].tokens[-1] != settings.eos_id]
     return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
+
+
+def _unwrap_config(chunk):
+    return (chunk.module if hasattr(chunk, "module") else chunk).config
 
 
 def _kv_cache_supported(model: list[torch.nn.Module]) -> bool:

@@ -99,7 +99,7 @@ def test_cache_refused_with_several_model_chunks():
                  settings=settings, step=0)
 
 
-def test_cli_refuses_kv_cache_under_pipeline_parallelism(monkeypatch, capsys):
+def test_cli_refuses_kv_cache_under_pipeline_or_sequence_parallelism(monkeypatch, capsys):
     from megatron_prune.grpo.__main__ import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -111,3 +111,12 @@ def test_cli_refuses_kv_cache_under_pipeline_parallelism(monkeypatch, capsys):
     assert exc.value.code == 2
     assert "--kv-cache needs one pipeline stage" in capsys.readouterr().err
     assert main([a for a in argv if a != "--kv-cache"]) == 0  # the same layout without the cache is fine
+    # Sequence parallelism splits every forward's tokens over the TP ranks; a decoding step has one.
+    argv = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
+            "--micro-batch-size", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--kv-cache",
+            "--dry-run"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "--kv-cache cannot run with --sequence-parallel" in capsys.readouterr().err
+    assert main([a for a in argv if a != "--kv-cache"]) == 0
