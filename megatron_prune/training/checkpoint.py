@@ -5,7 +5,7 @@ Layout of a save directory::
     SAVE/latest_checkpointed_iteration.txt   the newest complete iteration (replaced atomically)
     SAVE/iter_0000010/                        one complete checkpoint
         meta.json                             architecture, iteration, format; written last
-        dist/                                 model (+ optimizer) sharded state, any TP x PP x DP;
+        dist/                                 model (+ optimizer) sharded state, any TP x PP x DP x EP;
                                               under LoRA the adapters alone (meta.json's lora_base
                                               records where the frozen base comes from)
         trainer_state.pt                      data position, sampler/DPPO state, per-rank RNG
@@ -141,43 +141,100 @@ def optimizer_format(optimizer) -> str:
     return DISTRIBUTED_OPTIMIZER if kinds.pop() else LOCAL_OPTIMIZER
 
 
-def _check_expert_split(ckpt: str, optimizer_state: dict[str, Any]) -> None:
-    """Refuse, before loading, optimizer state saved across Megatron's expert split.
+def _unsplit(key: str) -> str:
+    return key.split(".", 1)[1] if key.startswith("chained_") else key
+
+
+def _expert_split_keys(ckpt: str, optimizer_state: dict[str, Any]) -> dict[str, str] | None:
+    """Whether the optimizer state of ``ckpt`` was saved across Megatron's expert split.
 
     Under expert parallelism Megatron keeps the expert parameters in an optimizer of their own,
-    chained after the dense one, and keys the saved state by optimizer (``chained_<i>.optimizer...``);
-    at EP=1 one optimizer holds every parameter (``optimizer...``). The state does not load
-    across that split. Collective: every rank refuses if any rank would miss its state.
+    chained after the dense one, and keys the saved tensors by optimizer
+    (``chained_<i>.optimizer.state.exp_avg.<param>``); at EP=1 one optimizer holds every parameter
+    (``optimizer.state.exp_avg.<param>``). None when every rank finds its tensors under its own
+    keys; otherwise this rank's key -> the saved key of the same tensor. Collective (every rank
+    learns whether any rank crosses the split).
     """
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     saved = set(dist_checkpointing.load_tensors_metadata(os.path.join(ckpt, "dist")).keys())
-    wanted = {v.key for v in nested_values(optimizer_state) if isinstance(v, ShardedTensor)}
-
-    def unsplit(key: str) -> str:
-        return key.split(".", 1)[1] if key.startswith("chained_") else key
-
+    wanted = {v.key for v in nested_values(optimizer_state) if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+    by_name = {_unsplit(k): k for k in saved}
     missing = wanted - saved
-    across = bool(missing) and {unsplit(k) for k in missing} <= {unsplit(k) for k in saved}
+    across = bool(missing) and all(_unsplit(k) in by_name for k in missing)
     flag = torch.tensor([int(across)])
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not flag.item():
-        return
-    saved_split = any(k.startswith("chained_") for k in saved)
-    split = parallel_state.get_expert_model_parallel_world_size() > 1
+        return None
+    return {k: by_name.get(_unsplit(k), k) for k in wanted}
 
-    def describe(is_split: bool) -> str:
-        return ("at --expert-model-parallel-size > 1 (separate optimizers for the dense and the expert parameters)"
-                if is_split else "at --expert-model-parallel-size 1 (one optimizer for all parameters)")
 
-    raise CheckpointError(
-        f"{ckpt}: optimizer state was saved {describe(saved_split)} and cannot be loaded {describe(split)}; "
-        f"resume with --expert-model-parallel-size {'> 1' if saved_split else '1'} as saved, or use --finetune "
-        "to load the weights only (they reshard across expert parallelism) with a fresh optimizer from step 0"
-    )
+class _FromCheckpoint:
+    """Marks where a loaded tensor goes in an optimizer state loaded across the expert split."""
+
+
+def _across_split_template(optimizer_state: dict[str, Any], keys: dict[str, str]) -> Any:
+    """Point this rank's optimizer tensors at their saved keys; return the state's structure with
+    the tensors marked (everything else — param groups — is this optimizer's own)."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedBase, ShardedTensor,
+                                                          ShardedTensorFactory)
+
+    def leaf(value):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            value.key = keys[value.key]
+        if isinstance(value, ShardedBase):
+            return _FromCheckpoint
+        return value.unwrap() if isinstance(value, LocalNonpersistentObject) else value
+
+    return dict_list_map_outplace(leaf, optimizer_state)
+
+
+def _fill(template: Any, loaded: Any) -> Any:
+    if template is _FromCheckpoint:
+        assert isinstance(loaded, torch.Tensor), "an optimizer tensor was not loaded"
+        return loaded
+    if isinstance(template, dict):
+        return {k: _fill(v, loaded.get(k) if isinstance(loaded, dict) else None) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_fill(v, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None)
+                for i, v in enumerate(template)]
+    return template
+
+
+def _saved_steps(common: Any) -> list:
+    """Step counts in an optimizer's saved common state: ``common_step`` (local optimizer) or
+    each param group's ``step`` (distributed optimizer)."""
+    if isinstance(common, dict):
+        return [float(v) for k, v in common.items() if k in ("common_step", "step")] + [
+            s for k, v in common.items() if k not in ("common_step", "step") for s in _saved_steps(v)]
+    if isinstance(common, list):
+        return [s for v in common for s in _saved_steps(v)]
+    return []
+
+
+def _across_split_state(template: Any, loaded: Any, *, ckpt: str, parts: int) -> Any:
+    """The optimizer state to load: this optimizer's own structure and param groups (learning rates
+    are set again when the scheduler's state loads), the tensors loaded from their saved keys, and
+    the step count the saved optimizers shared."""
+    from megatron.core import dist_checkpointing
+
+    state = _fill(template, loaded)
+    steps = _saved_steps(dist_checkpointing.load_common_state_dict(os.path.join(ckpt, "dist")).get("optimizer"))
+    if not steps:
+        return state
+    assert len(set(steps)) == 1, f"the saved optimizers' step counts differ: {sorted(set(steps))}"
+    for sub in ([state[i] for i in range(parts)] if parts > 1 else [state]):
+        if "param_state_sharding_type" in sub:  # distributed optimizer: the step is in the param groups
+            for group in sub["optimizer"]["param_groups"]:
+                group["step"] = steps[0]
+        else:
+            inner = sub["optimizer"] if "fp32_from_fp16_params" in sub else sub
+            inner["state"]["common_step"] = torch.tensor(steps[0])
+    return state
 
 
 def _is_torch_adam(inner) -> bool:
@@ -342,7 +399,9 @@ def load_checkpoint(
     state = _model_sharded_state_dict(model, adapters_only=_check_lora_layout(meta, model, ckpt))
     if optimizer is not None:
         state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=True)
-        _check_expert_split(ckpt, state["optimizer"])
+        across = _expert_split_keys(ckpt, state["optimizer"])
+        if across is not None:
+            template = _across_split_template(state["optimizer"], across)
     loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)
@@ -350,10 +409,14 @@ def load_checkpoint(
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
     if optimizer is not None:
+        loaded_optimizer = loaded["optimizer"]
+        if across is not None:  # saved on the other side of the expert split
+            loaded_optimizer = _across_split_state(template, loaded_optimizer, ckpt=ckpt,
+                                                   parts=len(_chained(optimizer)))
         if optimizer_format(optimizer) == DISTRIBUTED_OPTIMIZER:
-            _load_distributed_optimizer(optimizer, loaded["optimizer"])
+            _load_distributed_optimizer(optimizer, loaded_optimizer)
         else:
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(loaded_optimizer)
     extra_path = os.path.join(ckpt, "trainer_state.pt")
     if os.path.isfile(extra_path):
         extra = torch.load(extra_path, weights_only=False)

@@ -34,6 +34,13 @@ LAYOUTS_4 = {
 }
 
 
+# Resumes across Megatron's expert split (separate dense and expert optimizers at EP > 1, one at
+# EP=1): (saved at, resumed at), both directions, the local and the distributed optimizer.
+CROSS_SPLIT = {
+    "ep2-to-ep1": (dict(expert_model_parallel_size=2), {}),
+    "ep1-to-ep2-distopt": (dict(distopt=True), dict(expert_model_parallel_size=2, distopt=True)),
+}
+
 EXPERT_FC1 = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
 ALL_PRUNINGS = dict(position_ratio=0.6, seq_min_ratio=0.5, branch=True)
 
@@ -93,8 +100,16 @@ def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z
     return dict(metrics=metrics, grad_norm=grad_norm, grads=grads, params=params)
 
 
-def run_layouts(layouts: dict, *, negative_control: bool = False, resume_root: str | None = None) -> dict:
+def run_layouts(layouts: dict, *, negative_control: bool = False, resume_root: str | None = None,
+                cross_root: str | None = None) -> dict:
     out = {name: moe_dpo_step(parallel=par) for name, par in layouts.items()}
+    if cross_root is not None:
+        # Two steps straight through, saving after the first; the second again from that checkpoint
+        # on the other side of the expert split.
+        for name, (saved, resumed) in CROSS_SPLIT.items():
+            root = f"{cross_root}/{name}"
+            out[f"cross {name}: straight"] = moe_dpo_step(parallel=saved, steps=(0, 1), save_dir=root)
+            out[f"cross {name}: resumed"] = moe_dpo_step(parallel=resumed, steps=(1,), load_dir=root)
     if resume_root is not None:
         # Two steps straight through at EP=2 x DP=2 with the distributed optimizer, saving after the
         # first; then the second step again from that checkpoint.
@@ -156,8 +171,15 @@ def test_single_rank_step_is_a_moe_step(single):
 
 
 @pytest.mark.distributed
-def test_expert_parallel_2_ranks_matches_single_rank(single):
-    results = run_distributed(run_layouts, 2, layouts=LAYOUTS_2, negative_control=True)[0]
+def test_expert_parallel_2_ranks_matches_single_rank(single, tmp_path):
+    results = run_distributed(run_layouts, 2, layouts=LAYOUTS_2, negative_control=True,
+                              cross_root=str(tmp_path / "cross"))[0]
+    # Optimizer state saved at EP=2 resumes at EP=1 and the reverse: the resumed step equals the
+    # straight run's second step (loss, gradients, parameters after Adam with the loaded moments).
+    for name in CROSS_SPLIT:
+        straight = results.pop(f"cross {name}: straight")
+        assert_same_step(straight, results.pop(f"cross {name}: resumed"), f"resumed across the split, {name}")
+        assert not torch.equal(straight["params"][EXPERT_FC1], single["main"]["params"][EXPERT_FC1])
     bad = results.pop("swapped-experts")
     # Position, sequence and branch pruning together (the pruned branch runs forward-only).
     assert_same_step(single["all_prunings"], results.pop("all-prunings"), "ep2, all prunings")
