@@ -138,8 +138,18 @@ def _swap_two_local_experts(model) -> None:
 
 
 def single_rank_checks() -> dict:
+    from tests.distributed.moe_grpo_harness import grpo_cases
+
     return dict(main=moe_dpo_step(), no_router_losses=moe_dpo_step(aux=0.0, z=0.0),
-                all_prunings=moe_dpo_step(prune=ALL_PRUNINGS))
+                all_prunings=moe_dpo_step(prune=ALL_PRUNINGS), grpo=grpo_cases())
+
+
+def ep2_checks(**kwargs) -> dict:
+    """The DPO layouts at two ranks, and (every rank's) GRPO step at EP=2."""
+    from tests.distributed.moe_grpo_harness import grpo_cases
+
+    grpo = grpo_cases(LAYOUTS_2["ep2"])
+    return dict(dpo=run_layouts(**kwargs), grpo=grpo)
 
 
 def assert_same_step(ref: dict, got: dict, label: str) -> None:
@@ -170,10 +180,25 @@ def test_single_rank_step_is_a_moe_step(single):
     assert router and all(not torch.equal(main["grads"][k], plain["grads"][k]) for k in router)
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return run_distributed(ep2_checks, 2, layouts=LAYOUTS_2, negative_control=True,
+                           cross_root=str(tmp_path_factory.mktemp("cross")))
+
+
 @pytest.mark.distributed
-def test_expert_parallel_2_ranks_matches_single_rank(single, tmp_path):
-    results = run_distributed(run_layouts, 2, layouts=LAYOUTS_2, negative_control=True,
-                              cross_root=str(tmp_path / "cross"))[0]
+def test_grpo_at_expert_parallel_2_matches_single_rank(single, two_ranks):
+    """GRPO with DPPO (prompt and completion level), a KL reference and two PPO epochs, packed
+    rows or the KV-cached sampler: the ranks stop sampling and run training microbatches
+    differently, and the step still equals one rank's (sampled completions, loss, gradients)."""
+    from tests.distributed.moe_grpo_harness import assert_grpo_cases
+
+    assert_grpo_cases(single["grpo"], [rank["grpo"] for rank in two_ranks])
+
+
+@pytest.mark.distributed
+def test_expert_parallel_2_ranks_matches_single_rank(single, two_ranks):
+    results = dict(two_ranks[0]["dpo"])
     # Optimizer state saved at EP=2 resumes at EP=1 and the reverse: the resumed step equals the
     # straight run's second step (loss, gradients, parameters after Adam with the loaded moments).
     for name in CROSS_SPLIT:

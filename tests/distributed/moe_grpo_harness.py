@@ -1,4 +1,5 @@
-"""GRPO on tiny-moe at expert parallelism 2 (EP=2 x DP=2) equals the single rank.
+"""GRPO on tiny-moe at expert parallelism 2 (EP=2 x DP=2) equals the single rank: the step and
+its checks, run inside tests/distributed/test_moe.py's launches.
 
 One GRPO step, generation included, with DPPO at prompt and completion level, dense packing or
 padded rows, old log-probs (two PPO epochs), a KL reference, and the full-recompute or KV-cached
@@ -11,13 +12,9 @@ every token a microbatch runs, padding included, so they depend on the microbatc
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from tests.dist import run_distributed
 from tests.distributed.test_grpo import assert_same
-
-pytestmark = pytest.mark.distributed
 
 SEED = 4321
 CASES = {
@@ -90,13 +87,12 @@ def moe_grpo_step(*, dense_packing: bool, kv_cache: bool, parallel: dict | None 
     return dict(metrics=metrics, grads=grads, items=items, padding=padding)
 
 
-def _all_cases(parallel: dict | None = None) -> dict:
+def grpo_cases(parallel: dict | None = None) -> dict:
     return {name: moe_grpo_step(**case, parallel=parallel) for name, case in CASES.items()}
 
 
-def test_grpo_at_expert_parallel_2_equals_single_rank():
-    single = run_distributed(_all_cases, 1)[0]
-    ranks = run_distributed(_all_cases, 2, parallel=dict(expert_model_parallel_size=2))
+def assert_grpo_cases(single: dict, ranks: list[dict]) -> None:
+    """Every rank's GRPO step at EP=2 equals the single rank's, and the padding really ran."""
     for name, ref in single.items():
         # The pruning really happened, at both levels.
         assert ref["metrics"]["kept_prompt_fraction"] < 1.0 and ref["metrics"]["kept_completion_fraction"] < 1.0
