@@ -87,12 +87,13 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
                model_preset: str | None = None, seed: int = 0) -> dict | None:
     """The base record of a LoRA run (None without LoRA), checked before any rank works.
 
-    Starting: the base is ``hf_model`` (fingerprinted) or ``model_preset``. Resuming (``load`` is a
-    LoRA checkpoint): the base it records, or ``hf_model`` in its place; it must be found and hold
-    the same weights. Raises ValueError for a missing or mismatched base and for other adapters
+    Starting: the base is ``hf_model`` (fingerprinted), ``model_preset``, or ``load`` when it holds
+    no adapters (a converted model or a full-parameter training checkpoint: its model weights only).
+    Resuming (``load`` is a LoRA checkpoint): the base it records, or ``hf_model`` in place of an HF
+    base; it must be found and hold the same weights. Raises ValueError for a missing or mismatched base and for other adapters
     than the flags ask for.
     """
-    from megatron_prune.model.lora_base import META_KEY, hf_base, preset_base, resolve_base
+    from megatron_prune.model.lora_base import META_KEY, hf_base, megatron_base, preset_base, resolve_base
 
     lora_on = lora is not None and lora.enabled
     if not load:
@@ -112,9 +113,10 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
         raise ValueError(f"--load {load} holds LoRA adapters of rank {recorded['rank']} on "
                          f"{','.join(recorded['targets'])}, but the flags ask for rank {lora.rank} on {lora.targets}")
     if not recorded and lora_on:
-        kind = "a full-parameter training checkpoint" if meta.get("has_optimizer") else "a converted model"
-        raise ValueError(f"--load {load} is {kind}: LoRA cannot start from it yet; start LoRA from --hf-model "
-                         "(or --model-preset)")
+        if hf_model or model_preset:
+            raise ValueError(f"--load {load} holds no LoRA adapters, so LoRA would start from it: give either "
+                             f"--load (a Megatron base) or {'--hf-model' if hf_model else '--model-preset'}, not both")
+        return megatron_base(meta).to_dict()
     if not lora_on:
         return None
     return resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=hf_model, flag="--hf-model",

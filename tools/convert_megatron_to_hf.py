@@ -11,10 +11,11 @@ an index when larger than --max-shard-size) and the tokenizer files. The origina
 tokenizer come from --hf-assets, else from hf_assets/ next to the checkpoint (written by
 convert_hf_to_megatron.py); without either a config.json is made from the recorded architecture.
 
-A LoRA checkpoint holds the adapters alone and records its frozen base (the --hf-model directory
-or the preset it was trained from); both LoRA exports read the base from there, or from
---base-hf DIR when it has moved. Under --merge-lora the base's config and tokenizer are the
-default assets.
+A LoRA checkpoint holds the adapters alone and records its frozen base (the --hf-model directory,
+the Megatron checkpoint given to --load, or the preset it was trained from); both LoRA exports
+read the base from there, or from --base-hf DIR when an HF base has moved (a Megatron base must
+be at its recorded path). Under --merge-lora the base's config and tokenizer are the default
+assets (for a Megatron base: the hf_assets/ kept next to it).
 """
 
 from __future__ import annotations

@@ -5,14 +5,22 @@ the base weights. Its ``meta.json`` records the base under ``lora_base``::
 
     {"kind": "hf", "path": "/abs/Qwen3-4B", "arch": {...}, "fingerprint": "sha256:..."}
     {"kind": "preset", "name": "tiny", "seed": 1234, "arch": {...}}
+    {"kind": "megatron", "path": "/abs/ckpt/iter_0000000", "arch": {...}, "fingerprint": "sha256:..."}
 
-``--load`` rebuilds the base from that record (or from ``--hf-model DIR``), then loads the
-adapters; export does the same (or takes ``--base-hf DIR``). A base that is missing, of another
-architecture, or with other weights (the fingerprint differs) is refused with one message.
+``--load`` rebuilds the base from that record (or, for an HF base, from ``--hf-model DIR``), then
+loads the adapters; export does the same (or takes ``--base-hf DIR``). A base that is missing, of
+another architecture, or with other weights (the fingerprint differs) is refused with one message.
+
+A ``megatron`` base is one of our checkpoints without adapters (a converted model or a
+full-parameter training checkpoint) given to ``--load`` when LoRA starts: only its model weights
+are used, read at whatever layout the LoRA run has.
 
 The fingerprint of an HF directory does not depend on where it lies or how it is sharded: it
 hashes every tensor's name, dtype and shape and three short samples of its bytes (start,
-middle, end), read straight from the safetensors files (a few hundred small reads).
+middle, end), read straight from the safetensors files (a few hundred small reads). The fingerprint
+of a Megatron checkpoint hashes its recorded architecture and iteration, the dist checkpoint's
+metadata file and the same three samples of every data file: the files are written once and never
+rewritten, so this is cheap, and it does not depend on the layout the checkpoint is later read at.
 
 Importing this module imports no Megatron (it is used while validating flags).
 """
@@ -37,25 +45,26 @@ class BaseSource:
     """Where the frozen base weights of a LoRA run come from."""
 
     kind: str
-    """``hf`` (an HF model directory) or ``preset`` (a named architecture initialised from a seed)."""
+    """``hf`` (an HF model directory), ``preset`` (a named architecture initialised from a seed) or
+    ``megatron`` (model weights of one of our checkpoints without adapters)."""
     arch: dict
     """The architecture (``ModelArch.to_dict()``) the base must have."""
     path: str | None = None
-    """``hf``: absolute path of the HF directory."""
+    """``hf``: absolute path of the HF directory; ``megatron``: of the checkpoint's iteration directory."""
     fingerprint: str | None = None
-    """``hf``: :func:`hf_fingerprint` of the directory's weights."""
+    """``hf``: :func:`hf_fingerprint` of the directory's weights; ``megatron``: :func:`megatron_fingerprint`."""
     name: str | None = None
     """``preset``: the preset name."""
     seed: int | None = None
     """``preset``: the seed its weights are initialised from."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("hf", "preset"):
-            raise ValueError(f"unknown LoRA base kind {self.kind!r} (expected hf or preset)")
+        if self.kind not in ("hf", "preset", "megatron"):
+            raise ValueError(f"unknown LoRA base kind {self.kind!r} (expected hf, preset or megatron)")
 
     def to_dict(self) -> dict[str, Any]:
-        if self.kind == "hf":
-            return {"kind": "hf", "path": self.path, "arch": self.arch, "fingerprint": self.fingerprint}
+        if self.kind in ("hf", "megatron"):
+            return {"kind": self.kind, "path": self.path, "arch": self.arch, "fingerprint": self.fingerprint}
         return {"kind": "preset", "name": self.name, "seed": self.seed, "arch": self.arch}
 
     @classmethod
@@ -65,6 +74,8 @@ class BaseSource:
     def describe(self) -> str:
         if self.kind == "hf":
             return f"the HF model {self.path}"
+        if self.kind == "megatron":
+            return f"the Megatron checkpoint {self.path}"
         return f"the preset {self.name!r} (seed {self.seed})"
 
 
@@ -79,6 +90,38 @@ def _safetensors_files(hf_dir: str) -> list[str]:
     raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def _samples(f, begin: int, end: int) -> bytes:
+    """Bytes at the start, middle and end of the byte range [begin, end) of the open file ``f``."""
+    out = b""
+    for at in sorted({begin, max(begin, (begin + end) // 2 - SAMPLE_BYTES // 2), max(begin, end - SAMPLE_BYTES)}):
+        f.seek(at)
+        out += f.read(min(SAMPLE_BYTES, end - at))
+    return out
+
+
+def megatron_fingerprint(ckpt: str, meta: dict) -> str:
+    """A cheap, location-independent fingerprint of the iteration directory ``ckpt`` (``meta``: its meta.json)."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"arch": meta["arch"], "iteration": meta["iteration"]}, sort_keys=True).encode())
+    dist_dir = os.path.join(ckpt, "dist")
+    for name in sorted(os.listdir(dist_dir)):
+        path = os.path.join(dist_dir, name)
+        if not os.path.isfile(path) or not (name == ".metadata" or name.endswith(".distcp")):
+            continue  # the tensors' index and data only
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            body = f.read() if name == ".metadata" else _samples(f, 0, size)
+        digest.update(f"{name}|{size}|".encode())
+        digest.update(body)
+    return "sha256:" + digest.hexdigest()
+
+
+def megatron_base(meta: dict) -> BaseSource:
+    """The base record of a checkpoint without adapters (``meta``: :func:`read_meta` of it)."""
+    ckpt = os.path.abspath(meta["path"])
+    return BaseSource(kind="megatron", path=ckpt, arch=meta["arch"], fingerprint=megatron_fingerprint(ckpt, meta))
+
+
 def hf_fingerprint(hf_dir: str) -> str:
     """A cheap, location- and sharding-independent fingerprint of an HF directory's weights."""
     entries: list[tuple[str, str, list[int], bytes]] = []
@@ -91,11 +134,7 @@ def hf_fingerprint(hf_dir: str) -> str:
                 if name == "__metadata__":
                     continue
                 begin, end = info["data_offsets"]
-                samples = b""
-                for at in sorted({begin, max(begin, (begin + end) // 2 - SAMPLE_BYTES // 2),
-                                  max(begin, end - SAMPLE_BYTES)}):
-                    f.seek(data_start + at)
-                    samples += f.read(min(SAMPLE_BYTES, end - at))
+                samples = _samples(f, data_start + begin, data_start + end)
                 entries.append((name, info["dtype"], list(info["shape"]), samples))
     digest = hashlib.sha256()
     for name, dtype, shape, samples in sorted(entries):
@@ -139,6 +178,8 @@ def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: 
                          f"{preset!r}; drop --model-preset to use the recorded base")
     if override is None and recorded.kind == "preset":
         return recorded
+    if recorded.kind == "megatron":
+        return _find_megatron(recorded, ckpt=ckpt, override=override, flag=flag)
     where = override or recorded.path
     if not os.path.isfile(os.path.join(where, "config.json")):
         if override:
@@ -158,6 +199,25 @@ def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: 
     return found
 
 
+def _find_megatron(recorded: BaseSource, *, ckpt: str, override: str | None, flag: str) -> BaseSource:
+    from megatron_prune.training.checkpoint import META, read_meta
+
+    if override:
+        raise ValueError(f"{ckpt}: its LoRA adapters were trained on {recorded.describe()}; {flag} cannot replace "
+                         "a Megatron base: drop it")
+    if not os.path.isfile(os.path.join(recorded.path, META)):
+        raise ValueError(f"{ckpt}: the Megatron checkpoint its LoRA adapters were trained on, {recorded.path}, is "
+                         "missing (moved or deleted); put it back at that path (a symbolic link to its new place "
+                         "will do)")
+    found = megatron_base(read_meta(recorded.path))
+    if found.arch != recorded.arch or found.fingerprint != recorded.fingerprint:
+        raise ValueError(f"{ckpt}: the Megatron checkpoint at {recorded.path} holds other weights ({_arch_line(found.arch)}, "
+                         f"fingerprint {found.fingerprint}) than the base its LoRA adapters were trained on "
+                         f"({_arch_line(recorded.arch)}, fingerprint {recorded.fingerprint}); put the original "
+                         "base back at that path")
+    return found
+
+
 def load_base_weights(chunks, source: BaseSource, *, arch) -> None:
     """Fill the base weights of unwrapped ``chunks`` (this rank's shards) from ``source``."""
     import torch
@@ -169,6 +229,11 @@ def load_base_weights(chunks, source: BaseSource, *, arch) -> None:
         from megatron_prune.model.init import init_model_chunks
 
         init_model_chunks(chunks, seed=source.seed)
+        return
+    if source.kind == "megatron":
+        from megatron_prune.training.checkpoint import load_model_weights
+
+        load_model_weights(source.path, model=chunks, arch=arch)
         return
     from megatron_prune.model.hf_convert import HFCheckpoint, fill_model_from_hf
 
@@ -191,6 +256,8 @@ def base_tensor_reader(source: BaseSource, *, arch) -> Callable[[str, int | None
             return _global_init(key, tuple(shape), source.seed, () if layer is None else (layer,))
 
         return read_preset
+    if source.kind == "megatron":
+        return _megatron_reader(source.path, arch=arch)
     from megatron_prune.model.hf_convert import HFCheckpoint
 
     rules = {r.megatron_key: r for r in tensor_rules(arch)}
@@ -200,3 +267,26 @@ def base_tensor_reader(source: BaseSource, *, arch) -> Callable[[str, int | None
         return megatron_tensor(rules[key], layer=layer, hf=hf)
 
     return read_hf
+
+
+def _megatron_reader(ckpt: str, *, arch) -> Callable[[str, int | None], Any]:
+    """``read(megatron_key, layer)`` from a dist checkpoint, one layer's tensors loaded at a time."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_prune.model.hf_convert import _load_layer
+    from megatron_prune.model.hf_mapping import tensor_rules
+
+    dist_dir = os.path.join(ckpt, "dist")
+    metadata = dist_checkpointing.load_tensors_metadata(dist_dir)
+    rules = tensor_rules(arch)
+    cache: dict[Any, dict] = {}
+
+    def read(key: str, layer: int | None):
+        if layer not in cache:
+            cache.clear()
+            keys = [r.megatron_key for r in rules if r.layered == (layer is not None)]
+            cache[layer] = _load_layer(dist_dir, metadata=metadata, keys=keys, layer=layer,
+                                       num_layers=arch.num_layers)
+        return cache[layer][key]
+
+    return read

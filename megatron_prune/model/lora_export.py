@@ -109,6 +109,8 @@ def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_
     out_dtype = next(iter(adapters.values())).dtype if dtype == "auto" else resolve_dtype(dtype, config={})
     if hf_assets is None and find_hf_assets(ckpt) is None and base.kind == "hf":
         hf_assets = base.path  # the base's own config and tokenizer
+    elif hf_assets is None and find_hf_assets(ckpt) is None and base.kind == "megatron":
+        hf_assets = find_hf_assets(base.path)  # kept next to a converted base
     scale = lora["alpha"] / lora["rank"]
     merged = _iter_merged(dist_dir, adapters=adapters, arch=arch, scale=scale, out_dtype=out_dtype,
                           read_base=base_tensor_reader(base, arch=arch))

@@ -143,6 +143,16 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
     if not ckpt.load:
         return 0
     meta = ckpt_io.read_meta(ckpt.load)
+    from megatron_prune.model.lora import is_lora_model
+
+    if not meta.get("lora") and is_lora_model(parts.model):
+        # The LoRA base: its weights were loaded before the adapters were added (session.build_parts).
+        if is_logging_rank():
+            print(f"[megatron-prune] LoRA starts from the model weights of {meta['path']} (iteration "
+                  f"{meta['iteration']}) as its frozen base: fresh adapters and optimizer, iteration 0"
+                  f"{'; its optimizer and trainer state are not used' if meta.get('has_optimizer') else ''}",
+                  flush=True)
+        return 0
     weights_only = ckpt.finetune or not meta.get("has_optimizer")
     loaded = ckpt_io.load_checkpoint(
         ckpt.load, model=parts.model, arch=parts.arch,
@@ -166,7 +176,9 @@ def _carry_hf_assets(ckpt: CheckpointConfig) -> None:
     for where in (ckpt.load, os.path.dirname(os.path.abspath(ckpt.load))):
         src = os.path.join(where, "hf_assets")
         if os.path.isdir(src):
-            shutil.copytree(src, os.path.join(ckpt.save, "hf_assets"), dirs_exist_ok=True)
+            dst = os.path.join(ckpt.save, "hf_assets")
+            if not os.path.isdir(dst) or not os.path.samefile(src, dst):  # resumed in place: already there
+                shutil.copytree(src, dst, dirs_exist_ok=True)
             return
 
 

@@ -113,3 +113,44 @@ def test_checkpoint_without_a_base_record_is_refused(tmp_path):
     _lora_checkpoint(tmp_path / "ckpt", None)
     with pytest.raises(ValueError, match="records no base model"):
         check_load(str(tmp_path / "ckpt"), LORA)
+
+
+def _megatron_checkpoint(root, *, data: bytes) -> str:
+    """A save directory of one checkpoint without adapters: meta.json and stand-in dist files."""
+    from megatron_prune.training.checkpoint import FORMAT, META, iteration_dir
+
+    ckpt = iteration_dir(str(root), 0)
+    os.makedirs(os.path.join(ckpt, "dist"))
+    meta = {"format": FORMAT, "iteration": 0, "arch": preset_base("tiny", seed=0).arch, "has_optimizer": False}
+    with open(os.path.join(ckpt, META), "w") as f:
+        json.dump(meta, f)
+    for name, body in ((".metadata", b"layout"), ("__0_0.distcp", data), ("common.pt", os.urandom(8))):
+        with open(os.path.join(ckpt, "dist", name), "wb") as f:
+            f.write(body)
+    return ckpt
+
+
+def test_megatron_base_is_recorded_found_and_checked(tmp_path):
+    data = bytes(range(256)) * 16
+    base_ckpt = _megatron_checkpoint(tmp_path / "base", data=data)
+    record = check_load(str(tmp_path / "base"), LORA)
+    assert record["kind"] == "megatron" and record["path"] == base_ckpt
+    with pytest.raises(ValueError, match="give either --load .* or --hf-model, not both"):
+        check_load(str(tmp_path / "base"), LORA, hf_model="hf")
+    # Location-independent (a copy has the same fingerprint); a changed middle byte is seen.
+    copy = _megatron_checkpoint(tmp_path / "copy", data=data)
+    assert check_load(str(tmp_path / "copy"), LORA)["fingerprint"] == record["fingerprint"]
+    _lora_checkpoint(tmp_path / "lora", record)
+    assert check_load(str(tmp_path / "lora"), LORA) == record
+    with pytest.raises(ValueError, match="--hf-model cannot replace a Megatron base"):
+        check_load(str(tmp_path / "lora"), LORA, hf_model=str(tmp_path))
+    changed = bytearray(data)
+    changed[len(data) // 2] ^= 1
+    with open(os.path.join(base_ckpt, "dist", "__0_0.distcp"), "wb") as f:
+        f.write(changed)
+    with pytest.raises(ValueError, match="holds other weights"):
+        check_load(str(tmp_path / "lora"), LORA)
+    shutil.rmtree(tmp_path / "base")
+    with pytest.raises(ValueError, match=f"{base_ckpt}, is missing .*symbolic link"):
+        check_load(str(tmp_path / "lora"), LORA)
+    assert os.path.isdir(copy)
