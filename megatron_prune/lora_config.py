@@ -90,8 +90,8 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
     Starting: the base is ``hf_model`` (fingerprinted), ``model_preset``, or ``load`` when it holds
     no adapters (a converted model or a full-parameter training checkpoint: its model weights only).
     Resuming (``load`` is a LoRA checkpoint): the base it records, or ``hf_model`` in place of an HF
-    base; it must be found and hold the same weights. Raises ValueError for a missing or mismatched base and for other adapters
-    than the flags ask for.
+    base; it must be found and hold the same weights. Raises ValueError for a missing or mismatched
+    base and for other adapters than the flags ask for.
     """
     from megatron_prune.model.lora_base import META_KEY, hf_base, megatron_base, preset_base, resolve_base
 

@@ -211,10 +211,10 @@ def _find_megatron(recorded: BaseSource, *, ckpt: str, override: str | None, fla
                          "will do)")
     found = megatron_base(read_meta(recorded.path))
     if found.arch != recorded.arch or found.fingerprint != recorded.fingerprint:
-        raise ValueError(f"{ckpt}: the Megatron checkpoint at {recorded.path} holds other weights ({_arch_line(found.arch)}, "
-                         f"fingerprint {found.fingerprint}) than the base its LoRA adapters were trained on "
-                         f"({_arch_line(recorded.arch)}, fingerprint {recorded.fingerprint}); put the original "
-                         "base back at that path")
+        raise ValueError(f"{ckpt}: the Megatron checkpoint at {recorded.path} holds other weights "
+                         f"({_arch_line(found.arch)}, fingerprint {found.fingerprint}) than the base its LoRA "
+                         f"adapters were trained on ({_arch_line(recorded.arch)}, fingerprint "
+                         f"{recorded.fingerprint}); put the original base back at that path")
     return found
 
 

@@ -75,14 +75,24 @@ def test_lora_dpo_from_converted_checkpoint(tmp_path):
             assert got[ref["step"]][key] == ref[key], f"step {ref['step']} {key}"
 
     run_cmd([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--load", str(ckpt),
-             "--hf-out", str(tmp_path / "merged"), "--merge-lora"], log=tmp_path / "export.txt",
+             "--hf-out", str(tmp_path / "merged"), "--merge-lora", "--peft-out", str(tmp_path / "peft")],
+            log=tmp_path / "export.txt",
             env=launch_env()).check_ok()
     from safetensors.torch import load_file
 
     merged, original = load_file(tmp_path / "merged" / "model.safetensors"), load_file(hf / "model.safetensors")
     assert merged.keys() == original.keys()
     assert all(merged[k].equal(original[k]) for k in original if "proj" not in k)  # norms, embeddings
-    assert not merged["model.layers.0.self_attn.q_proj.weight"].equal(original["model.layers.0.self_attn.q_proj.weight"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not merged[q].equal(original[q])  # the adapters trained
+    assert (tmp_path / "merged" / "generation_config.json").is_file()  # the converted base's hf_assets
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    # Merged = base + (alpha/r) B A with the PEFT tensors (alpha = r here): the base read from the
+    # Megatron checkpoint is the HF model the adapters were trained on.
+    prefix = "base_model.model.model.layers.1.mlp.down_proj"
+    delta = peft[f"{prefix}.lora_B.weight"].double() @ peft[f"{prefix}.lora_A.weight"].double()
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert merged[name].equal((original[name].double() + delta).float())
 
     lora = LoRAConfig(rank=8)
     assert check_load(str(ckpt), lora)["fingerprint"] == base["fingerprint"]
