@@ -157,7 +157,7 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
-    ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load)
+    ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load, lora_base=lora_base)
     parts.extra_meta = {"reference_load": ref_source, **lora_meta(lora, base=lora_base)}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
                                pad_id=tokenizer.pad_id)

@@ -429,7 +429,7 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     reference = None
     if grpo.kl_beta > 0:
-        ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load)
+        ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load, lora_base=lora_base)
         parts.extra_meta = {"reference_load": ref_source}
         if lora is not None and lora.enabled and not grpo.ref_load:
             from megatron_prune.model.lora import adapter_off

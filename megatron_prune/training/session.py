@@ -180,11 +180,15 @@ def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, t
     return TrainingParts(model=policy, optimizer=optimizer, scheduler=build_scheduler(optimizer, train), arch=arch)
 
 
-def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str | None) -> str | None:
-    """Checkpoint the reference model loads from; None = the starting preset/HF weights.
+def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str | None, *,
+                     lora_base: dict | None = None) -> str | None:
+    """Checkpoint the reference model loads from; None = the starting preset/HF weights (under
+    LoRA: the recorded base ``lora_base``).
 
     A training checkpoint records the reference it was trained against (``reference_load`` in
-    its metadata), so a resumed run keeps comparing against the original model.
+    its metadata), so a resumed run keeps comparing against the original model. A LoRA run that
+    starts from a checkpoint without adapters starts from that checkpoint's weights: they are its
+    base and its reference, whatever reference that checkpoint was trained against.
     """
     if ref_load:
         return ref_load
@@ -193,6 +197,8 @@ def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str |
     from megatron_prune.training.checkpoint import read_meta
 
     meta = read_meta(ckpt.load)
+    if lora_base is not None and not meta.get("lora"):
+        return None
     if not meta.get("has_optimizer"):
         return ckpt.load  # a converted model: it is the starting point
     if "reference_load" not in meta:

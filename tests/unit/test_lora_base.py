@@ -154,3 +154,31 @@ def test_megatron_base_is_recorded_found_and_checked(tmp_path):
     with pytest.raises(ValueError, match=f"{base_ckpt}, is missing .*symbolic link"):
         check_load(str(tmp_path / "lora"), LORA)
     assert os.path.isdir(copy)
+
+
+def test_reference_of_a_lora_run_started_from_a_training_checkpoint_is_that_checkpoint(tmp_path):
+    """The reference a DPO/GRPO run loads (session.reference_source): a full-parameter training
+    checkpoint records the reference it was trained against; a LoRA run started from it compares
+    with its own base (the checkpoint's weights, loaded through the base record), and resuming that
+    LoRA run keeps it."""
+    from megatron_prune.config import CheckpointConfig, ModelConfig
+    from megatron_prune.training.session import reference_source
+
+    trained = _lora_checkpoint(tmp_path / "full", None)  # no "lora" entry: a full-parameter checkpoint
+    with open(os.path.join(trained, "meta.json")) as f:
+        meta = json.load(f)
+    meta.pop("lora", None)
+    meta["reference_load"] = "/models/original"
+    with open(os.path.join(trained, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    model, load = ModelConfig(model_preset=None), CheckpointConfig(load=str(tmp_path / "full"))
+    base = {"kind": "megatron", "path": trained}
+    assert reference_source(model, load, None) == "/models/original"  # full-parameter resume
+    assert reference_source(model, load, None, lora_base=base) is None  # LoRA start: its base
+    lora_ckpt = _lora_checkpoint(tmp_path / "lora", preset_base("tiny", seed=0).to_dict())
+    with open(os.path.join(lora_ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    meta["reference_load"] = None  # what the LoRA start recorded
+    with open(os.path.join(lora_ckpt, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    assert reference_source(model, CheckpointConfig(load=str(tmp_path / "lora")), None, lora_base=base) is None
