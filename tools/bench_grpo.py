@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DPPO's completion keep-probability floor (the trainer's --dppo-completion-floor; "
                         "default: the trainer's)")
     p.add_argument("--lr", type=float, default=5e-3)
-    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = none)")
     p.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
     p.add_argument("--ppo-epochs", type=int, default=1)
     p.add_argument("--minibatches", type=int, default=1)
@@ -408,7 +408,7 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
             start = time.perf_counter()
             m = objective.train_step(step)
             before_opt = time.perf_counter()
-            optimizer.step()
+            _, grad_norm, _ = optimizer.step()
             end = time.perf_counter()
             elapsed = end - start
             cum += elapsed
@@ -424,7 +424,7 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
                 "kept_completion_fraction": m["kept_completion_fraction"],
                 "weight_max": max(weights, default=0.0), "weight_mean": sum(weights) / max(len(weights), 1),
                 "kept_reward_mean": m["reward_mean"], "zero_variance_groups": m["zero_variance_groups"],
-                "loss": m["loss"], "beyond_steps": step >= args.steps, **extra,
+                "loss": m["loss"], "grad_norm": grad_norm, "beyond_steps": step >= args.steps, **extra,
             }
             last = step == max_steps - 1 or (budget_s is not None and step >= args.steps - 1 and cum >= budget_s)
             if not warmup and ((step + 1) % args.eval_every == 0 or last or step == args.steps - 1):
