@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.test_grpo import assert_same
+from tests.distributed.test_grpo import assert_same, train_step_result
 
 SEED = 4321
 CASES = {
@@ -34,7 +34,6 @@ def moe_grpo_step(*, dense_packing: bool, kv_cache: bool, parallel: dict | None 
     from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
     from megatron_prune.grpo.trainer import build_objective, toy_source
     from megatron_prune.model.arch import get_preset
-    from megatron_prune.model.global_state import gather_global_state
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.model_setup import setup_model
     from megatron_prune.training.parallel import model_parallel
@@ -75,16 +74,11 @@ def moe_grpo_step(*, dense_packing: bool, kv_cache: bool, parallel: dict | None 
             # A reward history (as after earlier steps) so that prompt-level pruning has scores to go by.
             history = torch.arange(16 * 4, dtype=torch.float32).reshape(16, 4).remainder(torch.arange(1, 17)[:, None])
             objective.pruner.observe(prompt_ids=list(range(16)), rewards=(history > 1).float())
-            for chunk in policy:
-                chunk.zero_grad_buffer()
-            metrics = objective.train_step(0)
-            grads = gather_global_state(policy, source="main_grad")
-            items = [(it.prompt_id, it.index, tuple(it.completion), it.weight)
-                     for mb in objective.buffer.minibatches for it in mb]
+            result = train_step_result(objective, policy)
     finally:
         grpo_step.pad_microbatches, rollout.next_token_logits = original_pad, original_logits
         rollout._cached_batch = original_batch
-    return dict(metrics=metrics, grads=grads, items=items, padding=padding)
+    return dict(result, padding=padding)
 
 
 def grpo_cases(parallel: dict | None = None) -> dict:

@@ -37,7 +37,6 @@ def grpo_step(*, parallel: dict | None = None, dppo: dict | None = None, kl_beta
     from megatron_prune.grpo.dppo import KeepDecision
     from megatron_prune.grpo.trainer import build_objective, toy_source
     from megatron_prune.model.arch import get_preset
-    from megatron_prune.model.global_state import gather_global_state
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.model_setup import setup_model
     from megatron_prune.training.parallel import model_parallel
@@ -62,12 +61,20 @@ def grpo_step(*, parallel: dict | None = None, dppo: dict | None = None, kl_beta
 
             objective.pruner.select_prompts = keep_all
             objective.pruner.select_completions = keep_all
-        for chunk in policy:
-            chunk.zero_grad_buffer()
-        metrics = objective.train_step(0)
-        grads = gather_global_state(policy, source="main_grad")
-        items = [(it.prompt_id, it.index, tuple(it.completion), it.weight)
-                 for mb in objective.buffer.minibatches for it in mb]
+        return train_step_result(objective, policy)
+
+
+def train_step_result(objective, policy) -> dict:
+    """Step 0 of ``objective`` through the trainer: its metrics, the whole gradients and the
+    trained items (prompt, completion index, tokens, weight)."""
+    from megatron_prune.model.global_state import gather_global_state
+
+    for chunk in policy:
+        chunk.zero_grad_buffer()
+    metrics = objective.train_step(0)
+    grads = gather_global_state(policy, source="main_grad")
+    items = [(it.prompt_id, it.index, tuple(it.completion), it.weight)
+             for mb in objective.buffer.minibatches for it in mb]
     return dict(metrics=metrics, grads=grads, items=items)
 
 
