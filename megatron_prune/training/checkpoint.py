@@ -434,15 +434,8 @@ def load_checkpoint(
 def load_model_weights(path: str, *, model: list[torch.nn.Module], arch: ModelArch) -> None:
     """Load only the model weights of the checkpoint at ``path`` (no adapters) into ``model``,
     at any layout: no optimizer, trainer state or RNG (a LoRA base). Collective."""
-    from megatron.core import dist_checkpointing
-
-    meta = read_meta(path)
-    ckpt = meta["path"]
-    assert not meta.get("lora") and ModelArch.from_dict(meta["arch"]) == arch, "checked by the caller"
-    state = _model_sharded_state_dict(model)
-    loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))
-    for i, chunk in enumerate(model):
-        _unwrap(chunk).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"], strict=False)
+    assert not read_meta(path).get("lora"), "checked by the caller"
+    load_checkpoint(path, model=model, arch=arch)
 
 
 def _describe(fmt: str) -> str:
