@@ -46,7 +46,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_prune.grpo.step import expert_parallel_max
+from megatron_prune.training.parallel import expert_parallel_max
 from megatron_prune.training.step import run_schedule
 
 __all__ = ["SamplingSettings", "Completion", "generate", "sample_from_logits", "completion_seed"]

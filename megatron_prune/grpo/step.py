@@ -40,10 +40,11 @@ from megatron_prune.data.packing import pack_sequences
 from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_prune.model.segments import Segment, SegmentLayout
 from megatron_prune.model.selective_gpt import TokenSelection
+from megatron_prune.training.parallel import expert_parallel_max
 from megatron_prune.training.step import run_schedule
 
 __all__ = ["TrainItem", "GRPOStepSettings", "GRPOMicrobatch", "GRPOStep", "Layout", "layout_items", "microbatch_rows",
-           "sum_metrics", "expert_parallel_max", "pad_microbatches"]
+           "sum_metrics", "pad_microbatches"]
 
 SUMMED = ("loss", "policy_loss", "kl_loss")
 """Metrics summed over microbatches and ranks (parts of the global loss)."""
@@ -366,21 +367,6 @@ def sum_metrics(outputs: list[dict], names: Sequence[str]) -> dict[str, tuple[fl
         dist.broadcast(totals, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
     return {name: (float(totals[i, 0]), float(totals[i, 1])) for i, name in enumerate(names)}
-
-
-def expert_parallel_max(value: int) -> int:
-    """The largest ``value`` over the data-parallel ranks under expert parallelism, ``value`` itself
-    otherwise (then nothing is communicated).
-
-    The ranks of an expert-parallel group (a slice of the data-parallel ranks) run every MoE
-    forward together — the token dispatcher is a collective over the group — so they must run as
-    many forwards as each other. Collective over the data-parallel group when EP > 1.
-    """
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
-        return value
-    total = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    return int(total)
 
 
 def pad_microbatches(layout: Layout, count: int, *, settings: GRPOStepSettings) -> Layout:

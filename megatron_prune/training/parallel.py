@@ -200,6 +200,24 @@ def shutdown_distributed() -> None:
     dist.destroy_process_group()
 
 
+def expert_parallel_max(value: int) -> int:
+    """The largest ``value`` over the data-parallel ranks under expert parallelism, ``value`` itself
+    otherwise (then nothing is communicated).
+
+    The ranks of an expert-parallel group (a slice of the data-parallel ranks) run every MoE
+    forward together — the token dispatcher is a collective over the group — so they must run as
+    many forwards as each other. Collective over the data-parallel group when EP > 1.
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(total)
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -214,6 +232,7 @@ __all__ = [
     "collective_failure",
     "broadcast_object",
     "destroy_model_parallel",
+    "expert_parallel_max",
     "guard_collectives",
     "initialize_distributed",
     "initialize_model_parallel",
