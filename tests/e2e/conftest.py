@@ -172,6 +172,17 @@ def last_per_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
+def check_resumed_steps(*, killed: list[dict], records: list[dict], reference: list[dict], published: int,
+                        keys) -> None:
+    """The resumed run (``records`` after the ``killed`` run's) logged every step from the
+    ``published`` checkpoint on, and each step's ``keys`` equal the uninterrupted ``reference`` bit for bit."""
+    assert [r["step"] for r in records[len(killed):]] == list(range(published, len(reference)))
+    got = last_per_step(records)
+    for ref in reference:
+        for key in keys:
+            assert got[ref["step"]][key] == ref[key], f"step {ref['step']} {key}: {got[ref['step']][key]!r} != {ref[key]!r}"
+
+
 @pytest.fixture(autouse=True)
 def _no_torchrun_env(monkeypatch):
     """In-process tests must not see a torchrun environment of the outer shell."""

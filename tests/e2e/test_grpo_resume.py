@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import last_per_step, read_jsonl, run_cmd, run_until, torchrun_cmd
+from tests.e2e.conftest import check_resumed_steps, read_jsonl, run_cmd, run_until, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -64,9 +64,5 @@ def test_grpo_sigkill_then_resume_is_bit_exact(tmp_path):
     assert loaded and int(loaded.group(2)) == published, resumed.output[-3000:]
     assert "rolling out again" not in resumed.output
 
-    records = read_jsonl(metrics)
-    assert [r["step"] for r in records[len(killed):]] == list(range(published, STEPS))
-    got = last_per_step(records)
-    for ref in reference:
-        for key in SAME:
-            assert got[ref["step"]][key] == ref[key], f"step {ref['step']} {key}: {got[ref['step']][key]!r} != {ref[key]!r}"
+    check_resumed_steps(killed=killed, records=read_jsonl(metrics), reference=reference, published=published,
+                        keys=SAME)

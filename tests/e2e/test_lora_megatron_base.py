@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import (REPO, SAMPLE, last_per_step, launch_env, read_jsonl, run_cmd, run_dpo,
+from tests.e2e.conftest import (REPO, SAMPLE, check_resumed_steps, last_per_step, launch_env, read_jsonl, run_cmd, run_dpo,
                                 run_dpo_until, run_until, torchrun_cmd)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -134,9 +134,5 @@ def test_lora_grpo_from_training_checkpoint_kill_resume(tmp_path):
     assert published in (2, 4) and killed[-1]["step"] < GRPO_STEPS - 1, (published, killed[-1]["step"])
 
     run_cmd(_grpo([*args, "--load", str(ckpt)]), log=tmp_path / "resumed.txt").check_ok()
-    records = read_jsonl(metrics)
-    assert [r["step"] for r in records[len(killed):]] == list(range(published, GRPO_STEPS))
-    got = last_per_step(records)
-    for ref in reference:
-        for key in SAME:
-            assert got[ref["step"]][key] == ref[key], f"step {ref['step']} {key}"
+    check_resumed_steps(killed=killed, records=read_jsonl(metrics), reference=reference, published=published,
+                        keys=SAME)

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import (TINY_DPO, last_per_step, read_jsonl, run_cmd, run_dpo, run_dpo_until, run_until,
+from tests.e2e.conftest import (TINY_DPO, check_resumed_steps, read_jsonl, run_cmd, run_dpo, run_dpo_until, run_until,
                                 torchrun_cmd)
 from tests.e2e.test_grpo_resume import ARGS as GRPO_TOY_ARGS
 
@@ -21,15 +21,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 DISTOPT = ["--use-distributed-optimizer"]
 STEPS = 6
-
-
-def _check_resume(*, killed: list[dict], records: list[dict], reference: list[dict], published: int,
-                  keys: tuple[str, ...]) -> None:
-    assert [r["step"] for r in records[len(killed):]] == list(range(published, len(reference)))
-    got = last_per_step(records)
-    for ref in reference:
-        for key in keys:
-            assert got[ref["step"]][key] == ref[key], f"step {ref['step']} {key}: {got[ref['step']][key]!r} != {ref[key]!r}"
 
 
 def test_dpo_distopt_dp2_resume_bit_exact_and_other_layouts(tmp_path):
@@ -47,7 +38,7 @@ def test_dpo_distopt_dp2_resume_bit_exact_and_other_layouts(tmp_path):
     assert published in (2, 4) and killed[-1]["step"] < STEPS - 1
     resumed = run_dpo([*args, "--load", str(ckpt)], log=tmp_path / "resumed.txt").check_ok()
     assert f"(iteration {published})" in resumed.output
-    _check_resume(killed=killed, records=read_jsonl(metrics), reference=reference, published=published,
+    check_resumed_steps(killed=killed, records=read_jsonl(metrics), reference=reference, published=published,
                   keys=("loss", "grad_norm", "margin", "scored_positions", "lr"))
 
     # The DP=2 checkpoint at TP=2 x DP=1: same steps within fp32 (a different reduction order).
@@ -95,5 +86,5 @@ def test_grpo_distopt_dp2_resume_bit_exact(tmp_path):
     assert published in (3, 6) and killed[-1]["step"] < steps - 1
     resumed = run_cmd(_grpo([*args, "--load", str(ckpt)]), log=tmp_path / "resumed.txt").check_ok()
     assert f"(iteration {published})" in resumed.output
-    _check_resume(killed=killed, records=read_jsonl(metrics), reference=reference, published=published,
+    check_resumed_steps(killed=killed, records=read_jsonl(metrics), reference=reference, published=published,
                   keys=("loss", "policy_loss", "grad_norm", "lr", "reward_mean", "policy_tokens"))
