@@ -36,7 +36,10 @@ against the adapter-off reference (no second model); speedups are held against t
 model (``flop_model.step_flops(lora_rank=R)``), and one more run of full-parameter ``concat`` with
 an online reference gives the memory to compare with: ``state_mem_bytes`` counts the persistent
 tensors (weights, reference copy, gradient buffers, optimizer state) and ``total_mem_bytes`` adds
-the step's peak; ``total_mem_ratio_vs_full_param`` = a mode's total / full-parameter concat's.
+the step's peak; ``total_mem_ratio_vs_full_param`` = a mode's total / full-parameter concat's
+(``total_alloc_mem_ratio_vs_full_param``: the same with the tensor-allocator peaks, which count
+live tensors only, not what the process holds beyond them; ``model_total_mem_ratio_vs_full_param``:
+from ``flop_model.state_bytes`` and ``flop_model.step_peak_bytes``).
 
 Lengths come from the bundled HH-RLHF sample tokenized with the tiny tokenizer (or
 ``--data-path``); token ids are mapped into the model's vocabulary.
@@ -500,7 +503,7 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
                                                  lora_rank=lora_rank)["total"] / n
         if "peak_mem_bytes" in r:
             model_mem.append(flop_model.step_peak_bytes(shape, passes, recompute=recompute,
-                                                        bytes_per_elem=bytes_per_elem))
+                                                        bytes_per_elem=bytes_per_elem, lora_rank=lora_rank))
     splits = {k: statistics.median(r["splits"].get(k, 0.0) for r in recs) for k in recs[0]["splits"]}
     mem_phases = {k: statistics.median(r["peak_mem_by_phase_bytes"][k] for r in measured)
                   for k in measured[0]["peak_mem_by_phase_bytes"]}
@@ -521,6 +524,7 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
         "flops_ideal": flops["ideal"],
         "flops_padded": flops["padded"],
         "model_peak_mem_bytes": statistics.median(model_mem),
+        "model_state_mem_bytes": flop_model.state_bytes(shape, lora_rank=lora_rank, param_bytes=bytes_per_elem),
         "time_split_s": splits,
         "peak_mem_by_phase_bytes": mem_phases,
         "peak_alloc_bytes": alloc.get("peak_alloc_bytes"),
@@ -546,23 +550,39 @@ def add_ratios(modes: dict) -> None:
 
 
 def add_full_param_ratios(modes: dict, full_param: dict) -> None:
-    """LoRA runs: each mode's total memory against full-parameter concat with an online reference."""
+    """LoRA runs: each mode's total memory (persistent state + the step's peak) against
+    full-parameter concat with an online reference, three ways: the step peak as peak RSS on CPU
+    (allocator on GPU), as the tensor-allocator peak, and from the memory model."""
+    def ratio(m: dict, peak_key: str, state_key: str = "state_mem_bytes"):
+        if not all(x.get(k) for x in (m, full_param) for k in (peak_key, state_key)):
+            return None
+        return (m[state_key] + m[peak_key]) / (full_param[state_key] + full_param[peak_key])
+
     for m in modes.values():
-        m["total_mem_ratio_vs_full_param"] = (m["total_mem_bytes"] / full_param["total_mem_bytes"]
-                                              if m.get("total_mem_bytes") and full_param.get("total_mem_bytes")
-                                              else None)
+        m["total_mem_ratio_vs_full_param"] = ratio(m, "peak_mem_bytes")
+        m["total_alloc_mem_ratio_vs_full_param"] = ratio(m, "peak_alloc_bytes")
+        m["model_total_mem_ratio_vs_full_param"] = ratio(m, "model_peak_mem_bytes", "model_state_mem_bytes")
 
 
 def lora_table(modes: dict, full_param: dict) -> str:
-    lines = [f"{'mode':<16}{'state MB':>10}{'step peak MB':>14}{'total MB':>10}{'vs full-param':>15}"]
-    lines.append(f"{'(full-param)':<16}{full_param['state_mem_bytes'] / 2**20:>10.1f}"
-                 f"{full_param['peak_mem_bytes'] / 2**20:>14.1f}{full_param['total_mem_bytes'] / 2**20:>10.1f}"
-                 f"{1.0:>15.2f}")
+    mb = 2**20
+    lines = [f"{'mode':<16}{'state MB':>10}{'model':>8}{'step peak MB':>14}{'alloc':>8}{'total MB':>10}"
+             f"{'vs full-param':>15}{'alloc':>7}{'model':>7}"]
+    lines.append(f"{'(full-param)':<16}{full_param['state_mem_bytes'] / mb:>10.1f}"
+                 f"{full_param['model_state_mem_bytes'] / mb:>8.1f}{full_param['peak_mem_bytes'] / mb:>14.1f}"
+                 f"{_num(full_param.get('peak_alloc_bytes') and full_param['peak_alloc_bytes'] / mb, '>8.1f')}"
+                 f"{full_param['total_mem_bytes'] / mb:>10.1f}{1.0:>15.2f}{1.0:>7.2f}{1.0:>7.2f}")
     for name, m in modes.items():
-        lines.append(f"{name:<16}{m['state_mem_bytes'] / 2**20:>10.1f}{m['peak_mem_bytes'] / 2**20:>14.1f}"
-                     f"{m['total_mem_bytes'] / 2**20:>10.1f}{_num(m['total_mem_ratio_vs_full_param'], '>15.2f')}")
-    lines.append("state: weights + reference copy + gradient buffers + optimizer state (rank 0); total = state + the "
-                 "step's peak; full-param = concat without LoRA, online reference")
+        lines.append(f"{name:<16}{m['state_mem_bytes'] / mb:>10.1f}{m['model_state_mem_bytes'] / mb:>8.1f}"
+                     f"{m['peak_mem_bytes'] / mb:>14.1f}"
+                     f"{_num(m.get('peak_alloc_bytes') and m['peak_alloc_bytes'] / mb, '>8.1f')}"
+                     f"{m['total_mem_bytes'] / mb:>10.1f}{_num(m['total_mem_ratio_vs_full_param'], '>15.2f')}"
+                     f"{_num(m.get('total_alloc_mem_ratio_vs_full_param'), '>7.2f')}"
+                     f"{_num(m.get('model_total_mem_ratio_vs_full_param'), '>7.2f')}")
+    lines.append("state: weights + reference copy + gradient buffers + optimizer state (rank 0; model: "
+                 "flop_model.state_bytes); step peak: peak RSS on CPU, allocator on GPU (alloc: tensor-allocator "
+                 "peak); total = state + step peak; vs full-param: total against concat without LoRA with an "
+                 "online reference (alloc: with the allocator peaks; model: state and peak from the memory model)")
     return "\n".join(lines)
 
 

@@ -76,6 +76,10 @@ class Shape:
     """Experts each token runs in a MoE layer."""
     expert_ffn: int = 0
     """SwiGLU inner width of one expert."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys (Qwen3): two more norm weights per layer."""
+    tied_embeddings: bool = False
+    """The output layer shares the input embedding's weight (one ``vocab x hidden`` matrix)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.moe_layers <= self.layers:
@@ -97,7 +101,8 @@ class Shape:
                        top_k=arch.num_experts_per_tok, expert_ffn=arch.moe_intermediate_size)
         return cls(hidden=arch.hidden_size, layers=arch.num_layers, heads=arch.num_attention_heads,
                    kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, ffn=arch.intermediate_size,
-                   vocab=vocab or arch.vocab_size, **moe)
+                   vocab=vocab or arch.vocab_size, qk_norm=arch.qk_norm,
+                   tied_embeddings=arch.tie_word_embeddings, **moe)
 
     @property
     def dense_layers(self) -> int:
@@ -128,6 +133,15 @@ class Shape:
         """Matmul parameters one token runs through in the whole body (all layers)."""
         return self.layer_params() * self.dense_layers + self.moe_layer_active_params() * self.moe_layers
 
+    def param_count(self) -> int:
+        """Every weight of the model: embedding and output layer (one matrix when tied), each
+        layer's matmuls (all experts of a MoE layer, and its router), its norms, the final norm."""
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        moe_mlp = self.hidden * self.num_experts + self.num_experts * 3 * self.hidden * self.expert_ffn
+        layers = (self.attention_params() + norms) * self.layers + 3 * self.hidden * self.ffn * self.dense_layers \
+            + moe_mlp * self.moe_layers
+        return (1 if self.tied_embeddings else 2) * self.vocab * self.hidden + layers + self.hidden
+
     def body_flops_per_token(self) -> float:
         return 2.0 * self.active_params()
 
@@ -152,6 +166,23 @@ class Shape:
             raise ValueError(f"unknown LoRA target(s) {unknown}; choose from {list(widths)}")
         return sum(rank * (widths[t][0] + widths[t][1]) * (mlp_copies if t in ("linear_fc1", "linear_fc2") else 1)
                    for t in targets)
+
+    def adapter_param_count(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+        """LoRA parameters of the whole model (a MoE layer: one adapter per expert on its MLP linears)."""
+        moe = self._adapter_params(rank, targets, ffn=self.expert_ffn, mlp_copies=self.num_experts)
+        return self.adapter_params(rank, targets) * self.dense_layers + moe * self.moe_layers
+
+    def adapter_activations_per_token(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> float:
+        """Rank-r activations (``x A^T``, kept for ``B``'s gradient) one token stores per layer,
+        averaged over layers (a MoE layer: its ``top_k`` experts' MLP adapters)."""
+        mlp = sum(t in ("linear_fc1", "linear_fc2") for t in targets)
+        attention = len(targets) - mlp
+        return rank * (attention + mlp * (self.dense_layers + self.top_k * self.moe_layers) / self.layers)
+
+    def frozen_norm_savings_per_token(self) -> float:
+        """Normalised inputs a training pass keeps per token and layer only for the norm weights'
+        gradients (two RMSNorms, plus the query and key norms): not kept when the norms are frozen."""
+        return 2 * self.hidden + (self.q_width + self.kv_width if self.qk_norm else 0)
 
     def adapter_flops_per_token(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> float:
         """Forward FLOPs of the adapters per token, all layers (``x A^T`` then ``B``); in a MoE
@@ -294,7 +325,8 @@ def forward_working_set_per_token(shape: Shape, seq_length: int) -> float:
 
 
 def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False, bytes_per_elem: int = 4,
-                    head_chunk: int = 4096, optimizer_temporaries: int = 0) -> float:
+                    head_chunk: int = 4096, optimizer_temporaries: int = 0, lora_rank: int = 0,
+                    lora_targets: tuple[str, ...] = LORA_TARGETS) -> float:
     """Rough peak of the step's own memory: the largest of its microbatches and its optimizer update.
 
     A training microbatch holds its activations and logits plus the head weight's gradient
@@ -303,16 +335,23 @@ def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False
     parameter: 0 for a fused Adam (TE, Apex, or torch's fused kernel, which ``build_optimizer``
     selects), 2 for torch's for-loop AdamW (``sqrt`` and ``div`` of ``exp_avg_sq``).
     Weights, gradient buffers and optimizer state are the baseline, not counted.
+
+    Under LoRA (``lora_rank > 0``) a training microbatch also keeps each adapter's rank-r
+    activation, but not the normalised inputs that only the frozen norm weights' gradients need,
+    and no head weight gradient (the head is frozen); the adapters' own parameters are too small
+    to be the optimizer's largest.
     """
     largest_param = shape.vocab * shape.hidden
-    peak = optimizer_temporaries * largest_param * 4.0
+    peak = optimizer_temporaries * largest_param * 4.0 if not lora_rank else 0.0
+    lora_per_token = (shape.adapter_activations_per_token(lora_rank, lora_targets)
+                      - shape.frozen_norm_savings_per_token()) if lora_rank else 0.0
     for p in passes:
         for mb in p.microbatches:
-            per_layer = activation_elements_per_token_layer(shape, mb.seq_length) * mb.padded_tokens
+            per_layer = (activation_elements_per_token_layer(shape, mb.seq_length) + lora_per_token) * mb.padded_tokens
             if p.kind == "train":
                 acts = (shape.layers * shape.hidden * mb.padded_tokens + per_layer) if recompute \
                     else shape.layers * per_layer
-                acts += largest_param
+                acts += 0 if lora_rank else largest_param
             else:
                 acts = forward_working_set_per_token(shape, mb.seq_length) * mb.padded_tokens
             if mb.selective:
@@ -323,6 +362,23 @@ def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False
                 head = mb.padded_tokens * shape.vocab * (4 + (bytes_per_elem if bytes_per_elem != 4 else 0))
             peak = max(peak, acts * bytes_per_elem + head)
     return peak
+
+
+def state_bytes(shape: Shape, *, lora_rank: int = 0, lora_targets: tuple[str, ...] = LORA_TARGETS,
+                param_bytes: int = 4, online_reference: bool = True) -> float:
+    """Persistent training memory of one unsharded replica (TP = PP = DP = 1, no distributed optimizer).
+
+    Megatron with Adam keeps, per trained parameter, the weight (``param_bytes``), an fp32
+    gradient buffer (4), an fp32 main copy when the weights are in half precision (4) and two
+    fp32 moments (8): 16 bytes in fp32, 18 in bf16; an online reference adds a second copy of the
+    weights. Under LoRA only the adapters train: the frozen base is stored once (``param_bytes``
+    each) and serves as the adapter-off reference, so there is no second copy.
+    """
+    per_trained = param_bytes + 4 + (4 if param_bytes < 4 else 0) + 8
+    weights = shape.param_count()
+    if lora_rank:
+        return weights * param_bytes + shape.adapter_param_count(lora_rank, lora_targets) * per_trained
+    return weights * per_trained + (weights * param_bytes if online_reference else 0)
 
 
 def head_share(shape: Shape, seq_length: int) -> float:

@@ -302,6 +302,12 @@ def test_lora_memory_is_compared_with_full_parameter_concat():
     # total = persistent state + the step's peak (median over the memory steps: 1000)
     assert modes["branch"]["total_mem_bytes"] == 1500 and ref["total_mem_bytes"] == 5000
     assert modes["branch"]["total_mem_ratio_vs_full_param"] == pytest.approx(0.3)
+    # with the allocator peaks (800 in both) instead of RSS, and from the memory model
+    assert modes["branch"]["total_alloc_mem_ratio_vs_full_param"] == pytest.approx(1300 / 4800)
+    model = modes["branch"]["model_total_mem_ratio_vs_full_param"]
+    assert model == pytest.approx((fm.state_bytes(shape, lora_rank=8) + modes["branch"]["model_peak_mem_bytes"])
+                                  / (fm.state_bytes(shape) + ref["model_peak_mem_bytes"]))
+    assert model < 1
     assert "vs full-param" in bench_dpo.lora_table(modes, ref)
 
 
@@ -448,3 +454,84 @@ def test_gpu_bench_commands_parse_and_the_moe_slice_fits_one_h200(tmp_path):
     layer = h * 32 * 128 * 2 + h * 4 * 128 * 2 + h * 128 + 128 * 3 * h * 768
     params = arch.num_layers * layer + 2 * 151936 * h  # untied embedding and output layer (before padding)
     assert 60e9 < 20 * params < 100e9
+
+
+def _trainer_state_bytes(lora_ranks: tuple[int, ...]) -> dict[int, tuple[int, dict]]:
+    """The persistent tensors bench_dpo counts after one optimizer step of the tiny preset: the
+    policy, its reference (a second model, or the adapter-off view under LoRA), gradient buffers
+    and Adam's state (created by the first step); per LoRA rank, with the model's shape."""
+    return {rank: _one_state(rank) for rank in lora_ranks}
+
+
+def _one_state(lora_rank: int) -> tuple[int, dict]:
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.lora import LoRAConfig, adapter_off
+    from megatron_prune.model.provider import ParallelConfig, padded_vocab_size
+    from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    arch = get_preset("tiny")
+    with model_parallel(par, seed=3):
+        if lora_rank:
+            policy = setup_model(arch, par, seed=3, lora=LoRAConfig(rank=lora_rank))
+            reference = adapter_off(policy)
+        else:
+            policy = setup_model(arch, par, seed=3)
+            reference = setup_model(arch, par, seed=3, trainable=False)
+        optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=1e-6), bf16=False)
+        optimizer.step()
+        return bench_dpo.state_bytes(policy, reference, optimizer), dict(
+            arch=arch.to_dict(), vocab=padded_vocab_size(arch.vocab_size))
+
+
+def test_state_model_equals_the_trainers_persistent_tensors():
+    """flop_model.state_bytes against the tensors a real trainer holds (tiny preset, one rank):
+    full-parameter with an online reference, and LoRA rank 8 with the adapter-off reference."""
+    from tests.dist import run_distributed
+
+    results = run_distributed(_trainer_state_bytes, 1, lora_ranks=(0, 8))[0]
+    for rank, (measured, spec) in results.items():
+        shape = fm.Shape.from_arch(spec["arch"], vocab=spec["vocab"])
+        assert fm.state_bytes(shape, lora_rank=rank) == measured, f"lora rank {rank}"
+    assert results[8][0] < results[0][0] / 2
+
+
+def test_state_model_by_hand_and_lora_memory_at_real_widths():
+    # HAND: 4*12 + 4*4 + 3*4*8 = 160 matmul weights, norms 2*4 per layer + 4 final, embedding and
+    # head 2*10*4: 252 weights. fp32 Adam: 16 bytes each, the online reference 4 more.
+    assert HAND.param_count() == 252
+    assert fm.state_bytes(HAND) == 252 * 20 and fm.state_bytes(HAND, online_reference=False) == 252 * 16
+    # bf16: weight 2, fp32 gradient 4, fp32 main copy 4, moments 8.
+    assert fm.state_bytes(HAND, param_bytes=2) == 252 * (18 + 2)
+    # LoRA rank 2: the base once (no reference copy), 112 adapter weights at 16 bytes.
+    assert fm.state_bytes(HAND, lora_rank=2) == 252 * 4 + 112 * 16
+    tied = fm.Shape(hidden=4, layers=1, heads=1, kv_heads=1, head_dim=4, ffn=8, vocab=10, tied_embeddings=True,
+                    qk_norm=True)
+    assert tied.param_count() == 252 - 40 + 2 * 4
+    # Qwen3-4B in bf16 (tied embeddings, q/k norms): full-parameter with an online reference needs
+    # about 20 bytes per weight (80 GB); LoRA-64 on every linear the bf16 base and 18 bytes per
+    # adapter weight: under a seventh of it before activations.
+    qwen = fm.Shape(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=9728, vocab=151936,
+                    qk_norm=True, tied_embeddings=True)
+    assert 4.0e9 < qwen.param_count() < 4.1e9
+    ratio = fm.state_bytes(qwen, lora_rank=64, param_bytes=2) / fm.state_bytes(qwen, param_bytes=2)
+    assert 0.12 < ratio < 0.14
+
+
+def test_lora_memory_model_keeps_adapter_activations_and_drops_frozen_gradients():
+    """A LoRA training microbatch keeps each adapter's rank-r activation, but neither the
+    normalised inputs kept only for the (frozen) norm weights' gradients nor the head weight's
+    gradient."""
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=2048, qk_norm=True)
+    mb = _mb([[SEQ, SEQ]], 2 * RESP)
+    train = [fm.Pass(kind="train", microbatches=[mb])]
+    full, lora = fm.step_peak_bytes(shape, train), fm.step_peak_bytes(shape, train, lora_rank=64)
+    per_token_layer = 4 * 64 - (2 * 256 + 256 + 128)
+    assert lora - full == pytest.approx((shape.layers * per_token_layer * mb.padded_tokens
+                                         - shape.vocab * shape.hidden) * 4)
+    only_attention = fm.step_peak_bytes(shape, train, lora_rank=64, lora_targets=("linear_qkv", "linear_proj"))
+    assert lora - only_attention == pytest.approx(shape.layers * 2 * 64 * mb.padded_tokens * 4)
+    # A forward-only pass keeps one layer's working set either way.
+    ref = [fm.Pass(kind="forward", microbatches=[mb], adapters=False)]
+    assert fm.step_peak_bytes(shape, ref, lora_rank=64) == fm.step_peak_bytes(shape, ref)
