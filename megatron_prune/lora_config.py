@@ -26,6 +26,10 @@ class LoRAConfig:
     """Dropout probability on the adapters' input (training passes only)."""
     targets: str = field(default=",".join(TARGETS), metadata={"flag": "--lora-targets"})
     """Comma-separated linears that get adapters: any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    base_load: str | None = field(default=None, metadata={"flag": "--base-load"})
+    """Resuming (--load) a LoRA checkpoint trained on a Megatron checkpoint that has since moved: the
+    base checkpoint's new place (a save root or one iter_* directory). It must hold the same weights
+    (the recorded fingerprint), and later checkpoints record the new place."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -90,12 +94,18 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
     Starting: the base is ``hf_model`` (fingerprinted), ``model_preset``, or ``load`` when it holds
     no adapters (a converted model or a full-parameter training checkpoint: its model weights only).
     Resuming (``load`` is a LoRA checkpoint): the base it records, or ``hf_model`` in place of an HF
-    base; it must be found and hold the same weights. Raises ValueError for a missing or mismatched
+    base, or ``lora.base_load`` in place of a Megatron base; it must be found and hold the same weights. Raises ValueError for a missing or mismatched
     base and for other adapters than the flags ask for.
     """
     from megatron_prune.model.lora_base import META_KEY, hf_base, megatron_base, preset_base, resolve_base
 
     lora_on = lora is not None and lora.enabled
+    base_load = lora.base_load if lora is not None else None
+    if base_load and not lora_on:
+        raise ValueError("--base-load names the base of a LoRA checkpoint; it needs --lora-rank > 0")
+    if base_load and not load:
+        raise ValueError("--base-load replaces the recorded base of a LoRA checkpoint given to --load; to start "
+                         "LoRA from a Megatron checkpoint, give that checkpoint to --load")
     if not load:
         if not lora_on:
             return None
@@ -113,6 +123,9 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
         raise ValueError(f"--load {load} holds LoRA adapters of rank {recorded['rank']} on "
                          f"{','.join(recorded['targets'])}, but the flags ask for rank {lora.rank} on {lora.targets}")
     if not recorded and lora_on:
+        if base_load:
+            raise ValueError(f"--base-load: --load {load} holds no LoRA adapters, so it is itself the base LoRA "
+                             "starts from; drop --base-load")
         if hf_model or model_preset:
             raise ValueError(f"--load {load} holds no LoRA adapters, so LoRA would start from it: give either "
                              f"--load (a Megatron base) or {'--hf-model' if hf_model else '--model-preset'}, not both")
@@ -120,4 +133,4 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
     if not lora_on:
         return None
     return resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=hf_model, flag="--hf-model",
-                        preset=model_preset).to_dict()
+                        preset=model_preset, megatron_override=base_load).to_dict()

@@ -7,8 +7,9 @@ the base weights. Its ``meta.json`` records the base under ``lora_base``::
     {"kind": "preset", "name": "tiny", "seed": 1234, "arch": {...}}
     {"kind": "megatron", "path": "/abs/ckpt/iter_0000000", "arch": {...}, "fingerprint": "sha256:..."}
 
-``--load`` rebuilds the base from that record (or, for an HF base, from ``--hf-model DIR``), then
-loads the adapters; export does the same (or takes ``--base-hf DIR``). A base that is missing, of
+``--load`` rebuilds the base from that record (or, for an HF base, from ``--hf-model DIR``; for a
+Megatron base, from ``--base-load DIR``), then loads the adapters; export does the same (or takes
+``--base-hf DIR`` / ``--base-load DIR``). A base that is missing, of
 another architecture, or with other weights (the fingerprint differs) is refused with one message.
 
 A ``megatron`` base is one of our checkpoints without adapters (a converted model or a
@@ -161,25 +162,34 @@ def _arch_line(arch: dict) -> str:
     return f"{arch.get('model_type')}, {arch.get('num_layers')} layers, hidden {arch.get('hidden_size')}"
 
 
+MEGATRON_FLAG = "--base-load"
+"""The flag (trainers and export) that gives a moved Megatron base its new place."""
+
+
 def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: str,
-                 preset: str | None = None) -> BaseSource:
+                 preset: str | None = None, megatron_override: str | None = None) -> BaseSource:
     """The base recorded by the LoRA checkpoint ``ckpt``, found and checked.
 
-    ``override`` (an HF directory given with ``flag``) replaces the recorded location; it must
-    hold the same weights. Raises ValueError with a sentence naming the recorded base and
-    ``flag`` when the base is missing, of another architecture, or holds other weights.
+    ``override`` (an HF directory given with ``flag``) replaces the recorded location of an HF base,
+    ``megatron_override`` (a checkpoint given with ``--base-load``) that of a Megatron base; either
+    must hold the same weights. Raises ValueError with a sentence naming the recorded base and the
+    flag when the base is missing, of another architecture, or holds other weights.
     """
     if not record:
         raise ValueError(f"{ckpt} holds LoRA adapters but records no base model ({META_KEY} in meta.json); "
                          "it was saved by an older version that kept the base weights in the checkpoint")
     recorded = BaseSource.from_dict(record)
+    if megatron_override and recorded.kind != "megatron":
+        raise ValueError(f"{MEGATRON_FLAG}: the LoRA adapters of {ckpt} were trained on {recorded.describe()}, not on "
+                         f"a Megatron checkpoint; drop {MEGATRON_FLAG}"
+                         + (f" (a moved HF base is given with {flag} DIR)" if recorded.kind == "hf" else ""))
     if preset is not None and (recorded.kind != "preset" or recorded.name != preset):
         raise ValueError(f"{ckpt}: its adapters were trained on {recorded.describe()}, not on the preset "
                          f"{preset!r}; drop --model-preset to use the recorded base")
     if override is None and recorded.kind == "preset":
         return recorded
     if recorded.kind == "megatron":
-        return _find_megatron(recorded, ckpt=ckpt, override=override, flag=flag)
+        return _find_megatron(recorded, ckpt=ckpt, override=override, flag=flag, moved_to=megatron_override)
     where = override or recorded.path
     if not os.path.isfile(os.path.join(where, "config.json")):
         if override:
@@ -199,22 +209,33 @@ def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: 
     return found
 
 
-def _find_megatron(recorded: BaseSource, *, ckpt: str, override: str | None, flag: str) -> BaseSource:
-    from megatron_prune.training.checkpoint import META, read_meta
+def _find_megatron(recorded: BaseSource, *, ckpt: str, override: str | None, flag: str,
+                   moved_to: str | None) -> BaseSource:
+    from megatron_prune.training.checkpoint import META, CheckpointError, read_meta
 
     if override:
         raise ValueError(f"{ckpt}: its LoRA adapters were trained on {recorded.describe()}; {flag} cannot replace "
-                         "a Megatron base: drop it")
-    if not os.path.isfile(os.path.join(recorded.path, META)):
-        raise ValueError(f"{ckpt}: the Megatron checkpoint its LoRA adapters were trained on, {recorded.path}, is "
-                         "missing (moved or deleted); put it back at that path (a symbolic link to its new place "
-                         "will do)")
-    found = megatron_base(read_meta(recorded.path))
+                         f"a Megatron base: drop it (a moved Megatron base is given with {MEGATRON_FLAG} DIR)")
+    if moved_to:
+        if not os.path.isdir(moved_to):
+            raise ValueError(f"{MEGATRON_FLAG} {moved_to}: directory does not exist")
+        try:
+            found = megatron_base(read_meta(moved_to))
+        except (CheckpointError, OSError) as exc:
+            raise ValueError(f"{MEGATRON_FLAG} {moved_to}: holds no complete Megatron checkpoint") from exc
+        where, fix = f"{MEGATRON_FLAG} {moved_to}", f"pass the original base with {MEGATRON_FLAG} DIR"
+    else:
+        if not os.path.isfile(os.path.join(recorded.path, META)):
+            raise ValueError(f"{ckpt}: the Megatron checkpoint its LoRA adapters were trained on, {recorded.path}, is "
+                             f"missing (moved or deleted); pass its new place with {MEGATRON_FLAG} DIR, or put it "
+                             "back at that path (a symbolic link to its new place will do)")
+        found = megatron_base(read_meta(recorded.path))
+        where, fix = f"the Megatron checkpoint at {recorded.path}", "put the original base back at that path"
     if found.arch != recorded.arch or found.fingerprint != recorded.fingerprint:
-        raise ValueError(f"{ckpt}: the Megatron checkpoint at {recorded.path} holds other weights "
+        raise ValueError(f"{ckpt}: {where} holds other weights "
                          f"({_arch_line(found.arch)}, fingerprint {found.fingerprint}) than the base its LoRA "
                          f"adapters were trained on ({_arch_line(recorded.arch)}, fingerprint "
-                         f"{recorded.fingerprint}); put the original base back at that path")
+                         f"{recorded.fingerprint}); {fix}")
     return found
 
 

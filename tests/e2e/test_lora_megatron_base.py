@@ -3,12 +3,13 @@
 DPO: an HF model converted by tools/convert_hf_to_megatron.py at TP=1 and loaded at TP=2 trains
 the same LoRA run, loss for loss, as ``--hf-model`` of the model it was converted from; its
 checkpoint records the converted base, a SIGKILLed run resumes bit for bit, the merged export
-reads the base from the Megatron checkpoint, and a moved base is refused with its path.
+reads the base from the Megatron checkpoint, a moved base is refused with its path, and given
+with ``--base-load`` it resumes the run bit for bit and is recorded at its new place.
 GRPO: a full-parameter training checkpoint as the base (its optimizer and trainer state left
 out, as the log says), killed and resumed bit for bit.
 
 Launches: one conversion, the --hf-model run, the run from the converted checkpoint (killed),
-its resume, one export; GRPO: the full-parameter run, the uninterrupted LoRA run, the killed
+its resume, one export, the resume with the moved base; GRPO: the full-parameter run, the uninterrupted LoRA run, the killed
 one, its resume.
 """
 
@@ -97,8 +98,21 @@ def test_lora_dpo_from_converted_checkpoint(tmp_path):
     lora = LoRAConfig(rank=8)
     assert check_load(str(ckpt), lora)["fingerprint"] == base["fingerprint"]
     shutil.move(str(converted), str(tmp_path / "moved"))
-    with pytest.raises(ValueError, match=re.escape(base["path"]) + ".*is missing"):
+    with pytest.raises(ValueError, match=re.escape(base["path"]) + ".*is missing.*--base-load DIR"):
         check_load(str(ckpt), lora)
+
+    # The moved base given with --base-load: the run resumes from the published checkpoint with the
+    # same losses, and its own checkpoints record the new place (later resumes need no flag).
+    again = tmp_path / "again"
+    run_dpo([*DPO, "--load", str(ckpt), "--base-load", str(tmp_path / "moved"), "--save", str(again / "ckpt"),
+             "--metrics-jsonl", str(again / "m.jsonl")], log=tmp_path / "moved.txt").check_ok()
+    got = last_per_step(read_jsonl(again / "m.jsonl"))
+    assert sorted(got) == list(range(published, STEPS))
+    for step, rec in got.items():
+        for key in ("loss", "grad_norm", "margin"):
+            assert rec[key] == want[step][key], f"step {step} {key}"
+    final = json.loads((again / "ckpt" / f"iter_{STEPS:07d}" / "meta.json").read_text())["lora_base"]
+    assert final == dict(base, path=str((tmp_path / "moved").resolve() / "iter_0000000"))
 
 
 GRPO_STEPS = 6

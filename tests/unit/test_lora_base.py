@@ -182,3 +182,50 @@ def test_reference_of_a_lora_run_started_from_a_training_checkpoint_is_that_chec
     with open(os.path.join(lora_ckpt, "meta.json"), "w") as f:
         json.dump(meta, f)
     assert reference_source(model, CheckpointConfig(load=str(tmp_path / "lora")), None, lora_base=base) is None
+
+
+def test_moved_megatron_base_is_found_with_base_load(tmp_path):
+    """A LoRA checkpoint whose Megatron base has moved resumes with --base-load NEW (same weights:
+    the new place is what later checkpoints record); other weights, a non-checkpoint, and
+    --base-load where it names nothing to replace are refused with the flag in the message."""
+    data = bytes(range(256)) * 16
+    base_ckpt = _megatron_checkpoint(tmp_path / "base", data=data)
+    record = check_load(str(tmp_path / "base"), LORA)
+    _lora_checkpoint(tmp_path / "lora", record)
+    shutil.move(str(tmp_path / "base"), str(tmp_path / "moved"))
+    with pytest.raises(ValueError, match=f"{base_ckpt}, is missing .*--base-load DIR"):
+        check_load(str(tmp_path / "lora"), LORA)
+    moved = LoRAConfig(rank=4, base_load=str(tmp_path / "moved"))
+    found = check_load(str(tmp_path / "lora"), moved)
+    assert found["path"] == os.path.join(str(tmp_path / "moved"), os.path.basename(base_ckpt))
+    assert {k: v for k, v in found.items() if k != "path"} == {k: v for k, v in record.items() if k != "path"}
+    # one iter_* directory works as well as the save root
+    assert check_load(str(tmp_path / "lora"), LoRAConfig(rank=4, base_load=found["path"])) == found
+    other = _megatron_checkpoint(tmp_path / "other", data=data[::-1])
+    with pytest.raises(ValueError, match="--base-load .*other.* holds other weights .*pass the original base with "
+                                         "--base-load DIR"):
+        check_load(str(tmp_path / "lora"), LoRAConfig(rank=4, base_load=other))
+    with pytest.raises(ValueError, match="--base-load .*nowhere: directory does not exist"):
+        check_load(str(tmp_path / "lora"), LoRAConfig(rank=4, base_load=str(tmp_path / "nowhere")))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ValueError, match="--base-load .*empty: holds no complete Megatron checkpoint"):
+        check_load(str(tmp_path / "lora"), LoRAConfig(rank=4, base_load=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match="--hf-model cannot replace a Megatron base.*--base-load DIR"):
+        check_load(str(tmp_path / "lora"), LORA, hf_model=str(tmp_path))
+    # Nothing to replace: starting LoRA, a full-parameter run, or a checkpoint without adapters.
+    with pytest.raises(ValueError, match="--base-load replaces the recorded base"):
+        check_load(None, moved)
+    with pytest.raises(ValueError, match="--base-load .* needs --lora-rank > 0"):
+        check_load(str(tmp_path / "lora"), LoRAConfig(rank=0, base_load=str(tmp_path / "moved")))
+    with pytest.raises(ValueError, match="holds no LoRA adapters, so it is itself the base .* drop --base-load"):
+        check_load(str(tmp_path / "moved"), moved)
+
+
+def test_base_load_refused_for_an_hf_or_preset_base(hf_dir, tmp_path):
+    _lora_checkpoint(tmp_path / "hf_lora", hf_base(hf_dir).to_dict())
+    with pytest.raises(ValueError, match="--base-load: the LoRA adapters .* not on a Megatron checkpoint; drop "
+                                         "--base-load \\(a moved HF base is given with --hf-model DIR\\)"):
+        check_load(str(tmp_path / "hf_lora"), LoRAConfig(rank=4, base_load=str(tmp_path)))
+    _lora_checkpoint(tmp_path / "preset_lora", preset_base("tiny", seed=0).to_dict())
+    with pytest.raises(ValueError, match="not on a Megatron checkpoint; drop --base-load$"):
+        check_load(str(tmp_path / "preset_lora"), LoRAConfig(rank=4, base_load=str(tmp_path)))
