@@ -13,7 +13,8 @@ Modes (DPPO rates from ``--prompt-rate`` / ``--completion-rate``):
 ================  ==================================================================  ========
 mode              what is pruned                                                      estimator
 ================  ==================================================================  ========
-grpo              nothing; one padded sequence per row                                unbiased
+grpo              nothing but the zero-advantage completions (exact without KL;       unbiased
+                  ``--no-skip-zero-advantage`` trains them too); one sequence per row
 dppo              prompts before rollout and completions after it, weights 1/(p q),   unbiased
                   dense packing
 dppo_completion   completions only (rate r_o), weights 1/q, dense packing             unbiased
@@ -112,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--completion-floor", type=float, default=None,
                    help="DPPO's completion keep-probability floor (the trainer's --dppo-completion-floor; "
                         "default: the trainer's)")
+    p.add_argument("--no-skip-zero-advantage", dest="skip_zero_advantage", action="store_false",
+                   help="train zero-advantage completions too (the trainer's --no-skip-zero-advantage; by default "
+                        "every mode leaves them out when --kl-beta is 0, which is exact)")
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = none)")
     p.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
@@ -236,7 +240,7 @@ def dppo_args(mode: str, args):
               "prompt_floor": args.prompt_floor, "completion_floor": args.completion_floor}
     extra = {k: v for k, v in chosen.items() if v is not None}
     return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo",
-                    shared_prompt=shared, **extra)
+                    shared_prompt=shared, skip_zero_advantage=args.skip_zero_advantage, **extra)
 
 
 # --------------------------------------------------------------------------------------- worker
@@ -319,6 +323,10 @@ def gradient_variance(objective, *, rule, step: int, draws: int) -> dict:
     def grad_of(chosen):
         for chunk in policy:
             chunk.zero_grad_buffer()
+            # After an optimizer step each param.grad aliases its main_grad; a backward into that
+            # alias would count the gradient twice (the training loop clears it with zero_grad()).
+            for p in chunk.parameters():
+                p.grad = None
         objective.runner.train(objective._mine(chosen), normaliser=normaliser)
         return _flat_grad(policy)
 
@@ -450,7 +458,7 @@ def run_worker(args) -> None:
     acc = get_accelerator()
     out = {"records": {m: [] for m in args.modes},
            "device_name": torch.cuda.get_device_name() if acc.kind == "cuda" else platform.processor(),
-           "dppo_config": repr(dppo_args("dppo", args).dppo_config())}
+           "dppo_config": repr(dppo_args("dppo", args).dppo_config(kl_beta=args.kl_beta))}
     run_mode("grpo", args, seed=seeds[0], budget_s=None, warmup=True)  # first-call costs, discarded
     for seed, mode in ((s, m) for s in seeds for m in args.modes):
         budget = None

@@ -146,19 +146,26 @@ class DPPOArgs:
     tokens); with --dense-packing a row holds several such groups. Rollout is unchanged."""
     pack_window: int = field(default=64, metadata=_flag("--pack-window"))
     """Sequences sorted together by the window-based first-fit-decreasing packer."""
+    skip_zero_advantage: bool = field(default=True, metadata=_flag("--skip-zero-advantage",
+                                                                   bool_off="--no-skip-zero-advantage"))
+    """Leave completions whose advantage is exactly 0 (every completion of a group with equal rewards) out of
+    the training passes when --kl-beta is 0: their loss and gradient are exactly 0, so this is exact (with or
+    without DPPO; DPPO's completion rate is then met by the other completions). Off with --kl-beta > 0."""
 
     def __post_init__(self) -> None:
         if self.pack_window < 1:
             raise ValueError(f"--pack-window must be >= 1, got {self.pack_window}")
         self.dppo_config()
 
-    def dppo_config(self) -> DPPOConfig:
+    def dppo_config(self, *, kl_beta: float = 0.0) -> DPPOConfig:
+        """The pruner's config; ``kl_beta`` decides whether zero-advantage completions may be skipped."""
         try:
             return DPPOConfig(
                 prompt_prune_rate=self.prompt_prune_rate, completion_prune_rate=self.completion_prune_rate,
                 prompt_floor=self.prompt_floor, completion_floor=self.completion_floor,
                 history_decay=self.history_decay, history_score=self.history_score,
                 sampling=self.sampling, prompt_sampling=self.prompt_sampling,
+                skip_zero_advantage=self.skip_zero_advantage and kl_beta == 0,
             )
         except ValueError as exc:
             raise ValueError(f"--dppo-*: {exc}") from None

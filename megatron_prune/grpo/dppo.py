@@ -76,6 +76,11 @@ class DPPOConfig:
     prompt_sampling: str = "independent"
     """Prompt keep draws: ``independent`` (one uniform per prompt) or ``systematic`` (one uniform
     per batch, prompts in order of keep probability then id: the kept count is ``sum p`` rounded)."""
+    skip_zero_advantage: bool = False
+    """Completions whose advantage is exactly 0 get keep probability 0, and the completion-level
+    rate is met by the others (all kept when the zeros alone reach it). Exact only when such a
+    completion's loss is identically 0, i.e. without a KL term: then dropping it changes neither
+    the expected gradient nor its variance. The GRPO trainer sets it when ``--kl-beta`` is 0."""
 
     def __post_init__(self) -> None:
         _check_rate("prompt_prune_rate", self.prompt_prune_rate)
@@ -439,9 +444,11 @@ def prune_completions(
     """
     if advantages.dim() != 2 or advantages.shape[0] != len(prompt_ids):
         raise ValueError(f"advantages must be [{len(prompt_ids)}, G], got {tuple(advantages.shape)}")
-    probs = solve_keep_probs(
-        advantages.detach().abs(), prune_rate=config.completion_prune_rate, floor=config.completion_floor
-    )
+    scores = advantages.detach().abs()
+    if config.skip_zero_advantage:
+        probs = _keep_probs_skipping_zeros(scores, config)
+    else:
+        probs = solve_keep_probs(scores, prune_rate=config.completion_prune_rate, floor=config.completion_floor)
     if config.sampling == "independent":
         item_ids = [(prompt_id, j) for prompt_id in prompt_ids for j in range(advantages.shape[1])]
         keep = sample_keep(probs, seed=seed, step=step, level=COMPLETION_LEVEL, item_ids=item_ids)
@@ -454,6 +461,18 @@ def prune_completions(
             uniform = keep_uniform(seed=seed, step=step, level=COMPLETION_LEVEL, item_id=prompt_id)
             keep[k] = systematic_keep(probs[k], order=order, uniform=uniform)
     return KeepDecision(probs=probs, keep=keep, target_rate=config.completion_prune_rate)
+
+
+def _keep_probs_skipping_zeros(scores: torch.Tensor, config: DPPOConfig) -> torch.Tensor:
+    """Probability 0 for zero scores; the others share the rest of the completion-level rate,
+    ``(r n - zeros) / (n - zeros)`` of them pruned (none when the zeros alone reach ``r``)."""
+    zero = scores == 0
+    probs = torch.zeros(scores.shape, dtype=torch.float64)
+    n, zeros = scores.numel(), int(zero.sum())
+    if zeros < n:
+        rate = max(0.0, (config.completion_prune_rate * n - zeros) / (n - zeros))
+        probs[~zero] = solve_keep_probs(scores[~zero], prune_rate=rate, floor=config.completion_floor)
+    return probs
 
 
 class DPPOPruner:

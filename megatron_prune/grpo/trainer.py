@@ -180,7 +180,7 @@ class GRPOObjective:
         self.sampling = sampling
         self.train_cfg = train_cfg
         self.sampler = EpochSampler(len(source), seed=train_cfg.seed)
-        self.pruner = DPPOPruner(config=dppo.dppo_config(), seed=train_cfg.seed)
+        self.pruner = DPPOPruner(config=dppo.dppo_config(kl_beta=grpo.kl_beta), seed=train_cfg.seed)
         self.buffer: RolloutBuffer | None = None
         self._steps_done = 0
 

@@ -66,14 +66,14 @@ def grpo_step(*, parallel: dict | None = None, dppo: dict | None = None, kl_beta
 
 def train_step_result(objective, policy) -> dict:
     """Step 0 of ``objective`` through the trainer: its metrics, the whole gradients and the
-    trained items (prompt, completion index, tokens, weight)."""
+    trained items (prompt, completion index, tokens, weight, advantage)."""
     from megatron_prune.model.global_state import gather_global_state
 
     for chunk in policy:
         chunk.zero_grad_buffer()
     metrics = objective.train_step(0)
     grads = gather_global_state(policy, source="main_grad")
-    items = [(it.prompt_id, it.index, tuple(it.completion), it.weight)
+    items = [(it.prompt_id, it.index, tuple(it.completion), it.weight, it.advantage)
              for mb in objective.buffer.minibatches for it in mb]
     return dict(metrics=metrics, grads=grads, items=items)
 
@@ -81,6 +81,7 @@ def train_step_result(objective, policy) -> dict:
 def _single_rank_all() -> dict:
     out = {name: grpo_step(**case) for name, case in CASES.items()}
     out["plain_no_pruner"] = grpo_step(no_pruner=True)
+    out["plain_every_completion"] = grpo_step(dppo=dict(skip_zero_advantage=False))
     out["dppo_unpacked_kl"] = grpo_step(dppo=dict(completion_prune_rate=0.5), kl_beta=0.1)
     return out
 
@@ -107,12 +108,25 @@ def assert_same(ref: dict, got: dict, label: str, *, metrics: tuple[str, ...] = 
 
 def test_dppo_off_is_plain_grpo():
     ref = single_rank()
-    plain, off = ref["plain_no_pruner"], ref["plain"]
+    plain, off = ref["plain_no_pruner"], ref["plain_every_completion"]
     assert off["items"] == plain["items"]
-    assert all(w == 1.0 for *_, w in off["items"]) and len(off["items"]) == 4 * 4
+    assert all(w == 1.0 for *_, w, _ in off["items"]) and len(off["items"]) == 4 * 4
     assert off["metrics"]["loss"] == plain["metrics"]["loss"]
     for key, grad in plain["grads"].items():
         assert torch.equal(off["grads"][key], grad), key
+
+
+def test_skipping_zero_advantages_is_exact():
+    """Without KL (the default skip): the step trains exactly the completions with a nonzero
+    advantage, and its loss and every gradient equal the step that trains all of them."""
+    ref = single_rank()
+    every, skipped = ref["plain_every_completion"], ref["plain"]
+    zeros = [item for item in every["items"] if item[-1] == 0.0]
+    assert zeros, "the step has no zero-advantage completion: the test would prove nothing"
+    assert skipped["items"] == [item for item in every["items"] if item[-1] != 0.0]
+    assert skipped["metrics"]["policy_tokens"] < every["metrics"]["policy_tokens"]
+    assert_metrics_and_grads(every, skipped, "skip vs every completion", ("loss", "policy_loss", "reward_mean"),
+                             rtol=1e-5, atol=1e-7)
 
 
 def test_packed_equals_unpacked():

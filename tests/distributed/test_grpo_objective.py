@@ -73,18 +73,20 @@ class Harness:
     """One ``GRPOObjective`` whose every ``train_step(0)`` starts from the same state."""
 
     def __init__(self, *, policy, reference, arch, source, prompt_rate: float, completion_rate: float,
-                 dense_packing: bool, sampling: str | None) -> None:
+                 dense_packing: bool, sampling: str | None, kl_beta: float = KL_BETA,
+                 skip_zero_advantage: bool = True) -> None:
         from megatron_prune.config import TrainConfig
         from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
         from megatron_prune.grpo.trainer import build_objective
 
         dppo = dict(prompt_prune_rate=prompt_rate, completion_prune_rate=completion_rate,
-                    prompt_floor=PROMPT_FLOOR, completion_floor=COMPLETION_FLOOR, dense_packing=dense_packing)
+                    prompt_floor=PROMPT_FLOOR, completion_floor=COMPLETION_FLOOR, dense_packing=dense_packing,
+                    skip_zero_advantage=skip_zero_advantage)
         if sampling is not None:  # the same rule at both levels
             dppo.update(sampling=sampling, prompt_sampling=sampling)
         configs = {
             "TrainConfig": TrainConfig(global_batch_size=NUM_PROMPTS, micro_batch_size=2, seq_length=16, seed=SEED),
-            "GRPOConfig": GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, kl_beta=KL_BETA, ppo_epochs=2,
+            "GRPOConfig": GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, kl_beta=kl_beta, ppo_epochs=2,
                                      clip_eps_low=0.1, clip_eps_high=0.1, toy_num_prompts=NUM_PROMPTS),
             "DPPOArgs": DPPOArgs(**dppo),
         }
@@ -264,7 +266,8 @@ def enumerate_expected_gradient(harness: Harness, draws: Draws) -> dict:
 # ---------------------------------------------------------------------------------------
 
 
-def reference_grpo(*, policy, reference, arch, source, prompt_ids: list[int], rollout) -> tuple[float, torch.Tensor]:
+def reference_grpo(*, policy, reference, arch, source, prompt_ids: list[int], rollout,
+                   kl_beta: float = KL_BETA) -> tuple[float, torch.Tensor]:
     """Loss and flat gradient of one GRPO step in plain PyTorch on the same model (no project code
     but the model): full logits, log_softmax, gather; advantages on the full group; clipped
     surrogate + beta * k3; token sum / (prompts x G x max_new_tokens)."""
@@ -296,7 +299,7 @@ def reference_grpo(*, policy, reference, arch, source, prompt_ids: list[int], ro
             ratio = torch.exp(logp - old)
             surrogate = -torch.minimum(ratio * advantage, ratio.clamp(0.9, 1.1) * advantage)
             k3 = torch.exp(ref - logp) - (ref - logp) - 1
-            loss = (surrogate + KL_BETA * k3).sum() / normaliser
+            loss = (surrogate + kl_beta * k3).sum() / normaliser
             loss.backward()  # Megatron's DDP hooks accumulate into main_grad
             total = total + loss.detach()
     grads = gather_global_state(policy, source="main_grad")
@@ -308,7 +311,7 @@ def reference_grpo(*, policy, reference, arch, source, prompt_ids: list[int], ro
 # ---------------------------------------------------------------------------------------
 
 
-def _objective_checks(*, sampling_modes: tuple, reference_step: bool) -> dict:
+def _objective_checks(*, sampling_modes: tuple, reference_step: bool, kl_beta: float = KL_BETA) -> dict:
     import megatron_prune.grpo.dppo as dppo
     import megatron_prune.grpo.trainer as trainer
     from megatron_prune.grpo.rollout import Completion
@@ -335,10 +338,16 @@ def _objective_checks(*, sampling_modes: tuple, reference_step: bool) -> dict:
         draws = Draws()
         trainer.generate, dppo.keep_uniform = generate, draws
         try:
-            build = functools.partial(Harness, policy=policy, reference=reference, arch=arch, source=source)
+            build = functools.partial(Harness, policy=policy, reference=reference, arch=arch, source=source,
+                                      kl_beta=kl_beta)
             full = build(prompt_rate=0.0, completion_rate=0.0, dense_packing=False, sampling=None)
             metrics, grad = full.step()
             out["full"] = dict(metrics=metrics, grad=grad, prompt_ids=full.objective.sampler.epoch_order(0))
+            if kl_beta == 0:  # the same unpruned step training every completion, zero advantages too
+                every = build(prompt_rate=0.0, completion_rate=0.0, dense_packing=False, sampling=None,
+                              skip_zero_advantage=False)
+                metrics, grad = every.step()
+                out["every_completion"] = dict(metrics=metrics, grad=grad)
             for mode in sampling_modes:
                 pruned = build(prompt_rate=PROMPT_RATE, completion_rate=COMPLETION_RATE, dense_packing=True,
                                sampling=mode)
@@ -347,7 +356,8 @@ def _objective_checks(*, sampling_modes: tuple, reference_step: bool) -> dict:
             trainer.generate, dppo.keep_uniform = original_generate, original_uniform
         if reference_step:
             loss, grad = reference_grpo(policy=policy, reference=reference, arch=arch, source=source,
-                                        prompt_ids=out["full"]["prompt_ids"][:NUM_PROMPTS], rollout=rollout)
+                                        prompt_ids=out["full"]["prompt_ids"][:NUM_PROMPTS], rollout=rollout,
+                                        kl_beta=kl_beta)
             out["reference"] = dict(loss=loss, grad=grad)
     return out
 
@@ -360,6 +370,29 @@ def results(mode: str | None) -> dict:
     """One launch per enumeration (and one for the reference check), so that a node id runs only its own."""
     modes = () if mode is None else (mode,)
     return run_distributed(_objective_checks, 1, sampling_modes=modes, reference_step=mode is None)[0]
+
+
+def test_zero_advantage_completions_are_skipped_exactly_without_kl():
+    """--kl-beta 0: the unpruned step leaves the zero-variance group out of the training pass and
+    still equals the plain-PyTorch GRPO reference and the step that trains every completion; DPPO
+    (systematic draws at both levels) never keeps a zero-advantage completion and its gradient,
+    enumerated over every keep pattern, is the unpruned gradient."""
+    got = run_distributed(_objective_checks, 1, sampling_modes=("systematic",), reference_step=True, kl_beta=0.0)[0]
+    full, every, ref = got["full"], got["every_completion"], got["reference"]
+    assert full["metrics"]["train_tokens"] < every["metrics"]["train_tokens"], "nothing was skipped"
+    assert full["metrics"]["kept_completion_fraction"] == pytest.approx(2 / 3)  # prompt 1's two completions
+    assert full["metrics"]["clip_fraction"] > 0.0
+    torch.testing.assert_close(full["metrics"]["loss"], every["metrics"]["loss"], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(full["metrics"]["loss"], ref["loss"], rtol=1e-5, atol=1e-7)
+    _assert_grad_close(full["grad"], every["grad"], "skipping vs training every completion", rtol=1e-6)
+    _assert_grad_close(full["grad"], ref["grad"], "trainer vs reference (no KL)", rtol=1e-4)
+    result = got["systematic"]
+    assert abs(result["total"] - 1.0) < 1e-9 and result["runs"] >= 4
+    zero_variance = [key for key in result["completion_marginal"] if key[0] == 1]
+    assert zero_variance and all(result["completion_freq"][key] == 0.0 for key in zero_variance)
+    for key, frequency in result["completion_freq"].items():
+        assert abs(frequency - result["completion_marginal"][key]) < 1e-9, (key, frequency)
+    _assert_grad_close(result["expected"], every["grad"], "E[DPPO] vs GRPO (no KL)", rtol=1e-4)
 
 
 def _assert_grad_close(got: torch.Tensor, expected: torch.Tensor, label: str, *, rtol: float) -> None:

@@ -371,3 +371,52 @@ def test_dppo_gradient_is_unbiased_with_systematic_draws(prompt_sampling, monkey
             total += probability
     assert abs(total - 1.0) < 1e-12
     torch.testing.assert_close(expected, full_gradient(ROLLOUTS, normaliser=FULL_TOKENS), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("sampling", ["independent", "systematic"])
+def test_skipping_zero_advantages_keeps_the_estimate_unbiased(sampling, monkeypatch):
+    """skip_zero_advantage: completions with advantage exactly 0 get probability 0 (never kept), the
+    others meet the rest of the rate, and sum_ij keep/q * A_ij * x_ij still has expectation
+    sum_ij A_ij * x_ij (the skipped terms are exactly 0), by exact enumeration of the draws."""
+    import megatron_prune.grpo.dppo as dppo
+
+    rewards = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 1.0, 0.5], [0.0, 1.0, 0.0, 0.0]])
+    advantages = group_advantages(rewards, config=AdvantageConfig())
+    zero = advantages == 0
+    assert int(zero.sum()) == 6  # the equal-reward group, and group 1's two completions at its mean
+    x = torch.linspace(-1.0, 2.0, advantages.numel(), dtype=torch.float64).reshape(advantages.shape)
+    ids = [0, 1, 2]
+    table: dict = {}
+    monkeypatch.setattr(dppo, "keep_uniform", lambda *, seed, step, level, item_id: table.get(item_id, 0.0))
+    for rate in (0.6, 0.3, 0.0):
+        config = DPPOConfig(completion_prune_rate=rate, completion_floor=0.15, sampling=sampling,
+                            skip_zero_advantage=True)
+        probs = prune_completions(advantages=advantages, prompt_ids=ids, config=config, seed=0, step=0).probs
+        assert torch.equal(probs == 0, zero)
+        if rate * advantages.numel() >= int(zero.sum()):
+            assert 1.0 - probs.mean().item() == pytest.approx(rate, abs=1e-12)
+        else:  # the zeros alone prune more than asked: every other completion is kept
+            assert torch.equal(probs[~zero], torch.ones_like(probs[~zero]))
+        if sampling == "systematic":
+            draws = [({i: u for i, (u, _) in zip(ids, combo)}, math.prod(length for _, length in combo))
+                     for combo in itertools.product(*[_pieces(probs[k].tolist()) for k in range(len(ids))])]
+        else:
+            keys = [(i, j) for i in ids for j in range(advantages.shape[1])]
+            draws = [({key: u for key, u in zip(keys, us)}, math.prod(ls))
+                     for combo in itertools.product(*[[(0.0, float(p)), ((1 + float(p)) / 2, 1 - float(p))]
+                                                      for p in probs.flatten()])
+                     for us, ls in [zip(*combo)]]
+        expected, frequency, total = 0.0, torch.zeros_like(probs), 0.0
+        for uniforms, probability in draws:
+            if probability <= 0:
+                continue
+            table.clear()
+            table.update(uniforms)
+            decision = prune_completions(advantages=advantages, prompt_ids=ids, config=config, seed=0, step=0)
+            assert not decision.keep[zero].any()
+            expected += probability * float((decision.weights * advantages.double() * x).sum())
+            frequency += probability * decision.keep.double()
+            total += probability
+        assert total == pytest.approx(1.0, abs=1e-12)
+        torch.testing.assert_close(frequency, probs, rtol=0, atol=1e-12)
+        assert expected == pytest.approx(float((advantages.double() * x).sum()), abs=1e-12)
