@@ -11,6 +11,8 @@ PLAIN = f"{OBJECTIVE}::test_unpruned_trainer_step_is_plain_grpo"
 RESUME = "tests/e2e/test_grpo_resume.py"
 ROLLOUT_STATE = f"{OBJECTIVE}::test_state_inside_a_rollout_restores_it_on_every_rank"
 DPPO_UNIT = "tests/unit/grpo/test_dppo.py"
+SKIP_ZERO = f"{OBJECTIVE}::test_zero_advantage_completions_are_skipped_exactly_without_kl"
+SKIP_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_skipping_zero_advantages_keeps_the_estimate_unbiased"
 
 MUTANTS: list[dict] = [
     {
@@ -123,5 +125,37 @@ MUTANTS: list[dict] = [
         "old": "        if dist.is_initialized() and dist.get_world_size() > 1:\n            parts: list",
         "new": "        if False:\n            parts: list",
         "tests": [ROLLOUT_STATE],
+    },
+    {
+        "name": "grpo-skips-zero-advantage-under-kl",
+        "why": "zero-advantage completions are skipped with the KL term on, which drops their KL gradient",
+        "file": "megatron_prune/grpo/config.py",
+        "old": "skip_zero_advantage=self.skip_zero_advantage and kl_beta == 0,",
+        "new": "skip_zero_advantage=self.skip_zero_advantage,",
+        "tests": [PLAIN],
+    },
+    {
+        "name": "dppo-skips-small-advantages",
+        "why": "the skip takes small nonzero advantages for zero: those completions are never trained (biased)",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "    zero = scores == 0\n",
+        "new": "    zero = scores < 0.6\n",
+        "tests": [SKIP_UNIT],
+    },
+    {
+        "name": "dppo-skip-rate-not-rebalanced",
+        "why": "with zero advantages skipped, the other completions are still pruned at the full rate r_o",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "rate = max(0.0, (config.completion_prune_rate * n - zeros) / (n - zeros))",
+        "new": "rate = config.completion_prune_rate",
+        "tests": [SKIP_UNIT],
+    },
+    {
+        "name": "grpo-skip-drops-nonzero-group-members",
+        "why": "the trainer drops every completion of a group that has a zero advantage, not only the zeros",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "    probs = torch.zeros(scores.shape, dtype=torch.float64)\n    n, zeros",
+        "new": "    zero = zero | zero.any(dim=-1, keepdim=True)\n    probs = torch.zeros(scores.shape, dtype=torch.float64)\n    n, zeros",
+        "tests": [SKIP_UNIT, SKIP_ZERO],
     },
 ]
