@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_size(args.max_shard_size)
         from megatron_prune.model.lora_base import META_KEY, resolve_base
-        from megatron_prune.model.lora_export import checkpoint_lora, export_merged, export_peft
+        from megatron_prune.model.lora_export import check_peft_export, checkpoint_lora, export_merged, export_peft
         from megatron_prune.training.checkpoint import read_meta
 
         meta = read_meta(args.load)
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.hf_out and not args.merge_lora:
                 raise ValueError(f"{args.load} holds LoRA adapters (rank {lora['rank']}): pass --merge-lora to write "
                                  "merged HF weights, or --peft-out DIR for the adapters alone")
+            if args.peft_out:
+                check_peft_export(meta)
             # The frozen base is not in a LoRA checkpoint: find it (and check it) before any rank works.
             base = resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=args.base_hf, flag="--base-hf")
         elif args.base_hf:

@@ -22,6 +22,16 @@ Under sequence parallelism the replicated adapter weight whose gradient is a par
 sequence shards (``A`` of a column base, ``B`` of a row base) carries Megatron's
 ``sequence_parallel`` mark, so ``finalize_model_grads`` all-reduces it over TP like a norm weight.
 
+Experts of a MoE layer (Megatron's local ``SequentialMLP``: each expert's ``linear_fc1`` /
+``linear_fc2`` gets its own adapter; the router none) run with ``explicit_expert_comm``: the token
+dispatcher moves tokens over the expert TP group, so the adapter path adds no communication. A
+column expert forms ``x A^T`` on the tokens the dispatcher gathered; a row expert's ``B`` products
+stay partial over expert TP like the base's output and are summed when the dispatcher combines.
+Either way the replicated weight's gradient is partial over expert TP and carries the same mark.
+Adapters carry their base weight's ``allreduce`` attribute, so at EP > 1 expert adapters sit in
+DDP's expert buffers (reduced over the expert-data-parallel group) and in the expert optimizer;
+their checkpoint keys carry the global expert index, like the expert weights'.
+
 ``B`` starts at zero, so a fresh adapter is exactly the base model. Adapters are initialised
 layout-independently: each whole tensor comes from a generator keyed by (seed, checkpoint key,
 layer) and every rank copies its own slice, as :mod:`megatron_prune.model.init` does for the
@@ -40,6 +50,7 @@ import math
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import (
@@ -90,7 +101,9 @@ class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
         if not self.lora_enabled:
             return output, bias
         low = F.linear(self._adapter_input(input_), self.lora_A)  # [s(/tp), b, r], partial in no rank
-        if self.sequence_parallel:
+        if self.explicit_expert_comm:
+            pass  # an expert: its tokens are already gathered over the expert TP group, like the base's input
+        elif self.sequence_parallel:
             low = gather_from_sequence_parallel_region(low, tensor_parallel_output_grad=True, group=self.tp_group)
         else:
             low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
@@ -128,6 +141,10 @@ class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
         if not self.lora_enabled:
             return output, bias
         partial = F.linear(self._adapter_input(input_), self.lora_A)  # [s, b, r], partial over TP
+        if self.explicit_expert_comm:
+            # An expert: like the base's output, B's partial products are summed when the token
+            # dispatcher combines the expert TP ranks' outputs.
+            return output + (F.linear(partial, self.lora_B) * self.lora_scale).to(output.dtype), bias
         if self.sequence_parallel:
             low = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
         else:
@@ -176,8 +193,7 @@ def _convert(module: torch.nn.Module, *, name: str, config: LoRAConfig) -> None:
                             scale=config.scale, dropout=config.dropout)
         module.lora_swiglu = name.rsplit(".", 1)[-1] == "linear_fc1" and module.config.gated_linear_unit
         set_tensor_model_parallel_attributes(module.lora_B, is_parallel=True, dim=0, stride=1)
-        if module.sequence_parallel:
-            module.lora_A.sequence_parallel = True
+        _mark_replicated_partial_grad(module, module.lora_A, name=name)
     elif type(module) is RowParallelLinear:
         if not module.input_is_parallel:
             raise ValueError(f"LoRA on {name}: a row-parallel linear whose input is not split is not supported")
@@ -185,13 +201,41 @@ def _convert(module: torch.nn.Module, *, name: str, config: LoRAConfig) -> None:
         module._add_adapter(rank=config.rank, in_local=module.input_size_per_partition, out_local=module.output_size,
                             scale=config.scale, dropout=config.dropout)
         set_tensor_model_parallel_attributes(module.lora_A, is_parallel=True, dim=1, stride=1)
-        if module.sequence_parallel:
-            module.lora_B.sequence_parallel = True
+        _mark_replicated_partial_grad(module, module.lora_B, name=name)
     else:
         raise ValueError(
             f"LoRA on {name}: {type(module).__name__} is not Megatron's local ColumnParallelLinear/"
             "RowParallelLinear; LoRA models are built with the local layer spec"
         )
+    # Expert weights at EP > 1 are reduced over the expert-data-parallel group (Megatron's DDP
+    # keeps params with allreduce=False in its expert buffers); the adapters follow their base.
+    for p in (module.lora_A, module.lora_B):
+        p.allreduce = getattr(module.weight, "allreduce", True)
+
+
+def _mark_replicated_partial_grad(module, param: torch.nn.Parameter, *, name: str) -> None:
+    """Mark the TP-replicated adapter weight whose gradient is a partial sum over TP ranks, so
+    ``finalize_model_grads`` sums it over TP (Megatron's ``sequence_parallel`` mark).
+
+    Dense linears: only under sequence parallelism (each rank saw its sequence shard). Experts
+    (``explicit_expert_comm``): whenever the expert TP group has several ranks, as each holds only
+    its share of the products that meet this weight. Megatron then requires sequence parallelism,
+    and the expert TP group must be the dense TP group the finalize step reduces over.
+    """
+    if not module.explicit_expert_comm:
+        if module.sequence_parallel:
+            param.sequence_parallel = True
+        return
+    if module.tp_group.size() <= 1:
+        return
+    from megatron.core import parallel_state
+
+    dense = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_process_group_ranks(module.tp_group) != dist.get_process_group_ranks(dense):
+        raise ValueError(f"LoRA on {name}: the expert tensor-parallel group differs from the tensor-parallel "
+                         "group; LoRA on experts needs expert TP = TP")
+    assert module.config.sequence_parallel, "a MoE model at TP > 1 runs with sequence parallelism"
+    param.sequence_parallel = True
 
 
 def _seed_for(seed: int, key: str, prefix: tuple[int, ...]) -> int:
@@ -227,6 +271,12 @@ def _first_stage_input_requires_grad(module, args, output):
     return output
 
 
+def _grouped_experts() -> tuple[type, ...]:
+    from megatron.core.transformer.moe.experts import GroupedMLP, TEGroupedMLP
+
+    return (GroupedMLP, TEGroupedMLP)
+
+
 def apply_lora(chunks: list[torch.nn.Module], config: LoRAConfig, *, seed: int) -> int:
     """Add adapters to the targeted linears of unwrapped ``chunks``, freeze everything else and
     initialise the adapters. Must run before Megatron's DDP wraps the chunks. Returns the number
@@ -239,6 +289,9 @@ def apply_lora(chunks: list[torch.nn.Module], config: LoRAConfig, *, seed: int) 
         assert not hasattr(chunk, "module"), "apply_lora runs on unwrapped chunks, before DDP"
         chunk.requires_grad_(False)
         for name, module in list(chunk.named_modules()):
+            if isinstance(module, _grouped_experts()):
+                raise ValueError(f"LoRA on {name}: grouped-GEMM experts ({type(module).__name__}) are not supported; "
+                                 "LoRA models are built with the local layer spec (sequential experts)")
             if name.rsplit(".", 1)[-1] in targets:
                 _convert(module, name=name, config=config)
                 count += 1

@@ -6,10 +6,12 @@ read one layer at a time) and records its frozen base (:mod:`megatron_prune.mode
 which is read from there (an HF directory, or a preset regenerated from its seed).
 
 - merged: ``W + (alpha / r) B A`` for every adapted linear, then the usual Megatron -> HF mapping
-  (so the fused QKV and gate/up weights are split after merging);
+  (so the fused QKV and gate/up weights are split after merging); on a mixture-of-experts model
+  every expert's ``B A`` is merged into that expert's weights;
 - PEFT: per HF module adapters with PEFT's key names. A fused base (QKV, gate+up) shares one
   input, so every module split from it gets the same ``A``; ``B``'s rows are split exactly like
-  the base weight's rows (the interleaved per-group QKV order, the [gate; up] halves).
+  the base weight's rows (the interleaved per-group QKV order, the [gate; up] halves). Not for
+  mixture-of-experts models (refused: merge them instead).
 """
 
 from __future__ import annotations
@@ -44,6 +46,20 @@ def checkpoint_lora(meta: dict) -> dict | None:
     return meta.get("lora")
 
 
+def check_peft_export(meta: dict) -> None:
+    """Raise ValueError where the checkpoint's adapters have no PEFT export (a mixture-of-experts model)."""
+    if ModelArch.from_dict(meta["arch"]).is_moe:
+        raise ValueError(f"--peft-out: {meta['path']} is a LoRA checkpoint of a mixture-of-experts model, whose "
+                         "adapters have no PEFT export; write merged HF weights with --hf-out DIR --merge-lora")
+
+
+def _adapted_weight_keys(arch: ModelArch, targets: list[str]) -> list[str]:
+    """The checkpoint weight keys the LoRA ``targets`` adapt (per layer and stacked over the experts
+    on a mixture-of-experts model)."""
+    keys = [r.megatron_key for r in tensor_rules(arch) if r.megatron_key.endswith(".weight")]
+    return [k for k in keys if k.removesuffix(".weight").rsplit(".", 1)[-1] in targets]
+
+
 def _open(load_dir: str, base=None):
     """Metadata, adapter tensors and the checked base (``base``: a BaseSource found by the caller,
     else the recorded one) of the newest LoRA checkpoint under ``load_dir``."""
@@ -63,15 +79,40 @@ def _open(load_dir: str, base=None):
     dist_dir = os.path.join(ckpt, "dist")
     metadata = dist_checkpointing.load_tensors_metadata(dist_dir)
     adapters = {k: v for k, v in metadata.items() if k.endswith(ADAPTER_SUFFIXES)}
-    for target in lora["targets"]:
-        for key in adapter_keys(ADAPTED[target]):
+    for weight_key in _adapted_weight_keys(ModelArch.from_dict(meta["arch"]), lora["targets"]):
+        for key in adapter_keys(weight_key):
             if key not in adapters:
-                raise ValueError(f"{ckpt}: adapter tensor {key} of target {target} is missing from the checkpoint")
+                raise ValueError(f"{ckpt}: adapter tensor {key} is missing from the checkpoint")
     return meta, ckpt, dist_dir, base, adapters, lora
 
 
+def _per_key_reader(ckpt: str, *, arch: ModelArch):
+    """``read(megatron_key, None)``: one whole tensor of a Megatron checkpoint at a time (a MoE
+    model keys its layers one by one, so a tensor is at most one layer's). Collective."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_prune.model.hf_convert import _load_layer
+
+    dist_dir = os.path.join(ckpt, "dist")
+    metadata = dist_checkpointing.load_tensors_metadata(dist_dir)
+
+    def read(key: str, layer: int | None) -> torch.Tensor:
+        assert layer is None, "a MoE checkpoint has no layer-stacked keys"
+        return _load_layer(dist_dir, metadata=metadata, keys=[key], layer=None, num_layers=arch.num_layers)[key]
+
+    return read
+
+
+def _read_experts(read_base, key: str, *, arch: ModelArch, whole: bool) -> torch.Tensor:
+    """A MoE layer's expert-stacked base tensor [E, ...]: read ``whole`` (a Megatron checkpoint keeps
+    it so), else expert by expert (an HF base, a preset)."""
+    if whole:
+        return read_base(key, None)
+    return torch.stack([read_base(key, expert) for expert in range(arch.num_experts)])
+
+
 def _iter_merged(dist_dir: str, *, adapters: dict, arch: ModelArch, scale: float, read_base,
-                 out_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+                 out_dtype: torch.dtype, whole_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron_prune.model.hf_convert import _load_layer
 
     rules = tensor_rules(arch)
@@ -84,12 +125,20 @@ def _iter_merged(dist_dir: str, *, adapters: dict, arch: ModelArch, scale: float
         tensors = (_load_layer(dist_dir, metadata=adapters, keys=keys, layer=layer, num_layers=arch.num_layers)
                    if keys else {})
         for rule in step_rules:
-            weight = read_base(rule.megatron_key, layer)
+            experts = rule.stack == "expert"
+            weight = (_read_experts(read_base, rule.megatron_key, arch=arch, whole=whole_experts) if experts
+                      else read_base(rule.megatron_key, layer))
             a_key, b_key = adapter_keys(rule.megatron_key)
             if a_key in tensors:
+                # Expert-stacked adapters ([E, out, r] @ [E, r, in]) merge expert by expert.
                 delta = tensors.pop(b_key).double() @ tensors.pop(a_key).double()
                 weight = weight.double() + scale * delta
-            yield from hf_tensors(rule, layer=layer, tensor=weight.to(out_dtype)).items()
+            weight = weight.to(out_dtype)
+            if experts:
+                for expert in range(arch.num_experts):
+                    yield from hf_tensors(rule, layer=expert, tensor=weight[expert]).items()
+            else:
+                yield from hf_tensors(rule, layer=layer, tensor=weight).items()
 
 
 def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
@@ -112,8 +161,10 @@ def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_
     elif hf_assets is None and find_hf_assets(ckpt) is None and base.kind == "megatron":
         hf_assets = find_hf_assets(base.path)  # kept next to a converted base
     scale = lora["alpha"] / lora["rank"]
+    megatron_moe = base.kind == "megatron" and arch.is_moe
+    read_base = _per_key_reader(base.path, arch=arch) if megatron_moe else base_tensor_reader(base, arch=arch)
     merged = _iter_merged(dist_dir, adapters=adapters, arch=arch, scale=scale, out_dtype=out_dtype,
-                          read_base=base_tensor_reader(base, arch=arch))
+                          read_base=read_base, whole_experts=megatron_moe)
     return write_hf_directory(hf_out=hf_out, ckpt=ckpt, arch=arch, out_dtype=out_dtype, hf_assets=hf_assets,
                               max_shard_size=max_shard_size, what=" with merged LoRA adapters", tensors=merged)
 
@@ -160,6 +211,7 @@ def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base=None)
     if os.path.exists(peft_out) and (not os.path.isdir(peft_out) or os.listdir(peft_out)):
         raise ValueError(f"--peft-out {peft_out} exists and is not an empty directory")
     meta, ckpt, dist_dir, base, adapters, lora = _open(load_dir, base)
+    check_peft_export(meta)
     arch = ModelArch.from_dict(meta["arch"])
     tensors = peft_tensors(dist_dir=dist_dir, metadata=adapters, arch=arch, targets=lora["targets"])
     out_dtype = None if dtype == "auto" else resolve_dtype(dtype, config={})

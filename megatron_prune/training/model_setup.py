@@ -123,9 +123,6 @@ def setup_model(
     else is frozen before DDP wraps the chunks.
     """
     if lora is not None and lora.enabled:
-        if arch.is_moe:
-            raise ValueError("LoRA on mixture-of-experts models is not supported yet; train all parameters "
-                             "(--lora-rank 0)")
         import dataclasses
 
         from megatron_prune.model.lora import apply_lora
