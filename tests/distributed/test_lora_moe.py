@@ -4,18 +4,23 @@ Adapters sit on the attention linears and on every expert's ``linear_fc1`` / ``l
 (one adapter per expert; the router stays frozen). Checked against the single rank: a fresh
 adapter is exactly the base MoE model, and one DPO step (adapter-off reference, Adam) at EP=2
 gives the same loss, adapter gradients (gathered to their global keys, global expert index
-included) and adapters after the step, with the base weights untouched. The router losses are
-off (coefficients 0): they are a function of the frozen router alone and add nothing an adapter
-can learn from. A checkpoint saved at EP=2 loads at EP=1 with the same adapters.
+included) and adapters after the step, with the base weights untouched. The router losses are off
+in most steps: they count every token of a microbatch, padding included, so they depend on how
+rows are grouped and padded; one step with them on runs one pair per microbatch padded to one
+common length (as tests/distributed/test_moe.py does), where their gradient reaches the adapters
+through the router's input. A checkpoint saved at EP=2 loads at EP=1 with the same adapters.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from tests.dist import run_distributed
 from tests.distributed.dpo_harness import SEED
+from tests.distributed.test_moe import AUX, COMMON_LENGTH, Z
 from tests.distributed.test_lora import (
     LORA,
     _assert_only_adapters_train,
@@ -38,6 +43,7 @@ LAYOUTS_4 = {
     "ep2xtp2-sp": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     # The distributed optimizer shards the dense adapters over DP=4 and the expert adapters over EDP=2.
     "ep2xdp2-distopt": dict(expert_model_parallel_size=2, distopt=True),
+    "ep2xpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
 }
 EXPERT_KEY = "decoder.layers.{layer}.mlp.experts.experts.{linear}.{adapter}"
 MOE_LAYERS = (1, 2, 3)  # tiny-moe: layer 0 keeps a dense MLP
@@ -94,8 +100,10 @@ def _frozen_report(policy, optimizer, named, base: dict) -> dict:
     }
 
 
-def lora_moe_step(*, parallel: dict | None = None, corrupt=None, save_to: str | None = None) -> dict:
-    """One DPO step (adapter-off reference, Adam) of a LoRA tiny-moe (router losses off): loss,
+def lora_moe_step(*, parallel: dict | None = None, corrupt=None, save_to: str | None = None,
+                  router_losses: bool = False) -> dict:
+    """One DPO step (adapter-off reference, Adam) of a LoRA tiny-moe (router losses off unless
+    ``router_losses``: then one pair per microbatch, padded to one common length): loss,
     whole adapter gradients (None under the distributed optimizer, where each rank holds a slice),
     adapters after the step, logits after the step, and what the step did to the base.
     ``save_to``: save the adapters (and their optimizer state) after the step."""
@@ -114,6 +122,10 @@ def lora_moe_step(*, parallel: dict | None = None, corrupt=None, save_to: str | 
 
     parallel = dict(parallel or {})
     distopt = parallel.pop("distopt", False)
+    settings = _settings()
+    if router_losses:
+        parallel.update(moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z)
+        settings = dataclasses.replace(settings, micro_batch_size=1, pad_multiple=COMMON_LENGTH)
     par = ParallelConfig(**parallel)
     arch = get_preset(PRESET)
     cfg = LoRAConfig(**LORA)
@@ -127,7 +139,7 @@ def lora_moe_step(*, parallel: dict | None = None, corrupt=None, save_to: str | 
                                 use_distributed_optimizer=distopt), bf16=False)
         named = [(n, p) for c in policy for n, p in _unwrap(c).named_parameters()]
         base = {n: p.detach().clone() for n, p in named if not _is_adapter(n)}
-        runner = DPOStep(settings=_settings(), policy=policy, reference=adapter_off(policy))
+        runner = DPOStep(settings=settings, policy=policy, reference=adapter_off(policy))
         for chunk in policy:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -233,7 +245,8 @@ def merged_export_bases(root: str) -> dict:
 
 
 def single_rank(root: str) -> dict:
-    return dict(step=lora_moe_step(), fresh=fresh_checks(), export=merged_export_bases(root))
+    return dict(step=lora_moe_step(), router_losses=lora_moe_step(router_losses=True), fresh=fresh_checks(),
+                export=merged_export_bases(root))
 
 
 def _save_reload_export(root: str, parallel: dict) -> dict:
@@ -249,6 +262,7 @@ def _save_reload_export(root: str, parallel: dict) -> dict:
 
 def two_rank_checks(root: str) -> dict:
     out = {name: lora_moe_step(parallel=par) for name, par in LAYOUTS_2.items()}
+    out["router-losses:ep2"] = lora_moe_step(parallel=LAYOUTS_2["ep2"], router_losses=True)
     out["swapped-expert-adapters"] = lora_moe_step(parallel=LAYOUTS_2["ep2"],
                                                    corrupt=_swap_first_two_local_expert_adapters)
     out["fresh:ep2"] = fresh_checks(parallel=LAYOUTS_2["ep2"])
@@ -334,6 +348,19 @@ def test_lora_moe_step_at_expert_parallel_2_matches_single_rank(single, two_rank
     # Negative control: two experts' adapters swapped on one EP rank are caught.
     with pytest.raises(AssertionError):
         _assert_step_matches(single["step"], two_ranks["swapped-expert-adapters"], "swapped expert adapters")
+
+
+@pytest.mark.distributed
+def test_router_losses_reach_the_adapters_at_expert_parallel_2(single, two_ranks):
+    ref, got = single["router_losses"], two_ranks["router-losses:ep2"]
+    _assert_step_matches(ref, got, "ep2 with router losses")
+    for name in ("moe_aux_loss", "moe_z_loss"):
+        assert ref["metrics"][name] > 0
+        torch.testing.assert_close(got["metrics"][name], ref["metrics"][name], rtol=TOLERANCE, atol=1e-7)
+    # The router losses changed the adapters' gradients (through the router's input), beyond rounding.
+    change = max(float((ref["grads"][k] - g).abs().max() / g.abs().max()) for k, g in single["step"]["grads"].items())
+    print(f"largest relative adapter-gradient change from the router losses: {change:.3g}")
+    assert change > 1e-3
 
 
 @pytest.mark.distributed
