@@ -38,6 +38,8 @@ TOLERANCE = 1e-5
 LAYOUTS_2 = {
     "ep2": dict(expert_model_parallel_size=2),
     "ep2-allgather": dict(expert_model_parallel_size=2, moe_token_dispatcher="allgather"),
+    # EP=1: every expert on both ranks, each split over (expert) TP.
+    "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
 }
 LAYOUTS_4 = {
     "ep2xtp2-sp": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
@@ -343,8 +345,9 @@ def test_lora_moe_step_at_expert_parallel_2_matches_single_rank(single, two_rank
         _assert_step_matches(single["step"], two_ranks[name], name)
         _assert_only_adapters_train(two_ranks[name]["frozen"], name)
         # At EP > 1 the expert adapters live in Megatron's expert buffers, like their base weights.
-        assert two_ranks[name]["frozen"]["expert_adapter_allreduce"] == [False], name
-        assert two_ranks[name]["frozen"]["expert_buffered_adapters"] > 0, name
+        expert_parallel = name.startswith("ep2")
+        assert two_ranks[name]["frozen"]["expert_adapter_allreduce"] == [not expert_parallel], name
+        assert (two_ranks[name]["frozen"]["expert_buffered_adapters"] > 0) == expert_parallel, name
     # Negative control: two experts' adapters swapped on one EP rank are caught.
     with pytest.raises(AssertionError):
         _assert_step_matches(single["step"], two_ranks["swapped-expert-adapters"], "swapped expert adapters")
