@@ -441,3 +441,19 @@ def test_lora_dpo_and_grpo_clis_on_moe_at_expert_parallel_2(tmp_path):
              log=tmp_path / "grpo.log").check_ok()
     records = read_jsonl(metrics)
     assert [r["step"] for r in records] == [0, 1] and records[-1]["kl"] > 0
+
+
+@pytest.mark.parametrize("kind", ["GroupedMLP", "TEGroupedMLP"])
+def test_grouped_gemm_experts_are_refused(kind):
+    """LoRA models use the local spec; grouped-GEMM experts (which hold no per-expert linears for an
+    adapter) are refused by name instead of being left without adapters."""
+    import megatron.core.transformer.moe.experts as experts
+
+    from megatron_prune.model.lora import LoRAConfig, apply_lora
+
+    grouped = getattr(experts, kind).__new__(getattr(experts, kind))
+    torch.nn.Module.__init__(grouped)
+    chunk = torch.nn.Module()
+    chunk.add_module("experts", grouped)
+    with pytest.raises(ValueError, match=f"LoRA on experts: grouped-GEMM experts \\({kind}\\).*local layer spec"):
+        apply_lora([chunk], LoRAConfig(**LORA), seed=SEED)
