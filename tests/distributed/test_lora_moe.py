@@ -2,13 +2,15 @@
 
 Adapters sit on the attention linears and on every expert's ``linear_fc1`` / ``linear_fc2``
 (one adapter per expert; the router stays frozen). Checked against the single rank: a fresh
-adapter is exactly the base MoE model, and one DPO step (adapter-off reference, Adam) at EP=2
-gives the same loss, adapter gradients (gathered to their global keys, global expert index
-included) and adapters after the step, with the base weights untouched. The router losses are off
+adapter is exactly the base MoE model, and one DPO step (adapter-off reference, Adam) at EP=2,
+TP=2 with SP, and (slow, 4 ranks) EP=2 x TP=2 with SP, EP=2 x DP=2 with the distributed optimizer
+and EP=2 x PP=2 gives the same loss, adapter gradients (gathered to their global keys, global
+expert index included) and adapters after the step, with the base weights untouched. The router losses are off
 in most steps: they count every token of a microbatch, padding included, so they depend on how
 rows are grouped and padded; one step with them on runs one pair per microbatch padded to one
 common length (as tests/distributed/test_moe.py does), where their gradient reaches the adapters
-through the router's input. A checkpoint saved at EP=2 loads at EP=1 with the same adapters.
+through the router's input. A checkpoint saved at EP=2 (and EP=2 x TP=2) loads at EP=1 with the
+same adapters and exports merged HF weights that transformers runs to the same logits.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import torch
 
 from tests.dist import run_distributed
 from tests.distributed.dpo_harness import SEED
-from tests.distributed.test_moe import AUX, COMMON_LENGTH, Z
 from tests.distributed.test_lora import (
     LORA,
     _assert_only_adapters_train,
@@ -32,6 +33,7 @@ from tests.distributed.test_lora import (
     perturb_adapters,
     saved_model_keys,
 )
+from tests.distributed.test_moe import AUX, COMMON_LENGTH, Z
 
 PRESET = "tiny-moe"
 TOLERANCE = 1e-5
