@@ -3,7 +3,7 @@
     python tools/convert_megatron_to_hf.py --load OUT --hf-out HF2 [--dtype auto|fp32|bf16]
         [--max-shard-size 5GB] [--hf-assets DIR]
     python tools/convert_megatron_to_hf.py --load LORA_CKPT [--hf-out HF2 --merge-lora] [--peft-out DIR]
-        [--base-hf DIR]
+        [--base-hf DIR | --base-load DIR]
 
 Reads the newest complete checkpoint under --load (saved at any layout), one layer at a time,
 and writes config.json (the original one, with its dtype set), model.safetensors (sharded with
@@ -13,9 +13,10 @@ convert_hf_to_megatron.py); without either a config.json is made from the record
 
 A LoRA checkpoint holds the adapters alone and records its frozen base (the --hf-model directory,
 the Megatron checkpoint given to --load, or the preset it was trained from); both LoRA exports
-read the base from there, or from --base-hf DIR when an HF base has moved (a Megatron base must
-be at its recorded path). Under --merge-lora the base's config and tokenizer are the default
-assets (for a Megatron base: the hf_assets/ kept next to it).
+read the base from there, or from --base-hf DIR when an HF base has moved, or from --base-load DIR
+when a Megatron base has moved (either must hold the same weights: the recorded fingerprint).
+Under --merge-lora the base's config and tokenizer are the default assets (for a Megatron base:
+the hf_assets/ kept next to it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a LoRA checkpoint: the HF base model directory to use instead of the base the checkpoint "
                         "records (moved or copied; it must hold the same weights); with --peft-out it is written "
                         "as base_model_name_or_path")
+    p.add_argument("--base-load", default=None,
+                   help="a LoRA checkpoint trained on a Megatron checkpoint (a converted model or a full-parameter "
+                        "training checkpoint) that has moved: the base checkpoint's new place (a save root or one "
+                        "iter_* directory); it must hold the same weights")
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="dtype of the written weights; auto keeps the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 4GiB")
@@ -75,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.peft_out:
                 check_peft_export(meta)
             # The frozen base is not in a LoRA checkpoint: find it (and check it) before any rank works.
-            base = resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=args.base_hf, flag="--base-hf")
-        elif args.base_hf:
-            raise ValueError(f"--base-hf: {meta['path']} holds no LoRA adapters, so it needs no base model")
+            base = resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=args.base_hf, flag="--base-hf",
+                                megatron_override=args.base_load)
+        elif args.base_hf or args.base_load:
+            flag = "--base-hf" if args.base_hf else "--base-load"
+            raise ValueError(f"{flag}: {meta['path']} holds no LoRA adapters, so it needs no base model")
         from megatron_prune.training.parallel import initialize_distributed
 
         initialize_distributed()

@@ -4,7 +4,8 @@ DPO: an HF model converted by tools/convert_hf_to_megatron.py at TP=1 and loaded
 the same LoRA run, loss for loss, as ``--hf-model`` of the model it was converted from; its
 checkpoint records the converted base, a SIGKILLed run resumes bit for bit, the merged export
 reads the base from the Megatron checkpoint, a moved base is refused with its path, and given
-with ``--base-load`` it resumes the run bit for bit and is recorded at its new place.
+with ``--base-load`` it resumes the run bit for bit, is recorded at its new place, and exports the
+same merged weights.
 GRPO: a full-parameter training checkpoint as the base (its optimizer and trainer state left
 out, as the log says), killed and resumed bit for bit.
 
@@ -113,6 +114,12 @@ def test_lora_dpo_from_converted_checkpoint(tmp_path):
             assert rec[key] == want[step][key], f"step {step} {key}"
     final = json.loads((again / "ckpt" / f"iter_{STEPS:07d}" / "meta.json").read_text())["lora_base"]
     assert final == dict(base, path=str((tmp_path / "moved").resolve() / "iter_0000000"))
+    # The export finds the moved base the same way: the merged weights are those exported before the move.
+    run_cmd([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--load", str(ckpt),
+             "--hf-out", str(tmp_path / "merged_moved"), "--merge-lora", "--base-load", str(tmp_path / "moved")],
+            log=tmp_path / "export_moved.txt", env=launch_env()).check_ok()
+    again_merged = load_file(tmp_path / "merged_moved" / "model.safetensors")
+    assert again_merged.keys() == merged.keys() and all(again_merged[k].equal(merged[k]) for k in merged)
 
 
 GRPO_STEPS = 6
