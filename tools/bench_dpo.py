@@ -180,8 +180,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
-    if args.lora_rank and preset["arch"].get("num_experts"):
-        p.error(f"--lora-rank: LoRA on mixture-of-experts models is not supported; --preset {args.preset} is one")
     if "concat" not in args.modes:
         args.modes = ["concat"] + list(args.modes)
     return args

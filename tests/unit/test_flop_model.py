@@ -400,8 +400,7 @@ def test_cpu_moe_small_preset_routes_half_of_cpu_small_mlp_width():
 
     args = bench_dpo.parse_args(["--preset", "cpu-moe-small", "--modes", "branch", "--json", "/tmp/x.json"])
     assert args.modes == ["concat", "branch"] and args.json == "/tmp/x.json" and args.device == "cpu"
-    with pytest.raises(SystemExit):  # LoRA on MoE is refused before any worker starts
-        bench_dpo.parse_args(["--preset", "cpu-moe-small", "--lora-rank", "8"])
+    assert bench_dpo.parse_args(["--preset", "cpu-moe-small", "--lora-rank", "8"]).lora_rank == 8
     moe = fm.Shape.from_arch(ModelArch(**bench_dpo.PRESETS["cpu-moe-small"]["arch"]))
     dense = fm.Shape.from_arch(ModelArch(**bench_dpo.PRESETS["cpu-small"]["arch"]))
     assert moe.moe_layers == moe.layers == 4
@@ -456,14 +455,14 @@ def test_gpu_bench_commands_parse_and_the_moe_slice_fits_one_h200(tmp_path):
     assert 60e9 < 20 * params < 100e9
 
 
-def _trainer_state_bytes(lora_ranks: tuple[int, ...]) -> dict[int, tuple[int, dict]]:
-    """The persistent tensors bench_dpo counts after one optimizer step of the tiny preset: the
-    policy, its reference (a second model, or the adapter-off view under LoRA), gradient buffers
-    and Adam's state (created by the first step); per LoRA rank, with the model's shape."""
-    return {rank: _one_state(rank) for rank in lora_ranks}
+def _trainer_state_bytes(cases: tuple[tuple[str, int], ...]) -> dict[tuple[str, int], tuple[int, dict]]:
+    """The persistent tensors bench_dpo counts after one optimizer step: the policy, its reference
+    (a second model, or the adapter-off view under LoRA), gradient buffers and Adam's state
+    (created by the first step); per (preset, LoRA rank), with the model's shape."""
+    return {case: _one_state(*case) for case in cases}
 
 
-def _one_state(lora_rank: int) -> tuple[int, dict]:
+def _one_state(preset: str, lora_rank: int) -> tuple[int, dict]:
     from megatron_prune.model.arch import get_preset
     from megatron_prune.model.lora import LoRAConfig, adapter_off
     from megatron_prune.model.provider import ParallelConfig, padded_vocab_size
@@ -471,7 +470,7 @@ def _one_state(lora_rank: int) -> tuple[int, dict]:
     from megatron_prune.training.parallel import model_parallel
 
     par = ParallelConfig()
-    arch = get_preset("tiny")
+    arch = get_preset(preset)
     with model_parallel(par, seed=3):
         if lora_rank:
             policy = setup_model(arch, par, seed=3, lora=LoRAConfig(rank=lora_rank))
@@ -486,15 +485,17 @@ def _one_state(lora_rank: int) -> tuple[int, dict]:
 
 
 def test_state_model_equals_the_trainers_persistent_tensors():
-    """flop_model.state_bytes against the tensors a real trainer holds (tiny preset, one rank):
-    full-parameter with an online reference, and LoRA rank 8 with the adapter-off reference."""
+    """flop_model.state_bytes against the tensors a real trainer holds (one rank): full-parameter
+    with an online reference, and LoRA rank 8 with the adapter-off reference, on the dense tiny
+    preset and on tiny-moe (an adapter per expert)."""
     from tests.dist import run_distributed
 
-    results = run_distributed(_trainer_state_bytes, 1, lora_ranks=(0, 8))[0]
-    for rank, (measured, spec) in results.items():
+    cases = (("tiny", 0), ("tiny", 8), ("tiny-moe", 0), ("tiny-moe", 8))
+    results = run_distributed(_trainer_state_bytes, 1, cases=cases)[0]
+    for (preset, rank), (measured, spec) in results.items():
         shape = fm.Shape.from_arch(spec["arch"], vocab=spec["vocab"])
-        assert fm.state_bytes(shape, lora_rank=rank) == measured, f"lora rank {rank}"
-    assert results[8][0] < results[0][0] / 2
+        assert fm.state_bytes(shape, lora_rank=rank) == measured, f"{preset}, lora rank {rank}"
+    assert results[("tiny", 8)][0] < results[("tiny", 0)][0] / 2
 
 
 def test_state_model_by_hand_and_lora_memory_at_real_widths():
