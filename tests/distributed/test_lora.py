@@ -60,6 +60,26 @@ def _my_samples():
                     dp_size=parallel_state.get_data_parallel_world_size())
 
 
+def step_and_collect(runner, policy, optimizer, *, distopt: bool) -> tuple:
+    """Step 0 of the DPO ``runner`` and one optimizer step: metrics, whole adapter gradients (None
+    under the distributed optimizer, which reduce-scatters: each DP rank holds only its shard's
+    summed gradient), success, grad norm, and the adapters after the step."""
+    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.training.step import reduce_metrics
+
+    for chunk in policy:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs, _ = runner.run(0, _my_samples())
+    metrics = reduce_metrics(outputs)
+    grads = None if distopt else {
+        k: v for k, v in gather_global_state(policy, source="main_grad").items() if _is_adapter(k)
+    }
+    success, grad_norm, _ = optimizer.step()
+    after = {k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)}
+    return metrics, grads, success, grad_norm, after
+
+
 def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dict | None = None,
               lora: dict | None = None, branch_pattern: tuple[int, ...] | None = None,
               save_to: str | None = None) -> dict:
@@ -69,12 +89,10 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
 
     from megatron_prune.dpo.step import DPOStep
     from megatron_prune.model.arch import get_preset
-    from megatron_prune.model.global_state import gather_global_state
     from megatron_prune.model.lora import LoRAConfig, adapter_off
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
-    from megatron_prune.training.step import reduce_metrics
 
     par = ParallelConfig(**(parallel or {}))
     with model_parallel(par, seed=SEED):
@@ -100,17 +118,7 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
                 return plans
 
             runner.plan = forced
-        for chunk in policy:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        outputs, _ = runner.run(0, _my_samples())
-        metrics = reduce_metrics(outputs)
-        # The distributed optimizer reduce-scatters: each DP rank holds only its shard's summed gradient.
-        grads = None if distopt else {
-            k: v for k, v in gather_global_state(policy, source="main_grad").items() if _is_adapter(k)
-        }
-        success, grad_norm, _ = optimizer.step()
-        after = {k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)}
+        metrics, grads, success, grad_norm, after = step_and_collect(runner, policy, optimizer, distopt=distopt)
         logits = None
         if save_to is not None:
             from megatron_prune.model.hf_convert import comparison_tokens, megatron_logits

@@ -32,6 +32,7 @@ from tests.distributed.test_lora import (
     _unwrap,
     perturb_adapters,
     saved_model_keys,
+    step_and_collect,
 )
 from tests.distributed.test_moe import AUX, COMMON_LENGTH, Z
 
@@ -113,7 +114,6 @@ def lora_moe_step(*, parallel: dict | None = None, corrupt=None, save_to: str | 
     ``save_to``: save the adapters (and their optimizer state) after the step."""
     from megatron_prune.dpo.step import DPOStep
     from megatron_prune.model.arch import get_preset
-    from megatron_prune.model.global_state import gather_global_state
     from megatron_prune.model.hf_convert import megatron_logits
     from megatron_prune.model.lora import LoRAConfig, adapter_off
     from megatron_prune.model.lora_base import preset_base
@@ -122,7 +122,6 @@ def lora_moe_step(*, parallel: dict | None = None, corrupt=None, save_to: str | 
     from megatron_prune.training.checkpoint import save_checkpoint
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
-    from megatron_prune.training.step import reduce_metrics
 
     parallel = dict(parallel or {})
     distopt = parallel.pop("distopt", False)
@@ -144,16 +143,7 @@ def lora_moe_step(*, parallel: dict | None = None, corrupt=None, save_to: str | 
         named = [(n, p) for c in policy for n, p in _unwrap(c).named_parameters()]
         base = {n: p.detach().clone() for n, p in named if not _is_adapter(n)}
         runner = DPOStep(settings=settings, policy=policy, reference=adapter_off(policy))
-        for chunk in policy:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        outputs, _ = runner.run(0, _my_samples())
-        metrics = reduce_metrics(outputs)
-        grads = None if distopt else {
-            k: v for k, v in gather_global_state(policy, source="main_grad").items() if _is_adapter(k)
-        }
-        success, grad_norm, _ = optimizer.step()
-        after = {k: v for k, v in gather_global_state(policy).items() if _is_adapter(k)}
+        metrics, grads, success, grad_norm, after = step_and_collect(runner, policy, optimizer, distopt=distopt)
         logits = megatron_logits(policy, _tokens())
         if save_to is not None:
             save_checkpoint(save_to, iteration=1, model=policy, arch=arch, optimizer=optimizer,

@@ -324,6 +324,14 @@ def _pieces(probs: list[float]) -> list[tuple[float, float]]:
     return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b - a > 1e-12]
 
 
+def _independent_draws(keys: list, probs: list[float]) -> list[tuple[dict, float]]:
+    """Every keep pattern of independent draws: (uniform per key, probability) with each uniform
+    below its key's probability (kept) or above it (pruned)."""
+    return [({key: u for key, u in zip(keys, us)}, math.prod(ls))
+            for combo in itertools.product(*[[(0.0, p), ((1 + p) / 2, 1 - p)] for p in probs])
+            for us, ls in [zip(*combo)]]
+
+
 @pytest.mark.parametrize("prompt_sampling", ["independent", "systematic"])
 def test_dppo_gradient_is_unbiased_with_systematic_draws(prompt_sampling, monkeypatch):
     """Systematic draws make the keeps within a group (or batch) dependent; unbiasedness needs only
@@ -346,9 +354,7 @@ def test_dppo_gradient_is_unbiased_with_systematic_draws(prompt_sampling, monkey
     if prompt_sampling == "systematic":
         prompt_draws = [({("prompt", "batch"): u}, length) for u, length in _pieces(probs)]
     else:
-        prompt_draws = [({("prompt", i): u for i, u in zip(ids, us)}, math.prod(ls))
-                        for combo in itertools.product(*[[(0.0, p), ((1 + p) / 2, 1 - p)] for p in probs])
-                        for us, ls in [zip(*combo)]]
+        prompt_draws = _independent_draws([("prompt", i) for i in ids], probs)
     expected, total = torch.zeros_like(THETA), 0.0
     for prompt_table, prompt_probability in prompt_draws:
         if prompt_probability <= 0:
@@ -401,11 +407,8 @@ def test_skipping_zero_advantages_keeps_the_estimate_unbiased(sampling, monkeypa
             draws = [({i: u for i, (u, _) in zip(ids, combo)}, math.prod(length for _, length in combo))
                      for combo in itertools.product(*[_pieces(probs[k].tolist()) for k in range(len(ids))])]
         else:
-            keys = [(i, j) for i in ids for j in range(advantages.shape[1])]
-            draws = [({key: u for key, u in zip(keys, us)}, math.prod(ls))
-                     for combo in itertools.product(*[[(0.0, float(p)), ((1 + float(p)) / 2, 1 - float(p))]
-                                                      for p in probs.flatten()])
-                     for us, ls in [zip(*combo)]]
+            draws = _independent_draws([(i, j) for i in ids for j in range(advantages.shape[1])],
+                                       probs.flatten().tolist())
         expected, frequency, total = 0.0, torch.zeros_like(probs), 0.0
         for uniforms, probability in draws:
             if probability <= 0:
