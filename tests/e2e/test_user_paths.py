@@ -125,12 +125,16 @@ def test_grpo_prompt_budget_refused_before_any_rank_works(monkeypatch, capsys):
 def test_grpo_left_truncates_long_prompts_and_reports_tokens(tmp_path):
     """GSM8K prompts are longer than --seq-length minus --max-new-tokens: without --max-prompt-length
     they are left-truncated (counted in the metrics, logged), the run trains, the JSONL carries
-    train_tokens / forward_only_tokens, and a step where every group has equal rewards says so."""
+    train_tokens / forward_only_tokens, and a step where every group has equal rewards says so (and,
+    by default, trains and scores nothing)."""
+    cmd = [sys.executable, "-m", "megatron_prune.grpo", "--model-preset", "tiny", "--device", "cpu",
+           "--task", "gsm8k", "--data-path", GSM8K, "--seq-length", "48", "--max-new-tokens", "4",
+           "--group-size", "2", "--global-batch-size", "2", "--micro-batch-size", "2", "--train-iters", "2",
+           "--ppo-epochs", "2", "--dense-packing", "--temperature", "0"]
+    # Greedy sampling: a group's completions are identical, so its rewards are equal and every
+    # advantage is 0. Trained anyway (--no-skip-zero-advantage), they show the token counts.
     metrics = tmp_path / "grpo.jsonl"
-    proc = _run([sys.executable, "-m", "megatron_prune.grpo", "--model-preset", "tiny", "--device", "cpu",
-                 "--task", "gsm8k", "--data-path", GSM8K, "--seq-length", "48", "--max-new-tokens", "4",
-                 "--group-size", "2", "--global-batch-size", "2", "--micro-batch-size", "2", "--train-iters", "2",
-                 "--ppo-epochs", "2", "--dense-packing", "--temperature", "0", "--metrics-jsonl", str(metrics)])
+    proc = _run([*cmd, "--no-skip-zero-advantage", "--metrics-jsonl", str(metrics)])
     assert proc.returncode == 0, proc.stdout[-5000:]
     (first, second) = read_jsonl(metrics)
     assert first["truncated_prompts"] == 2.0
@@ -138,8 +142,15 @@ def test_grpo_left_truncates_long_prompts_and_reports_tokens(tmp_path):
     assert first["train_tokens"] == first["policy_tokens"] > 0
     assert first["forward_only_tokens"] > 0  # old log-probs, scored once for the two updates of the rollout
     assert second["forward_only_tokens"] == 0
-    # Greedy sampling: a group's completions are identical, so its rewards are equal.
     assert first["zero_variance_groups"] == 1.0 and first["loss"] == 0.0
+    assert "step 0: every group's rewards are equal (zero variance)" in proc.stdout, proc.stdout[-3000:]
+    # By default (no KL) those completions are skipped: nothing is scored or trained, same loss.
+    skipped = tmp_path / "skipped.jsonl"
+    proc = _run([*cmd, "--metrics-jsonl", str(skipped)])
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    for got in read_jsonl(skipped):
+        assert got["train_tokens"] == got["forward_only_tokens"] == got["loss"] == 0.0
+        assert got["kept_completion_fraction"] == 0.0
     assert "step 0: every group's rewards are equal (zero variance)" in proc.stdout, proc.stdout[-3000:]
 
 
