@@ -155,10 +155,11 @@ class DPPOArgs:
     def __post_init__(self) -> None:
         if self.pack_window < 1:
             raise ValueError(f"--pack-window must be >= 1, got {self.pack_window}")
-        self.dppo_config()
+        self.dppo_config(kl_beta=0.0)  # validates the rates and floors
 
-    def dppo_config(self, *, kl_beta: float = 0.0) -> DPPOConfig:
-        """The pruner's config; ``kl_beta`` decides whether zero-advantage completions may be skipped."""
+    def dppo_config(self, *, kl_beta: float) -> DPPOConfig:
+        """The pruner's config; ``kl_beta`` (required: skipping with a KL term would drop its gradient)
+        decides whether zero-advantage completions may be skipped."""
         try:
             return DPPOConfig(
                 prompt_prune_rate=self.prompt_prune_rate, completion_prune_rate=self.completion_prune_rate,
