@@ -122,10 +122,12 @@ class DPPOArgs:
     """r_q: expected fraction of prompts pruned before rollout (they cost no rollout); 0 = off."""
     completion_prune_rate: float = field(default=0.0, metadata=_flag("--dppo-completion-prune-rate"))
     """r_o: expected fraction of completions pruned after rewards (no training forward/backward); 0 = off."""
-    prompt_floor: float = field(default=0.1, metadata=_flag("--dppo-prompt-floor"))
-    """Smallest prompt keep probability (> 0; the importance weight is at most its inverse)."""
-    completion_floor: float = field(default=0.1, metadata=_flag("--dppo-completion-floor"))
-    """Smallest completion keep probability (> 0)."""
+    prompt_floor: float = field(default=0.3, metadata=_flag("--dppo-prompt-floor"))
+    """Smallest prompt keep probability (> 0; the importance weight is at most its inverse). At most 1 - floor of
+    the prompts can be pruned. 0.3 (with the completion floor: weights <= 11) learns better per step and per second
+    than 0.1 (weights <= 100) on the benchmark tasks: the floor bounds the gradient's variance (docs/dppo.md)."""
+    completion_floor: float = field(default=0.3, metadata=_flag("--dppo-completion-floor"))
+    """Smallest completion keep probability (> 0); at most 1 - floor of the completions can be pruned."""
     history_decay: float = field(default=0.5, metadata=_flag("--dppo-history-decay"))
     """EMA decay of each prompt's reward-spread history."""
     history_score: str = field(default="std", metadata=_flag("--dppo-history-score", choices=("std", "informative")))

@@ -59,10 +59,10 @@ class DPPOConfig:
     """Target r_q: expected fraction of prompts pruned before rollout, in [0, 1)."""
     completion_prune_rate: float = 0.0
     """Target r_o: expected fraction of completions pruned after scoring, in [0, 1)."""
-    prompt_floor: float = 0.1
+    prompt_floor: float = 0.3
     """Smallest prompt keep probability, in (0, 1]; bounds the importance weight by 1/floor."""
-    completion_floor: float = 0.1
-    """Smallest completion keep probability, in (0, 1]; zero-advantage completions get it."""
+    completion_floor: float = 0.3
+    """Smallest completion keep probability, in (0, 1]; zero-advantage completions get it (unless skipped)."""
     history_decay: float = 0.5
     """EMA decay of a prompt's history score: ``s <- decay * s + (1 - decay) * observation``."""
     history_score: str = "std"
