@@ -283,6 +283,20 @@ def run_worker(args) -> None:
             return batches, seq_length, groups
 
         runner._microbatches = recording_microbatches
+        original_replays = runner._prefix_replays
+
+        def recording_replays(batches, groups):
+            # Pruned responses on the training pass's prompt keys and values: a forward-only pass
+            # inside the training schedule (recorded before it: the last pass must be the training one).
+            replays = original_replays(batches, groups)
+            mbs = [dict(rows=[[s.length for s in row] for row in r.segments.rows],
+                        prefixes=[[s.prefix_length for s in row] for row in r.segments.rows],
+                        seq_length=r.tokens.shape[1], scored=int(len(r.selection.index)),
+                        selective=mode["selective_head"]) for r in replays]
+            passes.insert(len(passes) - 1, {"kind": "forward", "microbatches": mbs})
+            return replays
+
+        runner._prefix_replays = recording_replays
         schedule_times: list[tuple[str, float]] = []
         phase_peaks: list[int] = []
         memory_window = {"on": False, "base": 0}

@@ -264,3 +264,47 @@ def build_microbatch(
     segments = None if layout == "full" else SegmentLayout(rows=segment_rows, seq_length=seq_length)
     selection = TokenSelection(index=torch.cat(index), labels=torch.cat(label_ids), seq_ids=torch.cat(seq_ids))
     return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed)
+
+
+def build_prefix_replay(
+    plans: list[PlannedPair],
+    *,
+    branches: list[int],
+    num_rows: int,
+    stored_length: int,
+    pad_multiple: int,
+    pad_id: int,
+) -> DPOMicrobatch:
+    """Response ``branches[i]`` of ``plans[i]`` as a forward over stored prompt keys and values.
+
+    Row ``i`` continues row ``i`` of a shared-layout forward of ``stored_length`` tokens whose rows
+    start with each plan's prompt (the training rows ``[prompt, kept]``): its tokens are the
+    prompt's last token followed by the response without its last token, at positions
+    ``P-1, P, ...``, and its one segment takes the stored row's first ``P-1`` keys as its prefix.
+    Input ``j`` predicts response token ``j``, so every scored position (the first one too) is
+    scored from this forward. The layout covers the stored positions followed by this forward's
+    own (see :func:`~megatron_prune.model.segment_attention.attend_to_prefix_kv`).
+    """
+    seq_length = round_up(max(1, *(len(plan.responses[b]) for plan, b in zip(plans, branches))), pad_multiple)
+    tokens = torch.full((num_rows, seq_length), pad_id, dtype=torch.long)
+    labels = torch.full((num_rows, seq_length), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((num_rows, seq_length), dtype=torch.long)
+    rows: list[list[Segment]] = [[] for _ in range(num_rows)]
+    index, label_ids, seq_ids, responses = [], [], [], []
+    for row, (plan, branch) in enumerate(zip(plans, branches)):
+        response, prompt = plan.responses[branch], len(plan.prompt)
+        length = len(response)
+        if length:
+            tokens[row, :length] = torch.tensor(plan.prompt[-1:] + response[:-1])
+            labels[row, :length] = torch.tensor(response)
+            position_ids[row, :length] = torch.arange(prompt - 1, prompt - 1 + length)
+            rows[row].append(Segment(stored_length, stored_length + length, 0, prompt - 1))
+        scored = plan.scored[branch]
+        index.append(scored * num_rows + row)
+        label_ids.append(torch.tensor(response, dtype=torch.long)[scored])
+        seq_ids.append(torch.full((len(scored),), len(responses), dtype=torch.long))
+        responses.append(Response(row, branch, len(scored), length))
+    segments = SegmentLayout(rows=rows, seq_length=stored_length + seq_length)
+    selection = TokenSelection(index=torch.cat(index), labels=torch.cat(label_ids), seq_ids=torch.cat(seq_ids))
+    executed = sum(len(plan.responses[b]) for plan, b in zip(plans, branches))
+    return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed)

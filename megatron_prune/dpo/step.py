@@ -34,12 +34,14 @@ from megatron_prune.dpo.batch import (
     FlopWeights,
     PlannedPair,
     build_microbatch,
+    build_prefix_replay,
     plan_pair,
     pruned_branch_joins_training_row,
     round_up,
     row_length,
 )
 from megatron_prune.dpo.loss import dpo_pair_losses, response_log_ratios
+from megatron_prune.model.segment_attention import PrefixKV, attend_to_prefix_kv, capture_prefix_kv
 from megatron_prune.training.step import run_schedule
 
 METRICS = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
@@ -61,6 +63,10 @@ class DPOStepSettings:
     """Token id used for padding."""
     pad_multiple: int = 8
     """Row length is padded to a multiple of this (and of TP under sequence parallelism)."""
+    pruned_branch_on_prefix_kv: bool = True
+    """Shared layout under branch pruning: run each pruned response on the training pass's prompt
+    keys and values where the model allows it (one pipeline stage, segment attention); False
+    always picks between a separate ``[prompt, pruned]`` row and joining the training row."""
 
 
 def _flop_weights(chunk: torch.nn.Module) -> FlopWeights:
@@ -90,7 +96,17 @@ def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool)
     if not selective_head:
         selection = type(selection)(selection.index, selection.labels, selection.seq_ids, all_labels=batch.labels)
     extra = {} if batch.segments is None else {"segments": batch.segments}
-    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
+    replay = batch.extras.get("replay")
+    if replay is None:
+        output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
+    else:  # the pruned responses, on the keys and values this forward computes for the prompts
+        store = PrefixKV()
+        with capture_prefix_kv(store):
+            output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
+        with attend_to_prefix_kv(store):
+            batch.extras["replay_logps"] = model(
+                replay.tokens, replay.position_ids, None, token_selection=replay.selection, segments=replay.segments
+            ).float()
     return output, partial(batch.extras["loss_func"], batch)
 
 
@@ -232,14 +248,17 @@ class DPOStep:
         ref = self.reference_logps(plans)
         pruned_ratio = None
         joined: set[int] = set()  # sample ids whose pruned branch runs inside the training row
+        replay = self.s.prune.branch and self._replays_pruned_branch()
         if self.s.prune.branch:
-            if self.s.dpo.layout == "shared":
+            if replay:
+                pass  # each training microbatch runs its pairs' pruned responses (policy_forward_step)
+            elif self.s.dpo.layout == "shared":
                 joined = {p.sample_id for p in plans if pruned_branch_joins_training_row(p, weights=self.flop_weights)}
                 if joined and (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
                     # The interleaved schedule needs the same microbatch count in every pass (a
                     # multiple of the stages): one choice for the whole step, the majority's.
                     joined = {p.sample_id for p in plans} if 2 * len(joined) >= len(plans) else set()
-            separate = [p for p in plans if p.sample_id not in joined]
+            separate = [] if replay else [p for p in plans if p.sample_id not in joined]
             pruned_ratio = {}
         if self.s.prune.branch and separate:
             pruned_batches, pruned_len, pruned_groups = self._microbatches(
@@ -265,6 +284,11 @@ class DPOStep:
         self._count_policy(batches, backward=not forward_only)
         for batch, group in zip(batches, groups):
             batch.extras["loss_func"] = partial(self._loss, group=group, ref=ref, pruned_ratio=pruned_ratio)
+        if replay:
+            replays = self._prefix_replays(batches, groups)
+            for batch, replayed in zip(batches, replays):
+                batch.extras["replay"] = replayed
+            self._count_policy(replays, backward=False)
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             outputs = run_schedule(
                 forward_step_func=partial(policy_forward_step, selective_head=self.s.prune.selective_head),
@@ -280,6 +304,34 @@ class DPOStep:
 
             add_router_losses(outputs, self.policy, num_microbatches=len(batches))
         return outputs, self._reduced_counters()
+
+    def _replays_pruned_branch(self) -> bool:
+        """Whether pruned responses run on the training pass's prompt keys and values.
+
+        In the shared layout this is the cheapest exact scheme: the pruned response runs forward
+        once, without gradients and without its prompt (which the training row computes anyway);
+        the other two (joining the training row, or a separate ``[prompt, pruned]`` row) pay the
+        pruned response's backward or a second forward of the prompt. It needs the two forwards
+        to run the same layers on one rank, so one pipeline stage, and segment attention in every
+        layer; otherwise the cheaper of the other two is chosen per pair.
+        """
+        if self.s.dpo.layout != "shared" or not self.s.pruned_branch_on_prefix_kv:
+            return False
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            return False
+        model = self.policy[0]
+        while hasattr(model, "module"):
+            model = model.module
+        return bool(getattr(model, "_segment_attention_in_spec", lambda: False)())
+
+    def _prefix_replays(self, batches: list[DPOMicrobatch], groups) -> list[DPOMicrobatch]:
+        """Each training microbatch's pruned responses, laid out to run on its prompts' keys and values."""
+        return [
+            build_prefix_replay(group, branches=[1 - p.kept_branch for p in group], num_rows=batch.tokens.shape[0],
+                                stored_length=batch.tokens.shape[1], pad_multiple=self.pad_multiple,
+                                pad_id=self.s.pad_id)
+            for batch, group in zip(batches, groups)
+        ]
 
     @staticmethod
     def _length(plans, key) -> int:
@@ -308,6 +360,17 @@ class DPOStep:
         return {n: float(v) for n, v in zip(names, totals)}
 
     # -- loss -------------------------------------------------------------------------------------
+    def _replay_ratios(self, replay: DPOMicrobatch, logps: torch.Tensor, group, ref) -> dict:
+        """Log-ratios of the pruned responses run on the prompts' stored keys and values (constants)."""
+        keys = [(group[r.pair].sample_id, r.branch) for r in replay.responses]
+        ref_logps = torch.cat([ref[key] for key in keys]).to(logps.device)
+        ratios = response_log_ratios(
+            logps.detach(), ref_logps, seq_ids=replay.selection.seq_ids.to(logps.device),
+            num_scored=[r.num_scored for r in replay.responses], lengths=[r.length for r in replay.responses],
+            reduction=self.s.dpo.loss_average,
+        )
+        return dict(zip(keys, ratios))
+
     def _loss(self, batch: DPOMicrobatch, logps: torch.Tensor, *, group, ref, pruned_ratio):
         ref_logps = torch.cat(
             [ref[(group[r.pair].sample_id, r.branch)] for r in batch.responses]
@@ -323,6 +386,9 @@ class DPOStep:
             if self.s.prune.branch and resp.branch != group[resp.pair].kept_branch:
                 value = value.detach()  # a pruned response run inside the training row: a constant
             (chosen if resp.branch == CHOSEN else rejected)[resp.pair] = value
+        replay = batch.extras.get("replay")
+        if replay is not None:
+            pruned_ratio = {**pruned_ratio, **self._replay_ratios(replay, batch.extras["replay_logps"], group, ref)}
         grad_scale = None
         if self.s.prune.branch:
             q_w = self.s.prune.branch_chosen_prob

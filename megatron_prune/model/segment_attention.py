@@ -23,14 +23,24 @@ fp16/bf16 activations and the ``flash_attn`` package, ``flash_attn_varlen_func``
 query and key lengths (each segment's query block against its gathered ``[prefix ; own]`` keys;
 flash's causal mask is bottom-right aligned when there are fewer queries than keys, which is
 exactly the prefix offset). The GPU path has not been run in this project's CI (no GPU there).
+
+Prefix keys/values across two forwards (:class:`PrefixKV`): inside :func:`capture_prefix_kv` every
+layer stores the (detached) keys and values it computed; inside :func:`attend_to_prefix_kv` a
+later forward's layers put those stored keys and values in front of their own, so its segments can
+take a prefix from the earlier forward's rows without running that prefix again. DPO's branch
+pruning uses it: the pruned response runs without gradients on the prompt keys and values of the
+training pass. The store holds every layer's keys and values until the later forward is done
+(a small part of what the training pass saves for its backward). Layers are told apart by
+``layer_number``, so both forwards must run the same layers (one pipeline stage).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,7 +48,16 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_prune.model.segments import TABLE_FIELDS, SegmentLayout
 
-__all__ = ["SegmentAttention", "SegmentAttentionMixin", "is_segment_table", "segment_attention"]
+__all__ = [
+    "PrefixKV",
+    "SegmentAttention",
+    "SegmentAttentionMixin",
+    "attend_to_prefix_kv",
+    "capture_prefix_kv",
+    "is_segment_table",
+    "prefix_kv_length",
+    "segment_attention",
+]
 
 # A new group of padded segments starts when a segment's key count exceeds the group's first by
 # this factor: bounds the padding work to < 2x the real pairs (segments are sorted by key count).
@@ -210,6 +229,59 @@ def segment_attention(
     return out.view(s, b, np_ * hn)
 
 
+@dataclass
+class PrefixKV:
+    """Keys and values of one forward's segment-attention layers, keyed by ``layer_number``."""
+
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """``layer_number -> (key, value)``, each ``[s, b, ng, hn]`` and detached."""
+
+    @property
+    def seq_length(self) -> int:
+        """Rows' length ``s`` of the captured forward (0 before a capture)."""
+        return next(iter(self.layers.values()))[0].shape[0] if self.layers else 0
+
+
+# The capture or replay in progress; set only inside the context managers below.
+_prefix_kv: dict = {"capture": None, "replay": None}
+
+
+@contextlib.contextmanager
+def capture_prefix_kv(store: PrefixKV):
+    """Every segment-attention layer run inside stores its keys and values in ``store``."""
+    assert _prefix_kv["capture"] is None and _prefix_kv["replay"] is None, "prefix K/V contexts do not nest"
+    _prefix_kv["capture"] = store
+    try:
+        yield store
+    finally:
+        _prefix_kv["capture"] = None
+
+
+@contextlib.contextmanager
+def attend_to_prefix_kv(store: PrefixKV):
+    """Segment-attention layers run inside see ``store``'s keys and values in front of their own.
+
+    The segment table of such a forward covers ``store.seq_length`` positions of the stored rows
+    followed by the forward's own tokens; only the latter are queries. Runs without gradients:
+    the stored keys and values are detached.
+    """
+    assert _prefix_kv["capture"] is None and _prefix_kv["replay"] is None, "prefix K/V contexts do not nest"
+    if not store.layers:
+        raise ValueError("no prefix keys and values were captured")
+    _prefix_kv["replay"] = store
+    try:
+        with torch.no_grad():
+            yield store
+    finally:
+        _prefix_kv["replay"] = None
+
+
+def prefix_kv_length() -> int:
+    """Positions the stored prefix adds in front of the current forward's rows (0 outside a replay)."""
+    store = _prefix_kv["replay"]
+    return 0 if store is None else store.seq_length
+
+
 class SegmentAttentionMixin:
     """Adds the segment path to a core-attention class: a segment table as ``attention_mask``
     runs :func:`segment_attention`; anything else runs the parent class unchanged."""
@@ -218,11 +290,24 @@ class SegmentAttentionMixin:
         if not is_segment_table(attention_mask):
             return super().forward(query, key, value, attention_mask, *args, **kwargs)
         self._check_segment_support(kwargs)
-        return segment_attention(
+        capture, replay = _prefix_kv["capture"], _prefix_kv["replay"]
+        if capture is not None:
+            assert self.layer_number not in capture.layers, "a layer ran twice in one prefix capture"
+            capture.layers[self.layer_number] = (key.detach(), value.detach())
+        prefix = 0
+        if replay is not None:
+            stored_key, stored_value = replay.layers[self.layer_number]
+            prefix = stored_key.shape[0]
+            assert stored_key.shape[1:] == key.shape[1:], "the replay's rows do not match the captured rows"
+            query = torch.cat([query.new_zeros((prefix, *query.shape[1:])), query])
+            key = torch.cat([stored_key.to(key.dtype), key])
+            value = torch.cat([stored_value.to(value.dtype), value])
+        out = segment_attention(
             query, key, value, attention_mask,
             softmax_scale=self._segment_softmax_scale(),
             softmax_in_fp32=bool(self.config.attention_softmax_in_fp32),
         )
+        return out[prefix:]
 
     def _segment_softmax_scale(self) -> float:
         scale = getattr(self, "softmax_scale", None)

@@ -90,10 +90,13 @@ class SelectiveGPTModel(GPTModel):
             raise ValueError("pass either an attention_mask or segments, not both")
         if position_ids is None or position_ids.dim() != 2:
             raise ValueError("segments need per-token position_ids of shape [b, s]")
-        if tuple(position_ids.shape) != (segments.batch_size, segments.seq_length):
+        from megatron_prune.model.segment_attention import prefix_kv_length
+
+        stored = prefix_kv_length()  # inside attend_to_prefix_kv: the layout also covers the stored rows
+        if tuple(position_ids.shape) != (segments.batch_size, segments.seq_length - stored):
             raise ValueError(
-                f"segments describe {segments.batch_size} rows of {segments.seq_length} tokens but "
-                f"position_ids are {list(position_ids.shape)}"
+                f"segments describe {segments.batch_size} rows of {segments.seq_length} tokens "
+                f"({stored} of them stored prefix keys and values) but position_ids are {list(position_ids.shape)}"
             )
         if self.position_embedding_type != "rope":
             raise ValueError(f"segments need rotary position embeddings, not {self.position_embedding_type!r}")
@@ -101,6 +104,8 @@ class SelectiveGPTModel(GPTModel):
             raise ValueError("segments do not support context parallelism")
         if self._segment_attention_in_spec():
             return segments.to_table()
+        if stored:
+            raise ValueError("attending to stored prefix keys and values needs segment attention in every layer")
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         others = {type(core).__name__ for core in self._core_attentions() if not isinstance(core, DotProductAttention)}

@@ -41,9 +41,10 @@ def dpo_grads(
 ):
     """Loss metrics and whole gradients of one DPO step (no optimizer step).
 
-    ``join`` (shared layout under branch pruning) overrides the FLOP-model choice of which pairs
-    run their pruned branch inside the training row: None keeps it, True/False forces it for
-    every pair, a callable of the sample id decides per pair.
+    ``join`` (shared layout under branch pruning): None keeps the step's own choice (the pruned
+    responses run on the training pass's prompt keys and values where they can); True/False/a
+    callable of the sample id turns that off and forces, for every pair or per pair, whether the
+    pruned branch runs inside the training row or as its own row.
     """
     from megatron.core import parallel_state
 
@@ -68,7 +69,7 @@ def dpo_grads(
         optimizer = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=0.0), bf16=False)
         settings = DPOStepSettings(
             dpo=DPOConfig(layout=layout, loss_average=reduction), prune=prune_cfg, seed=SEED,
-            micro_batch_size=micro_batch_size, pad_id=pad_id,
+            micro_batch_size=micro_batch_size, pad_id=pad_id, pruned_branch_on_prefix_kv=join is None,
         )
         runner = DPOStep(settings=settings, policy=policy, reference=reference)
         mine = dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),

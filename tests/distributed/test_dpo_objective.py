@@ -4,8 +4,10 @@
   (full, concat, shared), both reductions, micro-batch 1 and 2.
 - Estimators through the real step: branch pruning's gradient, enumerated over every kept-branch
   pattern with the real ``plan()`` and weighted by each pattern's probability, equals the
-  unpruned gradient (q = 0.3 and 0.5), in the concat layout and in the shared layout (with some
-  pairs running their pruned branch inside the training row and some in their own pass); position pruning's reward estimate, enumerated over the
+  unpruned gradient (q = 0.3 and 0.5), in the concat layout and in the shared layout (with the
+  pruned responses on the training pass's prompt keys and values; and with some pairs running
+  their pruned branch inside the training row and some in their own pass); position pruning's
+  reward estimate, enumerated over the
   position subsets the trainer scores, equals the full-response log-ratio. Draws are controlled
   only at the draw functions of ``megatron_prune.sampling``.
 - Draw frequencies: the branch draw keeps chosen at rate q; the position draw keeps
@@ -48,7 +50,7 @@ def _models(parallel: dict | None = None, preset: str = "tiny"):
     return arch, policy, reference
 
 
-def _runner(policy, reference, *, layout="concat", reduction="mean", micro_batch_size=2, **prune):
+def _runner(policy, reference, *, layout="concat", reduction="mean", micro_batch_size=2, prefix_kv=True, **prune):
     from megatron_prune.config import DPOConfig, PruneConfig
     from megatron_prune.dpo.step import DPOStep, DPOStepSettings
 
@@ -56,6 +58,7 @@ def _runner(policy, reference, *, layout="concat", reduction="mean", micro_batch
     settings = DPOStepSettings(
         dpo=DPOConfig(layout=layout, loss_average=reduction, beta=BETA),
         prune=PruneConfig(**{**PRUNE_OFF, **prune}), seed=SEED, micro_batch_size=micro_batch_size, pad_id=pad_id,
+        pruned_branch_on_prefix_kv=prefix_kv,
     )
     return DPOStep(settings=settings, policy=policy, reference=reference)
 
@@ -184,7 +187,8 @@ def test_pruning_off_equals_independent_reference(reference_results, index):
 
 
 # -- 3a. branch pruning: unbiased by enumeration through the real plan() ---------------------------
-ENUM_LAYOUTS = {"concat": None, "shared": [0, 3]}  # layout: sample ids whose pruned branch joins the training row
+# layout: sample ids whose pruned branch joins the training row (the others: own rows), or None
+ENUM_LAYOUTS = {"concat": None, "shared": [0, 3], "shared-prefix-kv": None}
 
 
 def branch_enumeration(q_values: tuple[float, ...], layout: str = "concat") -> dict:
@@ -201,7 +205,8 @@ def branch_enumeration(q_values: tuple[float, ...], layout: str = "concat") -> d
         _, policy, reference = _models()
         full = _step(_runner(policy, reference, **fixed), policy, samples)
         for q in q_values:
-            runner = _runner(policy, reference, layout=layout, **fixed, branch=True, branch_chosen_prob=q)
+            runner = _runner(policy, reference, layout=layout.removesuffix("-prefix-kv"), **fixed, branch=True,
+                             branch_chosen_prob=q, prefix_kv=layout.endswith("-prefix-kv"))
             expectation: dict[str, torch.Tensor] = {}
             total_prob, losses, draws = 0.0, [], 0
             for pattern in itertools.product((True, False), repeat=ENUM_PAIRS):

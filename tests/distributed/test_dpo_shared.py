@@ -2,9 +2,11 @@
 
 ``shared`` equals ``full`` and ``concat`` — loss, metrics and every gradient, fp32 — with every
 combination of position, sequence and branch pruning, at micro-batch 1 and 2; under branch
-pruning both ways of running the pruned branch (inside the training row with detached log-probs,
-or as its own no-grad row) are forced in turn, and mixed per pair. The parallel layouts (TP=2,
-TP=2+SP, PP=2, PP=2 with virtual stages, DP=2, TP=2 x PP=2) equal the single rank. The shared
+pruning each way of running the pruned branch (on the training pass's stored prompt keys and
+values, inside the training row with detached log-probs, or as its own no-grad row) is forced in
+turn, and the last two mixed per pair. The parallel layouts (TP=2, TP=2+SP, PP=2, PP=2 with
+virtual stages, DP=2, TP=2 x PP=2) equal the single rank; under PP the stored-keys scheme falls
+back to the per-pair choice. The shared
 layout against the independent plain-PyTorch reference, and branch pruning's unbiasedness in it,
 are in ``test_dpo_objective.py``.
 """
@@ -35,11 +37,12 @@ def _combos() -> dict[str, dict]:
 
 
 COMBOS = _combos()
-JOINS = {"joined": True, "separate": False}
+JOINS = {"joined": True, "separate": False, "prefix-kv": None}  # None: the step's own choice
 # (pruning combination, how the pruned branch runs) for every combination; the second only with branch.
 CASES = [(name, None) for name, p in COMBOS.items() if not p.get("branch")] + [
     (name, join) for name, p in COMBOS.items() if p.get("branch") for join in JOINS]
-PARALLEL_CASES = [("off", None, 2), ("position+sequence+branch", "mixed", 2), ("branch", "joined", 1)]
+PARALLEL_CASES = [("off", None, 2), ("position+sequence+branch", "mixed", 2), ("branch", "joined", 1),
+                  ("position+sequence+branch", "prefix-kv", 2)]
 LAYOUTS_2 = {
     "dp2": dict(),
     "tp2": dict(tensor_model_parallel_size=2),
@@ -110,6 +113,12 @@ def test_branch_pruning_runs_the_pruned_branch_where_it_was_told(single):
         assert separate["forward_only_tokens"] > separate["ref_tokens"], name
         assert joined["train_tokens"] > separate["train_tokens"], name
         assert joined["policy_tokens"] < separate["policy_tokens"], name  # the prompt ran once per pair
+        # On stored keys and values: the training rows of `separate`, the pruned responses forward
+        # only and without their prompts (so the policy runs `joined`'s tokens, none in a backward).
+        kv = single["shared"][(name, "prefix-kv", 2)]["counters"]
+        assert kv["train_tokens"] == separate["train_tokens"], name
+        assert kv["policy_tokens"] == joined["policy_tokens"], name
+        assert kv["forward_only_tokens"] - kv["ref_tokens"] == kv["policy_tokens"] - kv["train_tokens"] > 0, name
     mixed = single["shared"][("position+sequence+branch", "mixed", 2)]
     assert_same(single["full"]["position+sequence+branch"], mixed, "shared/mixed")
     counters = mixed["counters"]

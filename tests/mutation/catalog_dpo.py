@@ -9,6 +9,7 @@ OBJECTIVE = "tests/distributed/test_dpo_objective.py"
 REFERENCE = f"{OBJECTIVE}::test_pruning_off_equals_independent_reference"
 BRANCH = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[concat]"
 BRANCH_SHARED = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[shared]"
+BRANCH_SHARED_KV = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[shared-prefix-kv]"
 POSITION = f"{OBJECTIVE}::test_position_pruning_reward_estimate_is_unbiased_through_the_step"
 STRUCTURE = f"{OBJECTIVE}::test_branch_pruning_saves_compute_by_structure"
 BRANCH_RATE = f"{OBJECTIVE}::test_branch_draw_keeps_chosen_at_rate_q"
@@ -187,5 +188,30 @@ MUTANTS: list[dict] = [
         "old": "return pruned_backward < prompt_again",
         "new": "return pruned_backward > prompt_again",
         "tests": [f"{SHARED_UNIT_FILE}::test_pruned_branch_joins_the_training_row_when_that_is_cheaper"],
+    },
+    # -- pruned responses on the training pass's stored prompt keys and values ----------------------
+    {
+        "name": "dpo-shared-prefix-kv-positions-shifted",
+        "why": "the pruned response on stored keys rotates as if it started one position later",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "position_ids[row, :length] = torch.arange(prompt - 1, prompt - 1 + length)",
+        "new": "position_ids[row, :length] = torch.arange(prompt, prompt + length)",
+        "tests": [BRANCH_SHARED_KV],
+    },
+    {
+        "name": "dpo-shared-prefix-kv-last-prompt-key-twice",
+        "why": "the stored prefix includes the prompt's last key, which the pruned forward also computes itself",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "rows[row].append(Segment(stored_length, stored_length + length, 0, prompt - 1))",
+        "new": "rows[row].append(Segment(stored_length, stored_length + length, 0, prompt))",
+        "tests": [BRANCH_SHARED_KV],
+    },
+    {
+        "name": "dpo-shared-prefix-kv-stored-keys-ignored",
+        "why": "the pruned forward does not put the stored keys in front of its own: it never sees its prompt",
+        "file": "megatron_prune/model/segment_attention.py",
+        "old": "key = torch.cat([stored_key.to(key.dtype), key])",
+        "new": "key = torch.cat([torch.zeros_like(stored_key).to(key.dtype), key])",
+        "tests": [BRANCH_SHARED_KV],
     },
 ]
