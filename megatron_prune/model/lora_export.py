@@ -10,8 +10,9 @@ which is read from there (an HF directory, or a preset regenerated from its seed
   every expert's ``B A`` is merged into that expert's weights;
 - PEFT: per HF module adapters with PEFT's key names. A fused base (QKV, gate+up) shares one
   input, so every module split from it gets the same ``A``; ``B``'s rows are split exactly like
-  the base weight's rows (the interleaved per-group QKV order, the [gate; up] halves). Not for
-  mixture-of-experts models (refused: merge them instead).
+  the base weight's rows (the interleaved per-group QKV order, the [gate; up] halves); on a
+  mixture-of-experts model, per expert (``mlp.experts.<e>.gate_proj`` ...), except where the model
+  also has dense MLP layers with adapters (refused: peft would drop those on load).
 """
 
 from __future__ import annotations
@@ -47,10 +48,23 @@ def checkpoint_lora(meta: dict) -> dict | None:
 
 
 def check_peft_export(meta: dict) -> None:
-    """Raise ValueError where the checkpoint's adapters have no PEFT export (a mixture-of-experts model)."""
-    if ModelArch.from_dict(meta["arch"]).is_moe:
-        raise ValueError(f"--peft-out: {meta['path']} is a LoRA checkpoint of a mixture-of-experts model, whose "
-                         "adapters have no PEFT export; write merged HF weights with --hf-out DIR --merge-lora")
+    """Raise ValueError where a PEFT export of the checkpoint's adapters would not load as trained.
+
+    peft, on transformers' fused mixture-of-experts models, takes every ``gate_proj``/``up_proj``/
+    ``down_proj`` target for the fused expert tensors, so on a model that also has dense MLP
+    layers, those layers' MLP adapters would be silently dropped on load.
+    """
+    arch = ModelArch.from_dict(meta["arch"])
+    lora = checkpoint_lora(meta) or {}
+    dense = [i for i, sparse in enumerate(arch.moe_layer_pattern()) if not sparse]
+    mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(lora.get("targets", ())))
+    if arch.is_moe and dense and mlp_targets:
+        raise ValueError(
+            f"--peft-out: {meta['path']} is a mixture-of-experts model with dense MLP layers {dense} and "
+            f"{'/'.join(mlp_targets)} adapters; peft maps every gate_proj/up_proj/down_proj target of such a model "
+            "onto its fused expert tensors, so the dense layers' MLP adapters would be lost on load. Write merged "
+            "HF weights with --hf-out DIR --merge-lora instead"
+        )
 
 
 def _adapted_weight_keys(arch: ModelArch, targets: list[str]) -> list[str]:
@@ -170,32 +184,53 @@ def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_
 
 
 def peft_tensors(*, dist_dir: str, metadata: dict, arch: ModelArch, targets: list[str]) -> dict[str, torch.Tensor]:
-    """PEFT state dict (``base_model.model.<module>.lora_{A,B}.weight``) from a LoRA checkpoint."""
+    """PEFT state dict (``base_model.model.<module>.lora_{A,B}.weight``) from a LoRA checkpoint.
+
+    On a mixture-of-experts model each expert's adapters are written under that expert's own
+    HF modules (``mlp.experts.<e>.{gate,up,down}_proj``), the per-expert layout PEFT reads and,
+    under transformers' fused expert tensors, fuses on load itself.
+    """
     from megatron_prune.model.hf_convert import _load_layer
 
-    rules = {r.megatron_key: r for r in tensor_rules(arch)}
+    adapted = set(_adapted_weight_keys(arch, targets))
+    rules = [r for r in tensor_rules(arch) if r.megatron_key in adapted]
     out: dict[str, torch.Tensor] = {}
-    for layer in range(arch.num_layers):
-        keys = [k for t in targets for k in adapter_keys(ADAPTED[t])]
+
+    def add(rule, index: int | None, a: torch.Tensor, b: torch.Tensor) -> None:
+        names = rule.names(index)
+        # B's rows follow the base's rows: split it with the base weight's own Megatron -> HF rule.
+        b_parts = rule.to_hf(b) if len(names) > 1 else [b]
+        for name, b_part in zip(names, b_parts):
+            module = PEFT_PREFIX + name.removesuffix(".weight")
+            out[f"{module}.lora_A.weight"] = a.clone().contiguous()
+            out[f"{module}.lora_B.weight"] = b_part.clone().contiguous()
+
+    stacked = [r for r in rules if r.layered]
+    for layer in range(arch.num_layers) if stacked else ():
+        keys = [k for r in stacked for k in adapter_keys(r.megatron_key)]
         tensors = _load_layer(dist_dir, metadata=metadata, keys=keys, layer=layer, num_layers=arch.num_layers)
-        for target in targets:
-            rule = rules[ADAPTED[target]]
+        for rule in stacked:
             a_key, b_key = adapter_keys(rule.megatron_key)
-            a, b = tensors[a_key], tensors[b_key]
-            names = rule.names(layer)
-            # B's rows follow the base's rows: split it with the base weight's own Megatron -> HF rule.
-            b_parts = rule.to_hf(b) if len(names) > 1 else [b]
-            for name, b_part in zip(names, b_parts):
-                module = PEFT_PREFIX + name.removesuffix(".weight")
-                out[f"{module}.lora_A.weight"] = a.clone().contiguous()
-                out[f"{module}.lora_B.weight"] = b_part.clone().contiguous()
+            add(rule, layer, tensors[a_key], tensors[b_key])
+    for rule in (r for r in rules if not r.layered):  # a MoE model keys its layers one by one
+        a_key, b_key = adapter_keys(rule.megatron_key)
+        tensors = _load_layer(dist_dir, metadata=metadata, keys=[a_key, b_key], layer=None,
+                              num_layers=arch.num_layers)
+        if rule.stack == "expert":
+            for expert in range(arch.num_experts):
+                add(rule, expert, tensors[a_key][expert], tensors[b_key][expert])
+        else:
+            add(rule, None, tensors[a_key], tensors[b_key])
     return out
 
 
 def peft_target_modules(arch: ModelArch, targets: list[str]) -> list[str]:
-    rules = {r.megatron_key: r for r in tensor_rules(arch)}
-    names = [n for t in targets for n in rules[ADAPTED[t]].names(0)]
-    return [n.removesuffix(".weight").rsplit(".", 1)[-1] for n in names]
+    """PEFT's ``target_modules``: the HF module names (last component) the adapters sit on."""
+    adapted = set(_adapted_weight_keys(arch, targets))
+    names = {n.removesuffix(".weight").rsplit(".", 1)[-1]
+             for r in tensor_rules(arch) if r.megatron_key in adapted
+             for n in r.names(0 if r.stack is not None else None)}
+    return sorted(names)
 
 
 def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base=None) -> list[str]:

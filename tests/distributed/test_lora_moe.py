@@ -10,12 +10,14 @@ in most steps: they count every token of a microbatch, padding included, so they
 rows are grouped and padded; one step with them on runs one pair per microbatch padded to one
 common length (as tests/distributed/test_moe.py does), where their gradient reaches the adapters
 through the router's input. A checkpoint saved at EP=2 (and EP=2 x TP=2) loads at EP=1 with the
-same adapters and exports merged HF weights that transformers runs to the same logits.
+same adapters and exports merged HF weights that transformers runs to the same logits; the
+PEFT export (per-expert adapters) loaded with peft gives them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -214,7 +216,7 @@ def merged_export_bases(root: str) -> dict:
     from megatron_prune.model.hf_convert import export_megatron_to_hf, megatron_logits
     from megatron_prune.model.lora import LoRAConfig
     from megatron_prune.model.lora_base import hf_base, megatron_base
-    from megatron_prune.model.lora_export import export_merged, lora_meta
+    from megatron_prune.model.lora_export import export_merged, export_peft, lora_meta
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.checkpoint import read_meta, save_checkpoint
     from megatron_prune.training.model_setup import setup_model
@@ -235,12 +237,40 @@ def merged_export_bases(root: str) -> dict:
                             extra_meta=lora_meta(cfg, base=base.to_dict()))
             export_merged(load_dir=f"{root}/lora_{kind}", hf_out=f"{root}/merged_{kind}")
             merged[kind] = f"{root}/merged_{kind}"
-        return dict(logits=megatron_logits(lora, _tokens()), merged=merged)
+        return dict(logits=megatron_logits(lora, _tokens()), merged=merged, ckpt=f"{root}/lora_hf")
+
+
+def peft_export_all_sparse(root: str) -> dict:
+    """A LoRA checkpoint of tiny-moe with every layer sparse, on an HF base, exported as PEFT adapters."""
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.hf_convert import export_megatron_to_hf, megatron_logits
+    from megatron_prune.model.lora import LoRAConfig
+    from megatron_prune.model.lora_base import hf_base
+    from megatron_prune.model.lora_export import export_peft, lora_meta
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.checkpoint import save_checkpoint
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    arch = dataclasses.replace(get_preset(PRESET), mlp_only_layers=[])
+    cfg = LoRAConfig(**LORA)
+    with model_parallel(par, seed=SEED):
+        lora = setup_model(arch, par, seed=SEED, lora=cfg)
+        perturb_adapters(lora)
+        save_checkpoint(f"{root}/sparse_base", iteration=1, model=setup_model(arch, par, seed=SEED, trainable=False),
+                        arch=arch)
+        export_megatron_to_hf(load_dir=f"{root}/sparse_base", hf_out=f"{root}/sparse_base_hf")
+        save_checkpoint(f"{root}/sparse_lora", iteration=1, model=lora, arch=arch,
+                        extra_meta=lora_meta(cfg, base=hf_base(f"{root}/sparse_base_hf").to_dict()))
+        export_peft(load_dir=f"{root}/sparse_lora", peft_out=f"{root}/sparse_peft")
+        return dict(logits=megatron_logits(lora, _tokens()), peft=f"{root}/sparse_peft",
+                    base_hf=f"{root}/sparse_base_hf")
 
 
 def single_rank(root: str) -> dict:
     return dict(step=lora_moe_step(), router_losses=lora_moe_step(router_losses=True), fresh=fresh_checks(),
-                export=merged_export_bases(root))
+                export=merged_export_bases(root), peft=peft_export_all_sparse(root))
 
 
 def _save_reload_export(root: str, parallel: dict) -> dict:
@@ -377,16 +407,54 @@ def test_merged_export_of_a_moe_lora_checkpoint_on_megatron_and_hf_bases(single)
         assert got.max_abs_diff <= TOLERANCE, f"{kind} base: {got.summary()}"
 
 
+def _swap_expert_adapters(src: str, dst: str) -> None:
+    """A copy of the PEFT directory ``src`` with experts 0 and 1 of one layer trading adapters."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(f"{src}/adapter_model.safetensors")
+    first = sorted(k for k in tensors if ".experts.0." in k)
+    assert first, "no expert adapters in the PEFT export"
+    for key in first:
+        other = key.replace(".experts.0.", ".experts.1.")
+        tensors[key], tensors[other] = tensors[other], tensors[key]
+    save_file(tensors, f"{dst}/adapter_model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.mark.distributed
-def test_peft_export_of_a_moe_lora_checkpoint_is_refused(two_ranks, tmp_path, capsys):
+def test_peft_export_of_a_moe_lora_checkpoint_matches_in_peft(single, tmp_path):
+    """Per-expert PEFT adapters (``mlp.experts.<e>.{gate,up,down}_proj``), which peft fuses onto
+    transformers' stacked expert tensors on load, give the LoRA model's logits (every layer
+    sparse); a copy with two experts' adapters swapped does not."""
+    pytest.importorskip("peft")
+    from megatron_prune.model.hf_convert import compare_logits
+    from tests.distributed.test_lora import _peft_logits
+
+    export = single["peft"]
+    config = json.loads(open(f"{export['peft']}/adapter_config.json").read())
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj"])
+    got = compare_logits(_peft_logits(export["base_hf"], export["peft"], _tokens()), export["logits"])
+    assert got.max_abs_diff <= TOLERANCE, got.summary()
+    _swap_expert_adapters(export["peft"], str(tmp_path / "swapped"))
+    swapped = compare_logits(_peft_logits(export["base_hf"], str(tmp_path / "swapped"), _tokens()), export["logits"])
+    assert swapped.max_abs_diff > 100 * TOLERANCE, "swapping two experts' adapters went unnoticed"
+
+
+@pytest.mark.distributed
+def test_peft_export_of_a_moe_model_with_dense_mlp_layers_is_refused(single, tmp_path, capsys):
+    """tiny-moe's layer 0 is dense: peft would drop its MLP adapters on load, so the tool refuses."""
     from tests.distributed.test_hf_conversion import _tool
 
     merged, peft = tmp_path / "merged", tmp_path / "peft"
     with pytest.raises(SystemExit) as exc:
-        _tool("convert_megatron_to_hf").main(["--load", two_ranks["saved:ep2"]["ckpt"], "--hf-out", str(merged),
+        _tool("convert_megatron_to_hf").main(["--load", single["export"]["ckpt"], "--hf-out", str(merged),
                                               "--merge-lora", "--peft-out", str(peft)])
     assert exc.value.code == 2
-    assert "mixture-of-experts" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "dense MLP layers [0]" in err and "--merge-lora" in err, err
     assert not merged.exists() and not peft.exists(), "refused before writing anything"
 
 
