@@ -12,6 +12,7 @@ TESTS = "tests/distributed/test_lora_moe.py"
 EP2 = f"{TESTS}::test_lora_moe_step_at_expert_parallel_2_matches_single_rank"
 EP2_TP2 = f"{TESTS}::test_lora_moe_step_at_ep2_x_tp2_sp_matches_single_rank"
 MERGED = f"{TESTS}::test_lora_moe_checkpoint_saved_at_ep2_loads_at_ep1_and_exports_merged"
+PEFT = f"{TESTS}::test_peft_export_of_a_moe_lora_checkpoint_matches_in_peft"
 
 MUTANTS: list[dict] = [
     {
@@ -67,5 +68,22 @@ MUTANTS: list[dict] = [
         "old": "                          read_base=read_base, whole_experts=megatron_moe)",
         "new": "                          read_base=read_base, whole_experts=True)",
         "tests": [MERGED],
+    },
+    {
+        "name": "lora-moe-peft-b-of-the-next-expert",
+        "why": "the PEFT export pairs each expert's A with the next expert's B",
+        "file": EXPORT,
+        "old": "add(rule, expert, tensors[a_key][expert], tensors[b_key][expert])",
+        "new": "add(rule, expert, tensors[a_key][expert], tensors[b_key][(expert + 1) % arch.num_experts])",
+        "tests": [PEFT],
+    },
+    {
+        "name": "lora-moe-peft-dense-mlp-check-skipped",
+        "why": "a MoE model with dense MLP layers exports PEFT adapters that peft would load without the dense "
+               "layers' MLP adapters",
+        "file": EXPORT,
+        "old": "    if arch.is_moe and dense and mlp_targets:",
+        "new": "    if arch.is_moe and dense and mlp_targets and False:",
+        "tests": [f"{TESTS}::test_peft_export_of_a_moe_model_with_dense_mlp_layers_is_refused"],
     },
 ]
