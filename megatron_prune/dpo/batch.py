@@ -270,41 +270,46 @@ def build_prefix_replay(
     plans: list[PlannedPair],
     *,
     branches: list[int],
-    num_rows: int,
+    stored_rows: int,
     stored_length: int,
     pad_multiple: int,
     pad_id: int,
 ) -> DPOMicrobatch:
-    """Response ``branches[i]`` of ``plans[i]`` as a forward over stored prompt keys and values.
+    """Response ``branches[i]`` of ``plans[i]`` as one row run over stored prompt keys and values.
 
-    Row ``i`` continues row ``i`` of a shared-layout forward of ``stored_length`` tokens whose rows
-    start with each plan's prompt (the training rows ``[prompt, kept]``): its tokens are the
-    prompt's last token followed by the response without its last token, at positions
-    ``P-1, P, ...``, and its one segment takes the stored row's first ``P-1`` keys as its prefix.
-    Input ``j`` predicts response token ``j``, so every scored position (the first one too) is
-    scored from this forward. The layout covers the stored positions followed by this forward's
-    own (see :func:`~megatron_prune.model.segment_attention.attend_to_prefix_kv`).
+    Plan ``i``'s prompt starts row ``i`` of a shared-layout forward of ``stored_rows`` rows of
+    ``stored_length`` tokens (the training rows ``[prompt, kept]``), whose keys and values are laid
+    end to end in front of this row (see
+    :func:`~megatron_prune.model.segment_attention.attend_to_prefix_kv`). Each response is a segment
+    of this row: its prompt's last token followed by the response without its last token, at
+    positions ``P-1, P, ...``, with stored row ``i``'s first ``P-1`` keys as its prefix. Input ``j``
+    predicts response token ``j``, so every scored position (the first one too) is scored here.
+    The segments are packed one after another: no padding but the row's tail.
     """
-    seq_length = round_up(max(1, *(len(plan.responses[b]) for plan, b in zip(plans, branches))), pad_multiple)
-    tokens = torch.full((num_rows, seq_length), pad_id, dtype=torch.long)
-    labels = torch.full((num_rows, seq_length), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((num_rows, seq_length), dtype=torch.long)
-    rows: list[list[Segment]] = [[] for _ in range(num_rows)]
+    stored = stored_rows * stored_length
+    total = sum(len(plan.responses[b]) for plan, b in zip(plans, branches))
+    seq_length = round_up(max(total, 1), pad_multiple)
+    tokens = torch.full((1, seq_length), pad_id, dtype=torch.long)
+    labels = torch.full((1, seq_length), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((1, seq_length), dtype=torch.long)
+    segments: list[Segment] = []
     index, label_ids, seq_ids, responses = [], [], [], []
+    start = 0
     for row, (plan, branch) in enumerate(zip(plans, branches)):
         response, prompt = plan.responses[branch], len(plan.prompt)
         length = len(response)
         if length:
-            tokens[row, :length] = torch.tensor(plan.prompt[-1:] + response[:-1])
-            labels[row, :length] = torch.tensor(response)
-            position_ids[row, :length] = torch.arange(prompt - 1, prompt - 1 + length)
-            rows[row].append(Segment(stored_length, stored_length + length, 0, prompt - 1))
+            tokens[0, start : start + length] = torch.tensor(plan.prompt[-1:] + response[:-1])
+            labels[0, start : start + length] = torch.tensor(response)
+            position_ids[0, start : start + length] = torch.arange(prompt - 1, prompt - 1 + length)
+            first_key = row * stored_length
+            segments.append(Segment(stored + start, stored + start + length, first_key, first_key + prompt - 1))
         scored = plan.scored[branch]
-        index.append(scored * num_rows + row)
+        index.append(start + scored)
         label_ids.append(torch.tensor(response, dtype=torch.long)[scored])
         seq_ids.append(torch.full((len(scored),), len(responses), dtype=torch.long))
         responses.append(Response(row, branch, len(scored), length))
-    segments = SegmentLayout(rows=rows, seq_length=stored_length + seq_length)
+        start += length
+    layout = SegmentLayout(rows=[segments], seq_length=stored + seq_length)
     selection = TokenSelection(index=torch.cat(index), labels=torch.cat(label_ids), seq_ids=torch.cat(seq_ids))
-    executed = sum(len(plan.responses[b]) for plan, b in zip(plans, branches))
-    return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed)
+    return DPOMicrobatch(tokens, position_ids, None, layout, selection, labels, responses, len(plans), total)

@@ -103,7 +103,7 @@ def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool)
         store = PrefixKV()
         with capture_prefix_kv(store):
             output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
-        with attend_to_prefix_kv(store):
+        with attend_to_prefix_kv(store), torch.profiler.record_function("dpo:pruned_on_prefix_kv"):
             batch.extras["replay_logps"] = model(
                 replay.tokens, replay.position_ids, None, token_selection=replay.selection, segments=replay.segments
             ).float()
@@ -327,7 +327,7 @@ class DPOStep:
     def _prefix_replays(self, batches: list[DPOMicrobatch], groups) -> list[DPOMicrobatch]:
         """Each training microbatch's pruned responses, laid out to run on its prompts' keys and values."""
         return [
-            build_prefix_replay(group, branches=[1 - p.kept_branch for p in group], num_rows=batch.tokens.shape[0],
+            build_prefix_replay(group, branches=[1 - p.kept_branch for p in group], stored_rows=batch.tokens.shape[0],
                                 stored_length=batch.tokens.shape[1], pad_multiple=self.pad_multiple,
                                 pad_id=self.s.pad_id)
             for batch, group in zip(batches, groups)

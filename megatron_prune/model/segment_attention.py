@@ -27,7 +27,10 @@ exactly the prefix offset). The GPU path has not been run in this project's CI (
 Prefix keys/values across two forwards (:class:`PrefixKV`): inside :func:`capture_prefix_kv` every
 layer stores the (detached) keys and values it computed; inside :func:`attend_to_prefix_kv` a
 later forward's layers put those stored keys and values in front of their own, so its segments can
-take a prefix from the earlier forward's rows without running that prefix again. DPO's branch
+take a prefix from the earlier forward's rows without running that prefix again. The later forward
+runs one row; the stored rows are laid end to end in front of it (stored row ``r``'s position
+``p`` is position ``r * s + p``), so its segments pack the continuations of every stored row with
+no padding between them. DPO's branch
 pruning uses it: the pruned response runs without gradients on the prompt keys and values of the
 training pass. The store holds every layer's keys and values until the later forward is done
 (a small part of what the training pass saves for its backward). Layers are told apart by
@@ -238,8 +241,11 @@ class PrefixKV:
 
     @property
     def seq_length(self) -> int:
-        """Rows' length ``s`` of the captured forward (0 before a capture)."""
-        return next(iter(self.layers.values()))[0].shape[0] if self.layers else 0
+        """Positions the stored rows take laid end to end: ``s * b`` of the captured forward (0 before)."""
+        if not self.layers:
+            return 0
+        shape = next(iter(self.layers.values()))[0].shape
+        return shape[0] * shape[1]
 
 
 # The capture or replay in progress; set only inside the context managers below.
@@ -261,9 +267,9 @@ def capture_prefix_kv(store: PrefixKV):
 def attend_to_prefix_kv(store: PrefixKV):
     """Segment-attention layers run inside see ``store``'s keys and values in front of their own.
 
-    The segment table of such a forward covers ``store.seq_length`` positions of the stored rows
-    followed by the forward's own tokens; only the latter are queries. Runs without gradients:
-    the stored keys and values are detached.
+    Such a forward runs one row. Its segment table covers ``store.seq_length`` positions, the
+    stored rows laid end to end, followed by the forward's own tokens; only the latter are
+    queries. Runs without gradients: the stored keys and values are detached.
     """
     assert _prefix_kv["capture"] is None and _prefix_kv["replay"] is None, "prefix K/V contexts do not nest"
     if not store.layers:
@@ -296,12 +302,17 @@ class SegmentAttentionMixin:
             capture.layers[self.layer_number] = (key.detach(), value.detach())
         prefix = 0
         if replay is not None:
+            assert key.shape[1] == 1, "a forward on stored keys and values runs one row"
+
+            def end_to_end(stored: torch.Tensor) -> torch.Tensor:  # [s, b, ...] -> [b * s, 1, ...]
+                return stored.transpose(0, 1).reshape(-1, 1, *stored.shape[2:]).to(key.dtype)
+
             stored_key, stored_value = replay.layers[self.layer_number]
-            prefix = stored_key.shape[0]
-            assert stored_key.shape[1:] == key.shape[1:], "the replay's rows do not match the captured rows"
+            prefix = stored_key.shape[0] * stored_key.shape[1]
+            assert stored_key.shape[2:] == key.shape[2:], "the replay's heads do not match the captured heads"
             query = torch.cat([query.new_zeros((prefix, *query.shape[1:])), query])
-            key = torch.cat([stored_key.to(key.dtype), key])
-            value = torch.cat([stored_value.to(value.dtype), value])
+            key = torch.cat([end_to_end(stored_key), key])
+            value = torch.cat([end_to_end(stored_value), value])
         out = segment_attention(
             query, key, value, attention_mask,
             softmax_scale=self._segment_softmax_scale(),
