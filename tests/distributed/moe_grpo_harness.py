@@ -66,7 +66,10 @@ def moe_grpo_step(*, dense_packing: bool, kv_cache: bool, parallel: dict | None 
                 "TrainConfig": TrainConfig(global_batch_size=6, micro_batch_size=1, seq_length=16, seed=SEED),
                 "GRPOConfig": GRPOConfig(group_size=4, max_new_tokens=6, kl_beta=0.1, ppo_epochs=2,
                                          rollout_micro_batch_size=3, kv_cache=kv_cache),
-                "DPPOArgs": DPPOArgs(prompt_prune_rate=0.4, completion_prune_rate=0.5, sampling="independent", dense_packing=dense_packing),
+                # Floors of 0.1: these draws leave rank 1 with fewer training microbatches than rank 0,
+                # so the placeholder padding runs (the test asserts it did).
+                "DPPOArgs": DPPOArgs(prompt_prune_rate=0.4, completion_prune_rate=0.5, sampling="independent",
+                                     prompt_floor=0.1, completion_floor=0.1, dense_packing=dense_packing),
             }
             source = toy_source(vocab_size=arch.vocab_size, num_prompts=16, seed=SEED)
             objective = build_objective(configs=configs, arch=arch, policy=policy, reference=reference,
