@@ -5,11 +5,15 @@ called with the step's truncated ``seq_length``, so every stage and p2p buffer s
 pruning splits the policy into a forward-only pass over the pruned branches and a
 forward-backward pass over the kept ones, and position pruning picks the positions the
 selective head scores. In the shared layout (``[prompt, chosen, rejected]`` rows) the reference
-pass always runs both responses on one prompt; under branch pruning each pair's pruned response
-either joins its training row ``[prompt, kept, pruned]`` with its log-probs detached, or runs as
-its own no-grad row ``[prompt, pruned]``, whichever the FLOP count says is cheaper for that pair
-(joining saves a second forward of the prompt and pays the pruned response's backward). Forward-only passes run under ``no_grad`` through Megatron's own
-forward-only schedule, so no pipeline stage runs a backward for them.
+pass always runs both responses on one prompt; under branch pruning the pruned responses run
+without gradients on the prompt keys and values their training microbatch ``[prompt, kept]``
+computed (one packed row per microbatch, inside its forward step); under pipeline parallelism,
+where that is not possible, each pair's pruned response either joins its training row
+``[prompt, kept, pruned]`` with its log-probs detached, or runs as its own no-grad row
+``[prompt, pruned]``, whichever the FLOP count says is cheaper for that pair (joining saves a
+second forward of the prompt and pays the pruned response's backward). Forward-only passes run
+under ``no_grad`` through Megatron's own forward-only schedule, so no pipeline stage runs a
+backward for them.
 """
 
 from __future__ import annotations
@@ -250,9 +254,7 @@ class DPOStep:
         joined: set[int] = set()  # sample ids whose pruned branch runs inside the training row
         replay = self.s.prune.branch and self._replays_pruned_branch()
         if self.s.prune.branch:
-            if replay:
-                pass  # each training microbatch runs its pairs' pruned responses (policy_forward_step)
-            elif self.s.dpo.layout == "shared":
+            if not replay and self.s.dpo.layout == "shared":
                 joined = {p.sample_id for p in plans if pruned_branch_joins_training_row(p, weights=self.flop_weights)}
                 if joined and (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
                     # The interleaved schedule needs the same microbatch count in every pass (a
