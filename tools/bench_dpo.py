@@ -271,16 +271,22 @@ def run_worker(args) -> None:
                 for p in g:
                     lens = [len(p.prompt) + len(p.responses[br]) for br in branches_of(p)]
                     rows.extend([lens] if mode["layout"] == "concat" else [[n] for n in lens])
-                shared = {}
                 if mode["layout"] == "shared":  # the prompt once, each response with it as prefix
-                    segs = b.segments.rows
-                    rows = [[s.length for s in row] for row in segs]
-                    shared = dict(prefixes=[[s.prefix_length for s in row] for row in segs])
-                mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),
-                                selective=mode["selective_head"], **shared))
+                    mbs.append(segment_shapes(b, seq_length))
+                else:
+                    mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),
+                                    selective=mode["selective_head"]))
                 assert row_length(g, layout=mode["layout"], branches=[branches_of(p) for p in g]) <= seq_length
             passes.append({"kind": "forward", "microbatches": mbs})
             return batches, seq_length, groups
+
+        def segment_shapes(batch, seq_length: int) -> dict:
+            """A microbatch as the FLOP model sees it: segment lengths and prefix keys per row."""
+            rows = batch.segments.rows
+            return dict(rows=[[s.length for s in row] for row in rows],
+                        prefixes=[[s.prefix_length for s in row] for row in rows],
+                        seq_length=seq_length, scored=int(len(batch.selection.index)),
+                        selective=mode["selective_head"])
 
         runner._microbatches = recording_microbatches
         original_replays = runner._prefix_replays
@@ -289,11 +295,8 @@ def run_worker(args) -> None:
             # Pruned responses on the training pass's prompt keys and values: a forward-only pass
             # inside the training schedule (recorded before it: the last pass must be the training one).
             replays = original_replays(batches, groups)
-            mbs = [dict(rows=[[s.length for s in row] for row in r.segments.rows],
-                        prefixes=[[s.prefix_length for s in row] for row in r.segments.rows],
-                        seq_length=r.tokens.shape[1], scored=int(len(r.selection.index)),
-                        selective=mode["selective_head"]) for r in replays]
-            passes.insert(len(passes) - 1, {"kind": "forward", "microbatches": mbs})
+            shapes = [segment_shapes(r, r.tokens.shape[1]) for r in replays]
+            passes.insert(len(passes) - 1, {"kind": "forward", "microbatches": shapes})
             return replays
 
         runner._prefix_replays = recording_replays

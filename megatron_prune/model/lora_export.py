@@ -27,12 +27,10 @@ import torch
 
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.lora_config import lora_meta  # noqa: F401 (re-exported)
-from megatron_prune.model.hf_mapping import EMBED, FC1, FC2, PROJ, QKV, hf_tensors, tensor_rules
+from megatron_prune.model.hf_mapping import EMBED, hf_tensors, tensor_rules
 
 logger = logging.getLogger(__name__)
 
-ADAPTED = {"linear_qkv": QKV, "linear_proj": PROJ, "linear_fc1": FC1, "linear_fc2": FC2}
-"""LoRA target -> the Megatron weight it adapts."""
 PEFT_PREFIX = "base_model.model."
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 

@@ -30,9 +30,8 @@ later forward's layers put those stored keys and values in front of their own, s
 take a prefix from the earlier forward's rows without running that prefix again. The later forward
 runs one row; the stored rows are laid end to end in front of it (stored row ``r``'s position
 ``p`` is position ``r * s + p``), so its segments pack the continuations of every stored row with
-no padding between them. DPO's branch
-pruning uses it: the pruned response runs without gradients on the prompt keys and values of the
-training pass. The store holds every layer's keys and values until the later forward is done
+no padding between them. DPO's branch pruning uses it: the pruned response runs without
+gradients on the prompt keys and values of the training pass. The store holds every layer's keys and values until the later forward is done
 (a small part of what the training pass saves for its backward). Layers are told apart by
 ``layer_number``, so both forwards must run the same layers (one pipeline stage).
 """
