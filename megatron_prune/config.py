@@ -246,6 +246,9 @@ class DPOConfig:
     layout: str = field(default="concat", metadata=_flag("--dpo-layout", choices=("full", "concat", "shared")))
     """full: chosen and rejected as padded rows; concat: both packed in one row as independent sequences;
     shared: one row [prompt, chosen, rejected] per pair, the prompt run once (exact; needs the selective head)."""
+    pack_rows: bool = field(default=False, metadata=_flag("--dpo-pack-rows"))
+    """Lay each microbatch's rows end to end in one row, so no pass runs the padding between pairs (exact;
+    concat and shared layouts). Off by default: the padded rows are Megatron's usual [b, s] shapes."""
     ref_mode: str | None = field(default=None, metadata=_flag("--ref-mode", choices=("online", "precomputed", "adapter-off")))
     """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk;
     adapter-off: the policy itself with its LoRA adapters switched off (no second model). Default: adapter-off
@@ -258,5 +261,8 @@ class DPOConfig:
     def __post_init__(self) -> None:
         if self.beta <= 0:
             raise ValueError(f"--dpo-beta must be > 0, got {self.beta}")
+        if self.pack_rows and self.layout == "full":
+            raise ValueError("--dpo-pack-rows needs --dpo-layout concat or shared: the full layout's rows "
+                             "have no segments to keep the packed pairs apart")
         if self.eval_interval is not None and self.eval_interval < 1:
             raise ValueError(f"--eval-interval must be >= 1, got {self.eval_interval}")

@@ -19,6 +19,8 @@ position_branch    concat   selective  position + branch
 all                concat   selective  position + sequence + branch
 shared             shared   selective  none (one row [prompt, chosen, rejected] per pair)
 shared_all         shared   selective  position + sequence + branch
+shared_packed      shared   selective  none; each microbatch's rows in one row
+shared_all_packed  shared   selective  position + sequence + branch; packed rows
 =================  =======  =========  ==========================================
 
 Timed steps run first and touch no memory statistics. Then the first ``--memory-steps`` timed
@@ -82,6 +84,10 @@ MODES: dict[str, dict] = {
     "all": dict(layout="concat", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5, branch=True),
     "shared": dict(layout="shared", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=False),
     "shared_all": dict(layout="shared", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5, branch=True),
+    "shared_packed": dict(layout="shared", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=False,
+                          pack_rows=True),
+    "shared_all_packed": dict(layout="shared", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5,
+                              branch=True, pack_rows=True),
 }
 
 _QWEN3 = dict(model_type="qwen3", qk_norm=True, rope_theta=1000000.0, max_position_embeddings=4096)
@@ -255,7 +261,8 @@ def run_worker(args) -> None:
         optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=1e-6), bf16=par.bf16)
         prune = PruneConfig(position_ratio=mode["position_ratio"], seq_min_ratio=mode["seq_min_ratio"],
                             branch=mode["branch"], selective_head=mode["selective_head"])
-        settings = DPOStepSettings(dpo=DPOConfig(layout=mode["layout"]), prune=prune, seed=SEED,
+        settings = DPOStepSettings(dpo=DPOConfig(layout=mode["layout"], pack_rows=mode.get("pack_rows", False)),
+                                   prune=prune, seed=SEED,
                                    micro_batch_size=args.micro_batch_size, pad_id=pad_id)
         runner = DPOStep(settings=settings, policy=policy, reference=reference)
 
@@ -271,7 +278,7 @@ def run_worker(args) -> None:
                 for p in g:
                     lens = [len(p.prompt) + len(p.responses[br]) for br in branches_of(p)]
                     rows.extend([lens] if mode["layout"] == "concat" else [[n] for n in lens])
-                if mode["layout"] == "shared":  # the prompt once, each response with it as prefix
+                if mode["layout"] != "full":  # segment attention: segments (and prefixes) as they run
                     mbs.append(segment_shapes(b, seq_length))
                 else:
                     mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),

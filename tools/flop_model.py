@@ -225,6 +225,19 @@ class Microbatch:
     def padded_tokens(self) -> int:
         return len(self.rows) * self.seq_length
 
+    @property
+    def attention_keys(self) -> float:
+        """Keys per query that the memory model charges attention scores for: the row length for
+        dense causal rows (``prefixes`` None); with segment attention (``prefixes`` given), the
+        mean over the padded positions of each query's own causal keys plus its prefix (a padding
+        position sees itself), so packing rows end to end does not make every query pay for the
+        whole row."""
+        if self.prefixes is None:
+            return float(self.seq_length)
+        keys = sum(n * p + _causal_pairs(n) for row, prefixes in zip(self.rows, self.prefixes)
+                   for n, p in zip(row, prefixes))
+        return (keys + self.padded_tokens - self.tokens) / self.padded_tokens
+
 
 @dataclass(kw_only=True)
 class Pass:
@@ -307,13 +320,14 @@ def _lora_step_flops(shape: Shape, passes: list[Pass], *, recompute: bool, view:
     return out
 
 
-def activation_elements_per_token_layer(shape: Shape, seq_length: int) -> float:
-    """Stored activations of one token in one layer (no recompute), unfused local attention."""
+def activation_elements_per_token_layer(shape: Shape, seq_length: float) -> float:
+    """Stored activations of one token in one layer (no recompute), unfused local attention
+    (scores and probabilities over ``seq_length`` keys)."""
     return (6 * shape.hidden + 3 * shape.q_width + 4 * shape.kv_width + 5 * shape.mlp_activation_width()
             + shape.moe_dispatch_width() + 2 * shape.heads * seq_length)
 
 
-def forward_working_set_per_token(shape: Shape, seq_length: int) -> float:
+def forward_working_set_per_token(shape: Shape, seq_length: float) -> float:
     """Live elements per token while a no-grad pass runs one layer: the residual stream and its
     norm, plus the larger of the attention block (q, k, v, output, scores and probs) and the MLP
     (gate, up and activation; a MoE layer: its top-k experts' and the dispatch copies)."""
@@ -347,13 +361,13 @@ def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False
                       - shape.frozen_norm_savings_per_token()) if lora_rank else 0.0
     for p in passes:
         for mb in p.microbatches:
-            per_layer = (activation_elements_per_token_layer(shape, mb.seq_length) + lora_per_token) * mb.padded_tokens
+            per_layer = (activation_elements_per_token_layer(shape, mb.attention_keys) + lora_per_token) * mb.padded_tokens
             if p.kind == "train":
                 acts = (shape.layers * shape.hidden * mb.padded_tokens + per_layer) if recompute \
                     else shape.layers * per_layer
                 acts += 0 if lora_rank else largest_param
             else:
-                acts = forward_working_set_per_token(shape, mb.seq_length) * mb.padded_tokens
+                acts = forward_working_set_per_token(shape, mb.attention_keys) * mb.padded_tokens
             if mb.selective:
                 head = mb.scored * (min(head_chunk, shape.vocab) * 2 + shape.hidden * 2) * bytes_per_elem
             else:

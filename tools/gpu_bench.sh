@@ -46,8 +46,10 @@ if [ "$DRY_RUN" != 1 ]; then
   fi
 fi
 
-# Qwen3-0.6B shape: all ten modes (shared and shared_all included), 2 warm-up + 5 timed steps each (~20 s a mode).
+# Qwen3-0.6B shape: ten modes (full is in the 4B slice; shared_packed is left out), 2 warm-up +
+# 5 timed steps each (~20 s a mode).
 run qwen3-0.6b 230 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --memory-steps 2 --timeout 90 \
+  --modes concat selective position sequence branch position_branch all shared shared_all shared_all_packed \
   --json "$OUT/qwen3-0.6b.json" --plot "$OUT/qwen3-0.6b.png"
 # Qwen3-4B widths, 8 layers: the modes the goals are judged on first, fewer steps.
 run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --warmup 1 --steps 3 --memory-steps 1 --timeout 80 \

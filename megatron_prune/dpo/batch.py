@@ -146,6 +146,8 @@ class DPOMicrobatch:
     """Non-padding tokens run through the model."""
     extras: dict = field(default_factory=dict)
     """Values the loss needs from earlier passes (reference log-probs, pruned-branch log-ratios)."""
+    row_starts: list[int] | None = None
+    """After :func:`pack_rows`: where each row of the unpacked layout starts in the one packed row."""
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -266,6 +268,43 @@ def build_microbatch(
     return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed)
 
 
+def pack_rows(batch: DPOMicrobatch, *, seq_length: int, pad_id: int) -> DPOMicrobatch:
+    """``batch``'s rows laid end to end in one row of ``seq_length`` tokens, their padding dropped.
+
+    Exact for the segment layouts (``concat``, ``shared``): a row's tokens keep their position ids
+    and their segments (shifted with the row), so every token attends to the same keys and rotates
+    by the same position as before, and the scored positions follow their tokens. Only the padding
+    between rows goes (and the empty rows a pipeline-parallel pass adds); ``row_starts`` records
+    where each row went.
+    """
+    if batch.segments is None:
+        raise ValueError("only the concat and shared layouts can be packed (the full layout has no segments)")
+    rows = batch.tokens.shape[0]
+    used = [max((seg.end for seg in row), default=0) for row in batch.segments.rows]
+    starts = [sum(used[:r]) for r in range(rows)]
+    total = sum(used)
+    assert total <= seq_length, "packed row longer than its sequence length"
+    tokens = torch.full((1, seq_length), pad_id, dtype=torch.long)
+    labels = torch.full_like(tokens, pad_id)
+    position_ids = torch.zeros_like(tokens)
+    segments = []
+    for r, (start, n) in enumerate(zip(starts, used)):
+        tokens[0, start : start + n] = batch.tokens[r, :n]
+        labels[0, start : start + n] = batch.labels[r, :n]
+        position_ids[0, start : start + n] = batch.position_ids[r, :n]
+        segments += [Segment(seg.start + start, seg.end + start,
+                             seg.prefix_start + start if seg.prefix_length else 0,
+                             seg.prefix_end + start if seg.prefix_length else 0) for seg in batch.segments.rows[r]]
+    index = batch.selection.index
+    selection = TokenSelection(index=index // rows + torch.tensor(starts, dtype=torch.long)[index % rows],
+                               labels=batch.selection.labels,
+                               seq_ids=batch.selection.seq_ids)
+    packed = DPOMicrobatch(tokens, position_ids, None, SegmentLayout(rows=[segments], seq_length=seq_length),
+                           selection, labels, batch.responses, batch.num_pairs, batch.executed_tokens,
+                           dict(batch.extras), row_starts=starts)
+    return packed
+
+
 def build_prefix_replay(
     plans: list[PlannedPair],
     *,
@@ -274,6 +313,7 @@ def build_prefix_replay(
     stored_length: int,
     pad_multiple: int,
     pad_id: int,
+    prompt_starts: list[int] | None = None,
 ) -> DPOMicrobatch:
     """Response ``branches[i]`` of ``plans[i]`` as one row run over stored prompt keys and values.
 
@@ -284,7 +324,9 @@ def build_prefix_replay(
     of this row: its prompt's last token followed by the response without its last token, at
     positions ``P-1, P, ...``, with stored row ``i``'s first ``P-1`` keys as its prefix. Input ``j``
     predicts response token ``j``, so every scored position (the first one too) is scored here.
-    The segments are packed one after another: no padding but the row's tail.
+    The segments are packed one after another: no padding but the row's tail. ``prompt_starts``
+    gives where plan ``i``'s prompt starts among the stored positions when the stored forward
+    was packed (:func:`pack_rows`); by default, at the start of row ``i``.
     """
     stored = stored_rows * stored_length
     total = sum(len(plan.responses[b]) for plan, b in zip(plans, branches))
@@ -302,7 +344,7 @@ def build_prefix_replay(
             tokens[0, start : start + length] = torch.tensor(plan.prompt[-1:] + response[:-1])
             labels[0, start : start + length] = torch.tensor(response)
             position_ids[0, start : start + length] = torch.arange(prompt - 1, prompt - 1 + length)
-            first_key = row * stored_length
+            first_key = row * stored_length if prompt_starts is None else prompt_starts[row]
             segments.append(Segment(stored + start, stored + start + length, first_key, first_key + prompt - 1))
         scored = plan.scored[branch]
         index.append(start + scored)

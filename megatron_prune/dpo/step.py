@@ -39,6 +39,7 @@ from megatron_prune.dpo.batch import (
     PlannedPair,
     build_microbatch,
     build_prefix_replay,
+    pack_rows,
     plan_pair,
     pruned_branch_joins_training_row,
     round_up,
@@ -178,7 +179,9 @@ class DPOStep:
         PP every microbatch of a pass shares one length (the p2p buffers are shaped from it), the
         pass's longest row — so sequence pruning shrinks every stage and every p2p buffer.
         ``full_rows`` pads a short last microbatch with empty rows (a pass over a subset of the
-        pairs under PP, whose p2p buffers are shaped for ``micro_batch_size`` rows).
+        pairs under PP, whose p2p buffers are shaped for ``micro_batch_size`` rows). With
+        ``--dpo-pack-rows`` each microbatch then becomes one row of its tokens (:func:`pack_rows`),
+        padded only to the length multiple (under PP: to the pass's longest packed row).
         """
         groups = self._groups(plans, branches_of)
         branches = [[branches_of(p) for p in g] for g in groups]
@@ -195,6 +198,12 @@ class DPOStep:
             build_microbatch(g, branches=b, layout=layout, seq_length=n, pad_id=self.s.pad_id, num_rows=num_rows)
             for g, b, n in zip(groups, branches, lengths)
         ]
+        if self.s.dpo.pack_rows:
+            lengths = [round_up(max(b.executed_tokens, 1), self.pad_multiple) for b in batches]
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                lengths = [max(lengths)] * len(lengths)
+            batches = [pack_rows(b, seq_length=n, pad_id=self.s.pad_id) for b, n in zip(batches, lengths)]
+            seq_length = max(lengths)
         return batches, seq_length, groups
 
     # -- passes -----------------------------------------------------------------------------------
@@ -331,7 +340,7 @@ class DPOStep:
         return [
             build_prefix_replay(group, branches=[1 - p.kept_branch for p in group], stored_rows=batch.tokens.shape[0],
                                 stored_length=batch.tokens.shape[1], pad_multiple=self.pad_multiple,
-                                pad_id=self.s.pad_id)
+                                pad_id=self.s.pad_id, prompt_starts=batch.row_starts)
             for batch, group in zip(batches, groups)
         ]
 

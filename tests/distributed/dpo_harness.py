@@ -38,13 +38,15 @@ def dpo_grads(
     reference_seed: int = SEED + 1,
     preset: str = "tiny",
     join=None,
+    pack_rows: bool = False,
 ):
     """Loss metrics and whole gradients of one DPO step (no optimizer step).
 
     ``join`` (shared layout under branch pruning): None keeps the step's own choice (the pruned
     responses run on the training pass's prompt keys and values where they can); True/False/a
     callable of the sample id turns that off and forces, for every pair or per pair, whether the
-    pruned branch runs inside the training row or as its own row.
+    pruned branch runs inside the training row or as its own row. ``pack_rows`` lays each
+    microbatch's rows end to end in one row (``--dpo-pack-rows``).
     """
     from megatron.core import parallel_state
 
@@ -68,7 +70,7 @@ def dpo_grads(
         reference = setup_model(arch, par, seed=reference_seed, trainable=False)
         optimizer = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=0.0), bf16=False)
         settings = DPOStepSettings(
-            dpo=DPOConfig(layout=layout, loss_average=reduction), prune=prune_cfg, seed=SEED,
+            dpo=DPOConfig(layout=layout, loss_average=reduction, pack_rows=pack_rows), prune=prune_cfg, seed=SEED,
             micro_batch_size=micro_batch_size, pad_id=pad_id, pruned_branch_on_prefix_kv=join is None,
         )
         runner = DPOStep(settings=settings, policy=policy, reference=reference)

@@ -33,7 +33,10 @@ PRUNE_OFF = dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False, branch_cho
 REFERENCE_CASES = [
     dict(layout=layout, reduction=reduction, micro_batch_size=mbs)
     for layout in ("full", "concat", "shared") for reduction in ("mean", "sum") for mbs in (1, 2)
-] + [dict(layout="concat", reduction="mean", micro_batch_size=2, selective_head=False)]
+] + [dict(layout="concat", reduction="mean", micro_batch_size=2, selective_head=False)] + [
+    dict(layout=layout, reduction="mean", micro_batch_size=2, pack_rows=True, selective_head=head)
+    for layout, head in (("concat", True), ("concat", False), ("shared", True))
+]
 ENUM_PAIRS = 4  # 2**4 branch patterns per q
 
 
@@ -50,13 +53,14 @@ def _models(parallel: dict | None = None, preset: str = "tiny"):
     return arch, policy, reference
 
 
-def _runner(policy, reference, *, layout="concat", reduction="mean", micro_batch_size=2, prefix_kv=True, **prune):
+def _runner(policy, reference, *, layout="concat", reduction="mean", micro_batch_size=2, prefix_kv=True,
+            pack_rows=False, **prune):
     from megatron_prune.config import DPOConfig, PruneConfig
     from megatron_prune.dpo.step import DPOStep, DPOStepSettings
 
     _, pad_id = sample_pairs()
     settings = DPOStepSettings(
-        dpo=DPOConfig(layout=layout, loss_average=reduction, beta=BETA),
+        dpo=DPOConfig(layout=layout, loss_average=reduction, beta=BETA, pack_rows=pack_rows),
         prune=PruneConfig(**{**PRUNE_OFF, **prune}), seed=SEED, micro_batch_size=micro_batch_size, pad_id=pad_id,
         pruned_branch_on_prefix_kv=prefix_kv,
     )
@@ -188,7 +192,8 @@ def test_pruning_off_equals_independent_reference(reference_results, index):
 
 # -- 3a. branch pruning: unbiased by enumeration through the real plan() ---------------------------
 # layout: sample ids whose pruned branch joins the training row (the others: own rows), or None
-ENUM_LAYOUTS = {"concat": None, "shared": [0, 3], "shared-prefix-kv": None}
+# (the suffix -prefix-kv: pruned responses on the stored prompt keys; -packed: --dpo-pack-rows)
+ENUM_LAYOUTS = {"concat": None, "shared": [0, 3], "shared-prefix-kv": None, "shared-prefix-kv-packed": None}
 
 
 def branch_enumeration(q_values: tuple[float, ...], layout: str = "concat") -> dict:
@@ -205,8 +210,9 @@ def branch_enumeration(q_values: tuple[float, ...], layout: str = "concat") -> d
         _, policy, reference = _models()
         full = _step(_runner(policy, reference, **fixed), policy, samples)
         for q in q_values:
-            runner = _runner(policy, reference, layout=layout.removesuffix("-prefix-kv"), **fixed, branch=True,
-                             branch_chosen_prob=q, prefix_kv=layout.endswith("-prefix-kv"))
+            runner = _runner(policy, reference, layout=layout.split("-")[0], **fixed, branch=True,
+                             branch_chosen_prob=q, prefix_kv="-prefix-kv" in layout,
+                             pack_rows=layout.endswith("-packed"))
             expectation: dict[str, torch.Tensor] = {}
             total_prob, losses, draws = 0.0, [], 0
             for pattern in itertools.product((True, False), repeat=ENUM_PAIRS):

@@ -6,7 +6,8 @@ pruning each way of running the pruned branch (on the training pass's stored pro
 values, inside the training row with detached log-probs, or as its own no-grad row) is forced in
 turn, and the last two mixed per pair. The parallel layouts (TP=2, TP=2+SP, PP=2, PP=2 with
 virtual stages, DP=2, TP=2 x PP=2) equal the single rank; under PP the stored-keys scheme falls
-back to the per-pair choice. The shared
+back to the per-pair choice. Packed rows (``--dpo-pack-rows``: each microbatch's rows end to end
+in one row) equal the padded rows in both segment layouts and every scheme. The shared
 layout against the independent plain-PyTorch reference, and branch pruning's unbiasedness in it,
 are in ``test_dpo_objective.py``.
 """
@@ -41,8 +42,13 @@ JOINS = {"joined": True, "separate": False, "prefix-kv": None}  # None: the step
 # (pruning combination, how the pruned branch runs) for every combination; the second only with branch.
 CASES = [(name, None) for name, p in COMBOS.items() if not p.get("branch")] + [
     (name, join) for name, p in COMBOS.items() if p.get("branch") for join in JOINS]
-PARALLEL_CASES = [("off", None, 2), ("position+sequence+branch", "mixed", 2), ("branch", "joined", 1),
-                  ("position+sequence+branch", "prefix-kv", 2)]
+# (pruning, pruned-branch scheme, micro-batch size, --dpo-pack-rows)
+PARALLEL_CASES = [("off", None, 2, False), ("position+sequence+branch", "mixed", 2, False),
+                  ("branch", "joined", 1, False), ("position+sequence+branch", "prefix-kv", 2, False),
+                  ("position+sequence+branch", "mixed", 2, True)]
+# Packed rows (--dpo-pack-rows) at a single rank: (layout, pruning, pruned-branch scheme).
+PACKED_CASES = [("concat", "off", None), ("concat", "position+sequence+branch", None), ("shared", "off", None)] + [
+    ("shared", "position+sequence+branch", join) for join in (*JOINS, "mixed")]
 LAYOUTS_2 = {
     "dp2": dict(),
     "tp2": dict(tensor_model_parallel_size=2),
@@ -67,14 +73,16 @@ def single_rank_checks() -> dict:
                                                          micro_batch_size=mbs)
     name = "position+sequence+branch"
     out["shared"][(name, "mixed", 2)] = dpo_grads(layout="shared", prune=COMBOS[name], join=_mixed)
+    out["packed"] = {(layout, name, join): dpo_grads(layout=layout, prune=COMBOS[name], join=_join(join), pack_rows=True)
+                     for layout, name, join in PACKED_CASES}
     return out
 
 
 def parallel_checks(layouts: dict) -> dict:
     return {
-        (layout, name, join, mbs): dpo_grads(layout="shared", parallel=par, prune=COMBOS[name], join=_join(join),
-                                             micro_batch_size=mbs)
-        for layout, par in layouts.items() for name, join, mbs in PARALLEL_CASES
+        (layout, name, join, mbs, pack): dpo_grads(layout="shared", parallel=par, prune=COMBOS[name], join=_join(join),
+                                                   micro_batch_size=mbs, pack_rows=pack)
+        for layout, par in layouts.items() for name, join, mbs, pack in PARALLEL_CASES
     }
 
 
@@ -126,19 +134,37 @@ def test_branch_pruning_runs_the_pruned_branch_where_it_was_told(single):
 
 
 @pytest.mark.distributed
+def test_packed_rows_equal_padded_rows_and_run_no_padding_between_pairs(single):
+    saved = 0
+    for (layout, name, join), got in single["packed"].items():
+        padded = single["full"][name] if layout == "concat" else single["shared"][(name, join, 2)]
+        where = f"packed/{layout}/{name}/{join}"
+        assert_same(padded, got, where)
+        mine, theirs = got["counters"], padded["counters"]
+        assert mine["policy_tokens"] == theirs["policy_tokens"] and mine["ref_tokens"] == theirs["ref_tokens"], where
+        if layout == "concat":
+            theirs = single["concat"][name]["counters"]
+        # one row per microbatch: only its tail pads (up to the length multiple)
+        assert mine["ref_padded_tokens"] <= theirs["ref_padded_tokens"], where
+        assert mine["policy_padded_tokens"] <= theirs["policy_padded_tokens"], where
+        saved += theirs["policy_padded_tokens"] - mine["policy_padded_tokens"]
+    assert saved > 0, "packing removed no padding in any case"
+
+
+@pytest.mark.distributed
 def test_shared_parallel_layouts_match_single_rank_2_ranks(single):
     results = run_distributed(parallel_checks, 2, layouts=LAYOUTS_2)[0]
     assert len(results) == len(LAYOUTS_2) * len(PARALLEL_CASES)
-    for (layout, name, join, mbs), got in results.items():
-        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}")
+    for (layout, name, join, mbs, pack), got in results.items():
+        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}/packed={pack}")
 
 
 @pytest.mark.distributed
 def test_shared_parallel_layouts_match_single_rank_tp2xpp2(single):
     par = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     results = run_distributed(parallel_checks, 4, layouts={"tp2xpp2": par})[0]
-    for (layout, name, join, mbs), got in results.items():
-        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}")
+    for (layout, name, join, mbs, pack), got in results.items():
+        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}/packed={pack}")
 
 
 @pytest.mark.e2e

@@ -10,6 +10,7 @@ REFERENCE = f"{OBJECTIVE}::test_pruning_off_equals_independent_reference"
 BRANCH = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[concat]"
 BRANCH_SHARED = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[shared]"
 BRANCH_SHARED_KV = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[shared-prefix-kv]"
+BRANCH_SHARED_KV_PACKED = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through_the_step[shared-prefix-kv-packed]"
 POSITION = f"{OBJECTIVE}::test_position_pruning_reward_estimate_is_unbiased_through_the_step"
 STRUCTURE = f"{OBJECTIVE}::test_branch_pruning_saves_compute_by_structure"
 BRANCH_RATE = f"{OBJECTIVE}::test_branch_draw_keeps_chosen_at_rate_q"
@@ -221,5 +222,39 @@ MUTANTS: list[dict] = [
         "old": "first_key = row * stored_length",
         "new": "first_key = ((row + 1) % stored_rows) * stored_length",
         "tests": [BRANCH_SHARED_KV],
+    },
+    # -- packed rows (--dpo-pack-rows) --------------------------------------------------------------
+    {
+        "name": "dpo-packed-prefix-not-moved",
+        "why": "packing moves a row's segments but not their prefixes: responses after the first row attend "
+               "to the first pair's prompt",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "seg.prefix_start + start if seg.prefix_length else 0,",
+        "new": "seg.prefix_start if seg.prefix_length else 0,",
+        "tests": [f"{REFERENCE}[shared-mean-2-True-True]"],
+    },
+    {
+        "name": "dpo-packed-scored-positions-not-moved",
+        "why": "the scored positions keep their place in the padded row, so packed rows score other tokens",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "selection = TokenSelection(index=index // rows + torch.tensor(starts, dtype=torch.long)[index % rows],",
+        "new": "selection = TokenSelection(index=index // rows + 0 * torch.tensor(starts, dtype=torch.long)[index % rows],",
+        "tests": [f"{REFERENCE}[concat-mean-2-True-True]"],
+    },
+    {
+        "name": "dpo-packed-labels-not-moved",
+        "why": "the full-logits head reads the labels of the padded layout in a packed row",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "labels[0, start : start + n] = batch.labels[r, :n]",
+        "new": "labels[0, :n] = batch.labels[r, :n]",
+        "tests": [f"{REFERENCE}[concat-mean-2-True-False]"],
+    },
+    {
+        "name": "dpo-packed-replay-prefix-of-the-next-pair",
+        "why": "in a packed row each pruned response takes the next pair's stored prompt as its prefix",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "pad_id=self.s.pad_id, prompt_starts=batch.row_starts)",
+        "new": "pad_id=self.s.pad_id, prompt_starts=batch.row_starts and batch.row_starts[1:] + batch.row_starts[:1])",
+        "tests": [BRANCH_SHARED_KV_PACKED],
     },
 ]

@@ -158,3 +158,29 @@ def test_shared_layout_without_selective_head_is_refused():
         pad_id=0)
     with pytest.raises(ValueError, match="selective head"):
         DPOStep(settings=settings, policy=[], reference=None, ref_lookup=lambda *a: None)
+
+
+def test_packed_rows_keep_every_token_position_segment_and_scored_position():
+    from megatron_prune.dpo.batch import pack_rows
+    from megatron_prune.model.segments import Segment
+
+    a, b = _plan([1, 2], [3], [4, 5], sample_id=0), _plan([6, 7, 8], [9, 10], [12], sample_id=1)
+    padded = build_microbatch([a, b], branches=[[REJECTED], [CHOSEN, REJECTED]], layout="shared", seq_length=8,
+                              pad_id=0, num_rows=3)
+    batch = pack_rows(padded, seq_length=16, pad_id=0)
+    assert batch.row_starts == [0, 4, 10]  # row 0 holds 4 tokens, row 1 six, row 2 none
+    assert batch.tokens.tolist() == [[1, 2, 4, 5, 6, 7, 8, 9, 10, 12] + [0] * 6]
+    assert batch.position_ids[0, :10].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 3]
+    assert batch.segments.rows == [[Segment(0, 4), Segment(4, 7), Segment(7, 9, 4, 7), Segment(9, 10, 4, 7)]]
+    # the same tokens scored for the same labels, at their packed places (flat index = position, one row)
+    assert batch.selection.index.tolist() == [1, 2, 4 + 2, 4 + 3, 4 + 2]
+    assert batch.selection.labels.tolist() == padded.selection.labels.tolist() == [4, 5, 9, 10, 12]
+    assert batch.executed_tokens == padded.executed_tokens == 10
+    with pytest.raises(ValueError, match="concat and shared"):
+        pack_rows(build_microbatch([a], branches=[[CHOSEN]], layout="full", seq_length=8, pad_id=0),
+                  seq_length=8, pad_id=0)
+
+
+def test_packing_the_full_layout_is_refused_by_its_flag():
+    with pytest.raises(ValueError, match="--dpo-pack-rows needs --dpo-layout concat or shared"):
+        DPOConfig(layout="full", pack_rows=True)

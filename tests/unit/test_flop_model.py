@@ -150,7 +150,7 @@ def test_summary_has_the_documented_schema():
                                     recompute=False, bytes_per_elem=4) for m in bench_dpo.MODES}
     bench_dpo.add_ratios(modes)
     assert list(modes) == ["full", "concat", "selective", "position", "sequence", "branch", "position_branch", "all",
-                           "shared", "shared_all"]
+                           "shared", "shared_all", "shared_packed", "shared_all_packed"]
     for m in modes.values():
         for key in ("step_time_s", "peak_mem_bytes", "policy_tokens", "speedup_vs_concat",
                     "ideal_speedup_vs_concat", "mem_ratio_vs_concat", "logits_elements", "ref_tokens"):
@@ -536,3 +536,19 @@ def test_lora_memory_model_keeps_adapter_activations_and_drops_frozen_gradients(
     # A forward-only pass keeps one layer's working set either way.
     ref = [fm.Pass(kind="forward", microbatches=[mb], adapters=False)]
     assert fm.step_peak_bytes(shape, ref, lora_rank=64) == fm.step_peak_bytes(shape, ref)
+
+
+def test_memory_model_charges_segment_attention_its_own_keys_so_packing_rows_costs_nothing():
+    shape = fm.Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=1024, vocab=2048)
+    # Two shared rows [P, C, R] = [10, 6, 4] and [12, 3, 5], unpadded, against the same four
+    # segments laid end to end in one row (--dpo-pack-rows).
+    rows = fm.Microbatch(rows=[[10, 6, 4], [12, 3, 5]], prefixes=[[0, 10, 10], [0, 12, 12]], seq_length=20, scored=18)
+    packed = fm.Microbatch(rows=[[10, 6, 4, 12, 3, 5]], prefixes=[[0, 10, 10, 0, 12, 12]], seq_length=40, scored=18)
+    keys = (10 * 11 / 2 + 6 * 10 + 6 * 7 / 2 + 4 * 10 + 4 * 5 / 2 + 12 * 13 / 2 + 3 * 12 + 3 * 4 / 2
+            + 5 * 12 + 5 * 6 / 2) / 40
+    assert rows.attention_keys == packed.attention_keys == pytest.approx(keys)
+    for kind in ("train", "forward"):
+        one = fm.step_peak_bytes(shape, [fm.Pass(kind=kind, microbatches=[rows])])
+        assert fm.step_peak_bytes(shape, [fm.Pass(kind=kind, microbatches=[packed])]) == pytest.approx(one)
+    dense = fm.Microbatch(rows=[[20], [20]], seq_length=20, scored=18)  # no prefixes: a causal row's full mask
+    assert dense.attention_keys == 20
