@@ -613,13 +613,13 @@ def _num(value, fmt: str) -> str:
 
 
 def table(modes: dict) -> str:
-    head = (f"{'mode':<16}{'time s (min-max)':>22}{'speedup':>9}{'ideal':>7}{'frac':>6}{'padded':>8}"
+    head = (f"{'mode':<18}{'time s (min-max)':>22}{'speedup':>9}{'ideal':>7}{'frac':>6}{'padded':>8}"
             f"{'peak MB':>9}{'mem':>6}{'alloc':>7}{'model':>7}{'pol tok':>9}{'ref tok':>9}{'pad tok':>9}"
             f"{'tok>t':>7}{'logits':>11}")
     lines = [head, "-" * len(head)]
     for name, m in modes.items():
         lines.append(
-            f"{name:<16}{m['step_time_s']:>8.3f} ({m['step_time_min_s']:.3f}-{m['step_time_max_s']:.3f})"
+            f"{name:<18}{m['step_time_s']:>8.3f} ({m['step_time_min_s']:.3f}-{m['step_time_max_s']:.3f})"
             f"{m['speedup_vs_concat']:>9.3f}{m['ideal_speedup_vs_concat']:>7.3f}{m['fraction_of_ideal_speedup']:>6.2f}"
             f"{m['padded_model_speedup_vs_concat']:>8.3f}{m['peak_mem_bytes'] / 2**20:>9.1f}"
             f"{_num(m['mem_ratio_vs_concat'], '>6.2f')}{_num(m.get('alloc_mem_ratio_vs_concat'), '>7.2f')}"
@@ -638,7 +638,7 @@ def memory_table(modes: dict) -> str:
     for name, m in modes.items():
         phases = "  ".join(f"{k} {v / 2**20:.1f}" for k, v in m["peak_mem_by_phase_bytes"].items())
         top = "; ".join(f"{label} {size / 2**20:.1f}" for label, size in m.get("live_at_peak", [])[:3])
-        lines.append(f"{name:<16}{phases}\n{'':<16}at the allocator peak: {top or 'n/a'}")
+        lines.append(f"{name:<19}{phases}\n{'':<19}at the allocator peak: {top or 'n/a'}")
     return "\n".join(lines)
 
 
