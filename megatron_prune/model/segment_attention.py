@@ -87,8 +87,8 @@ class _Group:
 @dataclass
 class _Plan:
     groups: list[_Group]
-    pad_index: torch.Tensor  # [m] flat positions covered by no segment
-    out_order: torch.Tensor  # [s*b]: row of cat(group outputs, padding outputs) for each flat position
+    pad_index: torch.Tensor  # [m] flat key positions of the queries covered by no segment
+    out_order: torch.Tensor  # [s_q*b]: row of cat(group outputs, padding outputs) for each flat query
     # flash path: concatenated queries / keys and their cumulative lengths
     q_flat: torch.Tensor
     k_flat: torch.Tensor
@@ -98,17 +98,22 @@ class _Plan:
     max_k: int
 
 
-def _build_plan(layout: SegmentLayout, device: torch.device) -> _Plan:
+def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int = 0) -> _Plan:
+    """Gathers for ``layout``; positions before ``queries_from`` are keys only (no query, no output),
+    and query indices count from there (flat ``(p - queries_from) * b + r``)."""
     s, b = layout.seq_length, layout.batch_size
+    shift = queries_from * b
     segs = []  # (flat query indices, flat key indices [prefix ; own], prefix length) per segment
     covered = torch.zeros(s * b, dtype=torch.bool)
+    covered[:shift] = True  # key-only positions: not queries, so not padding queries either
     for r, row in enumerate(layout.rows):
         for seg in row:
             if seg.length == 0:
                 continue
+            assert seg.start >= queries_from, "a segment's queries lie before the first query position"
             own = list(range(seg.start, seg.end))
             keys = list(range(seg.prefix_start, seg.prefix_end)) + own
-            segs.append(([p * b + r for p in own], [p * b + r for p in keys], seg.prefix_length))
+            segs.append(([p * b + r - shift for p in own], [p * b + r for p in keys], seg.prefix_length))
             covered[torch.tensor(own) * b + r] = True
     segs.sort(key=lambda item: len(item[1]))
     groups, members, outputs = [], [], []
@@ -142,9 +147,9 @@ def _build_plan(layout: SegmentLayout, device: torch.device) -> _Plan:
         built.append(_Group(q_index.to(device), k_index.to(device), allowed[:, None].to(device),
                             q_valid.to(device)))
     pad_index = (~covered).nonzero().flatten()
-    order = torch.tensor(outputs + pad_index.tolist(), dtype=torch.long)
-    out_order = torch.empty(s * b, dtype=torch.long)
-    out_order[order] = torch.arange(s * b)
+    order = torch.tensor(outputs + (pad_index - shift).tolist(), dtype=torch.long)
+    out_order = torch.empty(s * b - shift, dtype=torch.long)
+    out_order[order] = torch.arange(s * b - shift)
     flat_q = [p for q, _, _ in segs for p in q]
     flat_k = [p for _, k, _ in segs for p in k]
     cu_q = torch.tensor([0] + [len(q) for q, _, _ in segs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -158,16 +163,16 @@ def _build_plan(layout: SegmentLayout, device: torch.device) -> _Plan:
 
 
 # Every layer of a stage receives the same table tensor: its plan is built once and reused.
-_plan_cache: dict = {"table": None, "device": None, "seq": None, "plan": None}
+_plan_cache: dict = {"table": None, "device": None, "seq": None, "queries_from": None, "plan": None}
 
 
-def _plan_for(table: torch.Tensor, seq_length: int, device: torch.device) -> _Plan:
+def _plan_for(table: torch.Tensor, seq_length: int, device: torch.device, queries_from: int = 0) -> _Plan:
     cached = _plan_cache["table"]
     if (cached is not None and cached() is table and _plan_cache["device"] == device
-            and _plan_cache["seq"] == seq_length):
+            and _plan_cache["seq"] == seq_length and _plan_cache["queries_from"] == queries_from):
         return _plan_cache["plan"]
-    plan = _build_plan(SegmentLayout.from_table(table.cpu(), seq_length=seq_length), device)
-    _plan_cache.update(table=weakref.ref(table), device=device, seq=seq_length, plan=plan)
+    plan = _build_plan(SegmentLayout.from_table(table.cpu(), seq_length=seq_length), device, queries_from)
+    _plan_cache.update(table=weakref.ref(table), device=device, seq=seq_length, queries_from=queries_from, plan=plan)
     return plan
 
 
@@ -191,19 +196,22 @@ def segment_attention(
     softmax_scale: float | None = None,
     softmax_in_fp32: bool = True,
 ) -> torch.Tensor:
-    """Attention of ``query`` ``[s, b, np, hn]`` over ``key``/``value`` ``[s, b, ng, hn]`` as the
-    segment ``table`` allows; returns ``[s, b, np * hn]`` (Megatron's core-attention layout).
+    """Attention of ``query`` ``[s_q, b, np, hn]`` over ``key``/``value`` ``[s, b, ng, hn]`` as the
+    segment ``table`` (over ``s`` positions) allows; returns ``[s_q, b, np * hn]`` (Megatron's
+    core-attention layout).
 
-    Query head ``h`` uses key/value group ``h // (np / ng)`` (grouped-query attention, as
-    Megatron's ``repeat_interleave``); the scale defaults to ``1 / sqrt(hn)``.
+    The queries are the last ``s_q`` positions (all of them when ``s_q == s``); the positions
+    before them are keys only, which segments may take as their prefix. Query head ``h`` uses
+    key/value group ``h // (np / ng)`` (grouped-query attention, as Megatron's
+    ``repeat_interleave``); the scale defaults to ``1 / sqrt(hn)``.
     """
-    s, b, np_, hn = query.shape
-    ng = key.shape[2]
-    assert np_ % ng == 0 and key.shape[:2] == (s, b) and value.shape == key.shape, "bad attention shapes"
+    s_q, b, np_, hn = query.shape
+    s, ng = key.shape[0], key.shape[2]
+    assert np_ % ng == 0 and key.shape[1] == b and s >= s_q and value.shape == key.shape, "bad attention shapes"
     rep = np_ // ng
     scale = 1.0 / math.sqrt(hn) if softmax_scale is None else softmax_scale
-    plan = _plan_for(table, s, query.device)
-    q = query.reshape(s * b, np_, hn)
+    plan = _plan_for(table, s, query.device, queries_from=s - s_q)
+    q = query.reshape(s_q * b, np_, hn)
     k = key.reshape(s * b, ng, hn)
     v = value.reshape(s * b, ng, hn)
     pieces = []
@@ -228,7 +236,7 @@ def segment_attention(
             pieces.append(context.transpose(1, 2)[group.q_valid])
     pieces.append(v.index_select(0, plan.pad_index).repeat_interleave(rep, dim=1))
     out = torch.cat(pieces).index_select(0, plan.out_order)
-    return out.view(s, b, np_ * hn)
+    return out.view(s_q, b, np_ * hn)
 
 
 @dataclass
@@ -299,7 +307,6 @@ class SegmentAttentionMixin:
         if capture is not None:
             assert self.layer_number not in capture.layers, "a layer ran twice in one prefix capture"
             capture.layers[self.layer_number] = (key.detach(), value.detach())
-        prefix = 0
         if replay is not None:
             assert key.shape[1] == 1, "a forward on stored keys and values runs one row"
 
@@ -307,17 +314,15 @@ class SegmentAttentionMixin:
                 return stored.transpose(0, 1).reshape(-1, 1, *stored.shape[2:]).to(key.dtype)
 
             stored_key, stored_value = replay.layers[self.layer_number]
-            prefix = stored_key.shape[0] * stored_key.shape[1]
             assert stored_key.shape[2:] == key.shape[2:], "the replay's heads do not match the captured heads"
-            query = torch.cat([query.new_zeros((prefix, *query.shape[1:])), query])
+            # The stored positions are keys only: the queries stay this forward's own tokens.
             key = torch.cat([end_to_end(stored_key), key])
             value = torch.cat([end_to_end(stored_value), value])
-        out = segment_attention(
+        return segment_attention(
             query, key, value, attention_mask,
             softmax_scale=self._segment_softmax_scale(),
             softmax_in_fp32=bool(self.config.attention_softmax_in_fp32),
         )
-        return out[prefix:]
 
     def _segment_softmax_scale(self) -> float:
         scale = getattr(self, "softmax_scale", None)

@@ -219,3 +219,43 @@ def test_bf16_inputs_track_the_reference():
     assert got.dtype == torch.bfloat16
     want = reference_attention(q.float(), k.float(), v.float(), allowed_pairs(layout.rows, 24))
     assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def keys_only_case(seed: int, *, b: int):
+    """A layout whose first ``n`` positions are keys only (no segment there): the segments after
+    them take prefixes from that region, as a forward on stored keys and values does."""
+    rng = random.Random(seed)
+    n, s = rng.randint(3, 9), 24
+    stored = [Segment(0, n)]  # what the reference sees in front: a causal run of keys
+    rows, reference_rows = [], []
+    for _ in range(b):
+        row, pos = [], n
+        while pos < s - 1:
+            length = rng.choice([1, 2, 3, 5])
+            if pos + length > s:
+                break
+            p0 = rng.randint(0, n - 1)
+            row.append(Segment(pos, pos + length, p0, rng.randint(p0 + 1, n)))
+            pos += length + rng.choice([0, 0, 1])
+        rows.append(row)
+        reference_rows.append(stored + row)
+    return n, SegmentLayout(rows=rows, seq_length=s), reference_rows
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_positions_before_the_queries_are_keys_only(flash, monkeypatch):
+    """``query`` covers only the last positions; the earlier ones are keys that segments take as
+    their prefix. Each query row equals the full computation's row at the same position."""
+    if flash:
+        monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: flash_varlen_emulator)
+    for seed in range(6):
+        b = 1 + seed % 2
+        n, layout, reference_rows = keys_only_case(seed, b=b)
+        s = layout.seq_length
+        q, k, v = qkv(s, b, 4, 2, 8, seed)
+        got, got_grads = run(lambda q_, k_, v_: segment_attention(q_[n:], k_, v_, layout.to_table()), q, k, v)
+        assert got.shape == (s - n, b, 32)
+        want, want_grads = run(lambda *t: reference_attention(*t, allowed_pairs(reference_rows, s))[n:], q, k, v)
+        assert_close(got.double(), want, **TOL)
+        for name, g, w in zip("qkv", got_grads, want_grads):
+            assert_close(g.double(), w.double(), **TOL, msg=f"grad {name}")
