@@ -274,13 +274,10 @@ def run_worker(args) -> None:
             batches, seq_length, groups = original_mb(plans, branches_of, **kw)
             mbs = []
             for g, b in zip(groups, batches):
-                rows = []
-                for p in g:
-                    lens = [len(p.prompt) + len(p.responses[br]) for br in branches_of(p)]
-                    rows.extend([lens] if mode["layout"] == "concat" else [[n] for n in lens])
                 if mode["layout"] != "full":  # segment attention: segments (and prefixes) as they run
                     mbs.append(segment_shapes(b, seq_length))
-                else:
+                else:  # one dense causal row per sequence
+                    rows = [[len(p.prompt) + len(p.responses[br])] for p in g for br in branches_of(p)]
                     mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),
                                     selective=mode["selective_head"]))
                 assert row_length(g, layout=mode["layout"], branches=[branches_of(p) for p in g]) <= seq_length

@@ -282,8 +282,7 @@ def pack_rows(batch: DPOMicrobatch, *, seq_length: int, pad_id: int) -> DPOMicro
     rows = batch.tokens.shape[0]
     used = [max((seg.end for seg in row), default=0) for row in batch.segments.rows]
     starts = [sum(used[:r]) for r in range(rows)]
-    total = sum(used)
-    assert total <= seq_length, "packed row longer than its sequence length"
+    assert sum(used) <= seq_length, "packed row longer than its sequence length"
     tokens = torch.full((1, seq_length), pad_id, dtype=torch.long)
     labels = torch.full_like(tokens, pad_id)
     position_ids = torch.zeros_like(tokens)
@@ -299,10 +298,9 @@ def pack_rows(batch: DPOMicrobatch, *, seq_length: int, pad_id: int) -> DPOMicro
     selection = TokenSelection(index=index // rows + torch.tensor(starts, dtype=torch.long)[index % rows],
                                labels=batch.selection.labels,
                                seq_ids=batch.selection.seq_ids)
-    packed = DPOMicrobatch(tokens, position_ids, None, SegmentLayout(rows=[segments], seq_length=seq_length),
-                           selection, labels, batch.responses, batch.num_pairs, batch.executed_tokens,
-                           dict(batch.extras), row_starts=starts)
-    return packed
+    return DPOMicrobatch(tokens, position_ids, None, SegmentLayout(rows=[segments], seq_length=seq_length),
+                         selection, labels, batch.responses, batch.num_pairs, batch.executed_tokens,
+                         dict(batch.extras), row_starts=starts)
 
 
 def build_prefix_replay(
