@@ -13,8 +13,25 @@ ROLLOUT_STATE = f"{OBJECTIVE}::test_state_inside_a_rollout_restores_it_on_every_
 DPPO_UNIT = "tests/unit/grpo/test_dppo.py"
 SKIP_ZERO = f"{OBJECTIVE}::test_zero_advantage_completions_are_skipped_exactly_without_kl"
 SKIP_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_skipping_zero_advantages_keeps_the_estimate_unbiased"
+UNBIASED_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_dppo_gradient_is_unbiased_by_exact_enumeration"
 
 MUTANTS: list[dict] = [
+    {
+        "name": "dppo-keep-weights-uncorrected",
+        "why": "KeepDecision.weights gives kept items weight 1 instead of 1/probability",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "return torch.where(self.keep, 1.0 / self.probs, torch.zeros_like(self.probs))",
+        "new": "return torch.where(self.keep, torch.ones_like(self.probs), torch.zeros_like(self.probs))",
+        "tests": [UNBIASED_UNIT],
+    },
+    {
+        "name": "dppo-combine-drops-prompt-weight",
+        "why": "combine_weights returns the completion weights only, without the prompt's 1/p",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "    return prompt_weights[:, None] * completion_weights",
+        "new": "    return completion_weights + 0 * prompt_weights[:, None]",
+        "tests": [UNBIASED_UNIT],
+    },
     {
         "name": "grpo-drops-prompt-weight",
         "why": "the trainer weights kept completions by 1/q only, forgetting the prompt keep probability 1/p",

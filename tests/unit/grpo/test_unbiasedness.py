@@ -1,16 +1,20 @@
 """DPPO is unbiased for full-batch GRPO: checked by exact enumeration, not Monte Carlo.
 
-Every keep pattern of prompts and completions is enumerated and weighted by its
-probability. The importance-weighted gradient of each pruned batch is computed by
-autograd through ``grpo_loss``, and the expectation must equal the full-batch GRPO
-gradient. The KL term is on, so some per-completion terms are nonzero at zero
-advantage. Independent draws enumerate Bernoulli patterns; systematic (dependent) draws
-enumerate each group's uniform over the pieces of [0, 1) where the keep pattern is constant. A biased filter (DAPO-style: drop zero-variance groups, no correction) must
-fail the same equality.
+Every keep draw of prompts and completions is enumerated and weighted by its probability: the
+production samplers (``prune_prompts`` / ``prune_completions``) take each draw, with the uniform
+``keep_uniform`` would return set by the test (independent draws: one uniform per item, below or
+above its probability; systematic draws: one uniform per group or batch, at each piece of
+[0, 1) on which the keep pattern is constant). Kept completions carry the weights production
+computes (``KeepDecision.weights``, ``combine_weights``); the importance-weighted gradient of
+each pruned batch is computed by autograd through ``grpo_loss``, and the expectation must equal
+the full-batch GRPO gradient. The KL term is on, so some per-completion terms are nonzero at
+zero advantage. Negative controls: uncorrected weights, a normaliser that depends on the draw,
+and a biased filter (DAPO-style: drop zero-variance groups, no correction) fail the equality.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -19,7 +23,17 @@ import pytest
 import torch
 
 from megatron_prune.grpo.advantages import AdvantageConfig, group_advantages, zero_variance_groups
-from megatron_prune.grpo.dppo import DPPOConfig, PromptHistory, prune_completions, prune_prompts
+from megatron_prune.grpo.dppo import (
+    COMPLETION_LEVEL,
+    PROMPT_BATCH_KEY,
+    PROMPT_LEVEL,
+    DPPOConfig,
+    KeepDecision,
+    PromptHistory,
+    combine_weights,
+    prune_completions,
+    prune_prompts,
+)
 from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss, sequence_mean_token_weights
 
 DTYPE = torch.float64
@@ -92,53 +106,121 @@ def all_rows(prompts: list[int]) -> list[tuple[int, int]]:
     return [(i, j) for i in prompts for j in range(GROUP)]
 
 
-def bernoulli_patterns(probs: list[float]):
-    """Yield (pattern, probability) for every keep pattern of independent Bernoullis."""
-    for pattern in itertools.product((0, 1), repeat=len(probs)):
-        probability = 1.0
-        for keep, p in zip(pattern, probs):
-            probability *= p if keep else 1.0 - p
-        yield pattern, probability
+def _pieces(probs: list[float]) -> list[tuple[float, float]]:
+    """(midpoint, length) of the pieces of [0, 1) cut at the fractional parts of every subset sum of
+    ``probs``: a systematic draw over these items (in any order) is constant on each piece."""
+    cuts = {0.0, 1.0}
+    for r in range(1, len(probs) + 1):
+        for subset in itertools.combinations(probs, r):
+            total = sum(subset)
+            cuts.add(total - int(total))
+    cuts = sorted(cuts)
+    return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b - a > 1e-12]
+
+
+def _independent_draws(keys: list, probs: list[float]) -> list[tuple[dict, float]]:
+    """Every keep pattern of independent draws: (uniform per key, probability) with each uniform
+    below its key's probability (kept) or above it (pruned)."""
+    return [({key: u for key, u in zip(keys, us)}, math.prod(ls))
+            for combo in itertools.product(*[[(0.0, p), ((1 + p) / 2, 1 - p)] for p in probs])
+            for us, ls in [zip(*combo)]]
+
+
+def prompt_draws(probs: list[float], ids: list[int], sampling: str) -> list[tuple[dict, float]]:
+    """Every prompt-level draw as (the uniforms ``keep_uniform`` returns, probability)."""
+    if sampling == "systematic":  # one uniform for the batch
+        return [({(PROMPT_LEVEL, PROMPT_BATCH_KEY): u}, length) for u, length in _pieces(probs)]
+    return _independent_draws([(PROMPT_LEVEL, i) for i in ids], probs)
+
+
+def completion_draws(q: torch.Tensor, kept: list[int], sampling: str) -> list[tuple[dict, float]]:
+    """Every completion-level draw over the groups of ``kept`` (``q``: their keep probabilities)."""
+    if sampling == "systematic":  # one uniform per group
+        return [({(COMPLETION_LEVEL, i): u for i, (u, _) in zip(kept, combo)}, math.prod(length for _, length in combo))
+                for combo in itertools.product(*[_pieces(q[k].tolist()) for k in range(len(kept))])]
+    keys = [(COMPLETION_LEVEL, (i, j)) for i in kept for j in range(q.shape[1])]
+    return _independent_draws(keys, q.flatten().tolist())
+
+
+@pytest.fixture
+def uniforms(monkeypatch) -> dict:
+    """The uniform ``keep_uniform`` returns for each (level, item id): the tests set them to run
+    every draw of the production samplers (``prune_prompts`` / ``prune_completions``)."""
+    import megatron_prune.grpo.dppo as dppo
+
+    table: dict = {}
+    monkeypatch.setattr(dppo, "keep_uniform", lambda *, seed, step, level, item_id: table[(level, item_id)])
+    return table
 
 
 def dppo_expected_gradient(
     *,
     rollouts: list[Rollout],
-    prompt_probs: list[float],
+    history: PromptHistory,
     config: DPPOConfig,
     normaliser_fn,
+    uniforms: dict,
     sequence_mean: bool = False,
 ) -> tuple[torch.Tensor, float]:
-    """E over every prompt and completion keep pattern of the DPPO gradient; also the total probability."""
+    """E over every prompt and completion draw of the DPPO gradient; also the total probability.
+
+    Each draw is taken by ``prune_prompts`` / ``prune_completions`` (their uniforms set in
+    ``uniforms``), and the kept completions are weighted by what production computes
+    (``KeepDecision.weights`` combined by ``combine_weights``); the probability of each draw is
+    the length of its uniforms' interval. Also checks that every prompt is kept with its
+    probability and every completion with its own, given its prompt.
+    """
+    ids = list(range(len(rollouts)))
     advantages = group_advantages(torch.stack([r.rewards for r in rollouts]), config=AdvantageConfig())
-    expected = torch.zeros_like(THETA)
-    total_probability = 0.0
-    for prompt_pattern, prompt_probability in bernoulli_patterns(prompt_probs):
-        kept = [i for i, keep in enumerate(prompt_pattern) if keep]
-        if not kept:
-            total_probability += prompt_probability
+
+    def decide_prompts() -> KeepDecision:
+        return prune_prompts(prompt_ids=ids, history=history, config=config, seed=0, step=0)
+
+    def decide_completions(kept: list[int]) -> KeepDecision:
+        return prune_completions(advantages=advantages[kept], prompt_ids=kept, config=config, seed=0, step=0)
+
+    uniforms.clear()
+    uniforms.update({(PROMPT_LEVEL, PROMPT_BATCH_KEY): 0.0} | {(PROMPT_LEVEL, i): 0.0 for i in ids})
+    probs = decide_prompts().probs  # the probabilities do not depend on the uniforms
+    expected, total = torch.zeros_like(THETA), 0.0
+    prompt_frequency = torch.zeros_like(probs)
+    for prompt_uniforms, prompt_probability in prompt_draws(probs.tolist(), ids, config.prompt_sampling):
+        if prompt_probability <= 0:
             continue
-        decision = prune_completions(
-            advantages=advantages[kept], prompt_ids=kept, config=config, seed=0, step=0
-        )  # the probabilities are what matter here; the draw itself is enumerated below
-        q = decision.probs
-        candidates = all_rows(kept)
-        q_flat = [q[kept.index(i), j].item() for i, j in candidates]
-        for completion_pattern, completion_probability in bernoulli_patterns(q_flat):
-            rows = [row for row, keep in zip(candidates, completion_pattern) if keep]
-            weights = [1.0 / (prompt_probs[i] * q_flat[candidates.index((i, j))]) for i, j in rows]
+        uniforms.clear()
+        uniforms.update(prompt_uniforms)
+        prompts = decide_prompts()
+        prompt_frequency += prompt_probability * prompts.keep.double()
+        kept = [i for i in ids if prompts.keep[i]]
+        if not kept:
+            total += prompt_probability
+            continue
+        uniforms.update({(COMPLETION_LEVEL, i): 0.0 for i in kept}
+                        | {(COMPLETION_LEVEL, (i, j)): 0.0 for i in kept for j in range(GROUP)})
+        q = decide_completions(kept).probs
+        completion_frequency = torch.zeros_like(q)
+        for completion_uniforms, completion_probability in completion_draws(q, kept, config.sampling):
+            if completion_probability <= 0:
+                continue
+            uniforms.update(completion_uniforms)
+            decision = decide_completions(kept)
+            completion_frequency += completion_probability * decision.keep.double()
+            weights = combine_weights(prompt_weights=prompts.weights[kept], completion_weights=decision.weights)
+            rows = [(i, j) for k, i in enumerate(kept) for j in range(GROUP) if decision.keep[k, j]]
             gradient = pruned_gradient(
                 rollouts=rollouts,
                 advantages=advantages,
                 rows=rows,
-                weights=weights,
+                weights=[float(weights[kept.index(i), j]) for i, j in rows],
                 normaliser=normaliser_fn(kept),
                 sequence_mean=sequence_mean,
             )
             probability = prompt_probability * completion_probability
             expected += probability * gradient
-            total_probability += probability
-    return expected, total_probability
+            total += probability
+        torch.testing.assert_close(completion_frequency, q, rtol=0, atol=1e-12)
+    torch.testing.assert_close(prompt_frequency, probs, rtol=0, atol=1e-12)
+    return expected, total
 
 
 ROLLOUTS = [
@@ -148,17 +230,29 @@ ROLLOUTS = [
 ]
 FULL_TOKENS = float(sum(r.mask.sum().item() for r in ROLLOUTS))
 DPPO = DPPOConfig(prompt_prune_rate=0.4, completion_prune_rate=0.5, prompt_floor=0.2, completion_floor=0.15)
+SAMPLINGS = [  # (completion level, prompt level)
+    ("independent", "independent"),
+    ("systematic", "independent"),
+    ("systematic", "systematic"),
+]
 
 
-def history_prompt_probs(config: DPPOConfig) -> list[float]:
-    """Prompt keep probabilities from a real history: prompt 0 was always solved, prompt 2 is new."""
+def prompt_history(config: DPPOConfig) -> PromptHistory:
+    """A real history: prompt 0 was always solved, prompt 1 seen twice, prompt 2 once."""
     history = PromptHistory.from_config(config)
     history.update(0, torch.tensor([1.0, 1.0, 1.0]))
     history.update(1, torch.tensor([1.0, 0.0, 1.0]))
     history.update(1, torch.tensor([0.0, 0.0, 1.0]))
     history.update(2, torch.tensor([0.0, 1.0, 0.0]))
-    decision = prune_prompts(prompt_ids=[0, 1, 2], history=history, config=config, seed=0, step=0)
-    return decision.probs.tolist()
+    return history
+
+
+def history_prompt_probs_for(history: PromptHistory, config: DPPOConfig, ids: list[int]) -> list[float]:
+    return prune_prompts(prompt_ids=ids, history=history, config=config, seed=0, step=0).probs.tolist()
+
+
+def history_prompt_probs(config: DPPOConfig) -> list[float]:
+    return history_prompt_probs_for(prompt_history(config), config, [0, 1, 2])
 
 
 def full_gradient(
@@ -195,10 +289,14 @@ def test_setup_is_nontrivial():
     assert 0.0 < metrics["clip_fraction"].item() < 1.0, "the test should exercise the clipped branch"
 
 
-def test_dppo_gradient_is_unbiased_by_exact_enumeration():
-    prompt_probs = history_prompt_probs(DPPO)
+@pytest.mark.parametrize("sampling,prompt_sampling", SAMPLINGS)
+def test_dppo_gradient_is_unbiased_by_exact_enumeration(sampling, prompt_sampling, uniforms):
+    """Independent or systematic (dependent) draws at either level: unbiasedness needs only each
+    item's marginal keep probability, which the enumeration also checks."""
+    config = dataclasses.replace(DPPO, sampling=sampling, prompt_sampling=prompt_sampling)
     expected, total = dppo_expected_gradient(
-        rollouts=ROLLOUTS, prompt_probs=prompt_probs, config=DPPO, normaliser_fn=lambda kept: FULL_TOKENS
+        rollouts=ROLLOUTS, history=prompt_history(config), config=config,
+        normaliser_fn=lambda kept: FULL_TOKENS, uniforms=uniforms,
     )
     assert abs(total - 1.0) < 1e-12
     full = full_gradient(ROLLOUTS, normaliser=FULL_TOKENS)
@@ -206,28 +304,39 @@ def test_dppo_gradient_is_unbiased_by_exact_enumeration():
     torch.testing.assert_close(expected, full, rtol=1e-10, atol=1e-12)
 
 
-def test_dppo_sequence_mean_loss_is_unbiased():
-    prompt_probs = history_prompt_probs(DPPO)
+def test_uncorrected_weights_are_caught(uniforms, monkeypatch):
+    """Negative control: kept completions without the 1/q correction are biased, and the
+    enumeration above sees it."""
+    monkeypatch.setattr(KeepDecision, "weights", property(lambda self: self.keep.double()))
+    expected, _ = dppo_expected_gradient(
+        rollouts=ROLLOUTS, history=prompt_history(DPPO), config=DPPO,
+        normaliser_fn=lambda kept: FULL_TOKENS, uniforms=uniforms,
+    )
+    assert (expected - full_gradient(ROLLOUTS, normaliser=FULL_TOKENS)).abs().max() > 1e-4
+
+
+def test_dppo_sequence_mean_loss_is_unbiased(uniforms):
     num_completions = float(len(ROLLOUTS) * GROUP)
     expected, _ = dppo_expected_gradient(
         rollouts=ROLLOUTS,
-        prompt_probs=prompt_probs,
+        history=prompt_history(DPPO),
         config=DPPO,
         normaliser_fn=lambda kept: num_completions,
+        uniforms=uniforms,
         sequence_mean=True,
     )
     full = full_gradient(ROLLOUTS, normaliser=num_completions, sequence_mean=True)
     torch.testing.assert_close(expected, full, rtol=1e-10, atol=1e-12)
 
 
-def test_kept_token_normaliser_is_biased():
+def test_kept_token_normaliser_is_biased(uniforms):
     """Normalising by the tokens of the rolled-out prompts (depends on the prompt draw) is biased."""
-    prompt_probs = history_prompt_probs(DPPO)
     expected, _ = dppo_expected_gradient(
         rollouts=ROLLOUTS,
-        prompt_probs=prompt_probs,
+        history=prompt_history(DPPO),
         config=DPPO,
         normaliser_fn=lambda kept: float(sum(ROLLOUTS[i].mask.sum().item() for i in kept)),
+        uniforms=uniforms,
     )
     full = full_gradient(ROLLOUTS, normaliser=FULL_TOKENS)
     assert (expected - full).abs().max() > 1e-4
@@ -280,24 +389,29 @@ ROLLOUT_OUTCOMES = [
 ]
 
 
-def test_unbiased_over_rollouts_with_a_constant_normaliser():
+def test_unbiased_over_rollouts_with_a_constant_normaliser(uniforms):
     """Prompt pruning happens before rollout; with Z fixed before the step the estimator stays unbiased."""
     config = DPPOConfig(prompt_prune_rate=0.3, completion_prune_rate=0.4, prompt_floor=0.2, completion_floor=0.2)
-    prompt_probs = [0.5, 0.9]
+    history = PromptHistory.from_config(config)
+    history.update(0, torch.tensor([1.0, 0.0, 0.0]))
+    history.update(1, torch.tensor([1.0, 1.0, 1.0]))  # prompt 1 looks uninformative: kept less often
+    uniforms.update({(PROMPT_LEVEL, 0): 0.0, (PROMPT_LEVEL, 1): 0.0})
+    assert 0.2 < min(history_prompt_probs_for(history, config, [0, 1])) < 0.9
     constant = float(2 * GROUP * MAX_TOKENS)  # P * G * max_new_tokens (Dr. GRPO)
     expected, full = torch.zeros_like(THETA), torch.zeros_like(THETA)
     biased = torch.zeros_like(THETA)
     for (p0, r0), (p1, r1) in itertools.product(*ROLLOUT_OUTCOMES):
         rollouts = [r0, r1]
         estimate, _ = dppo_expected_gradient(
-            rollouts=rollouts, prompt_probs=prompt_probs, config=config, normaliser_fn=lambda kept: constant
+            rollouts=rollouts, history=history, config=config, normaliser_fn=lambda kept: constant, uniforms=uniforms,
         )
         expected += p0 * p1 * estimate
         full += p0 * p1 * full_gradient(rollouts, normaliser=constant)
         kept_tokens, _ = dppo_expected_gradient(
             rollouts=rollouts,
-            prompt_probs=prompt_probs,
+            history=history,
             config=config,
+            uniforms=uniforms,
             normaliser_fn=lambda kept: float(sum(rollouts[i].mask.sum().item() for i in kept)),
         )
         biased += p0 * p1 * kept_tokens
@@ -307,76 +421,6 @@ def test_unbiased_over_rollouts_with_a_constant_normaliser():
         tokens = float(r0.mask.sum().item() + r1.mask.sum().item())
         full_token_mean += p0 * p1 * full_gradient([r0, r1], normaliser=tokens)
     assert (biased - full_token_mean).abs().max() > 1e-5
-
-
-# --- dependent (systematic) draws --------------------------------------------------------------
-
-
-def _pieces(probs: list[float]) -> list[tuple[float, float]]:
-    """(midpoint, length) of the pieces of [0, 1) cut at the fractional parts of every subset sum of
-    ``probs``: a systematic draw over these items (in any order) is constant on each piece."""
-    cuts = {0.0, 1.0}
-    for r in range(1, len(probs) + 1):
-        for subset in itertools.combinations(probs, r):
-            total = sum(subset)
-            cuts.add(total - int(total))
-    cuts = sorted(cuts)
-    return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b - a > 1e-12]
-
-
-def _independent_draws(keys: list, probs: list[float]) -> list[tuple[dict, float]]:
-    """Every keep pattern of independent draws: (uniform per key, probability) with each uniform
-    below its key's probability (kept) or above it (pruned)."""
-    return [({key: u for key, u in zip(keys, us)}, math.prod(ls))
-            for combo in itertools.product(*[[(0.0, p), ((1 + p) / 2, 1 - p)] for p in probs])
-            for us, ls in [zip(*combo)]]
-
-
-@pytest.mark.parametrize("prompt_sampling", ["independent", "systematic"])
-def test_dppo_gradient_is_unbiased_with_systematic_draws(prompt_sampling, monkeypatch):
-    """Systematic draws make the keeps within a group (or batch) dependent; unbiasedness needs only
-    each item's marginal keep probability. Exact enumeration of the group uniforms (and of the prompt
-    draws) through prune_prompts / prune_completions, with the uniforms set at keep_uniform."""
-    import megatron_prune.grpo.dppo as dppo
-
-    config = DPPOConfig(prompt_prune_rate=0.4, completion_prune_rate=0.5, prompt_floor=0.2, completion_floor=0.15,
-                        sampling="systematic", prompt_sampling=prompt_sampling)
-    history = PromptHistory.from_config(config)
-    history.update(0, torch.tensor([1.0, 1.0, 1.0]))
-    history.update(1, torch.tensor([1.0, 0.0, 1.0]))
-    history.update(2, torch.tensor([0.0, 1.0, 0.0]))
-    advantages = group_advantages(torch.stack([r.rewards for r in ROLLOUTS]), config=AdvantageConfig())
-    table: dict = {}
-    monkeypatch.setattr(dppo, "keep_uniform", lambda *, seed, step, level, item_id: table.get((level, item_id), 0.0))
-    ids = [0, 1, 2]
-    probs = prune_prompts(prompt_ids=ids, history=history, config=DPPOConfig(
-        prompt_prune_rate=0.4, prompt_floor=0.2), seed=0, step=0).probs.tolist()
-    if prompt_sampling == "systematic":
-        prompt_draws = [({("prompt", "batch"): u}, length) for u, length in _pieces(probs)]
-    else:
-        prompt_draws = _independent_draws([("prompt", i) for i in ids], probs)
-    expected, total = torch.zeros_like(THETA), 0.0
-    for prompt_table, prompt_probability in prompt_draws:
-        if prompt_probability <= 0:
-            continue
-        table.clear()
-        table.update(prompt_table)
-        prompts = prune_prompts(prompt_ids=ids, history=history, config=config, seed=0, step=0)
-        kept = [i for i in ids if prompts.keep[i]]
-        q = prune_completions(advantages=advantages[kept], prompt_ids=kept, config=DPPOConfig(
-            completion_prune_rate=0.5, completion_floor=0.15), seed=0, step=0).probs
-        for combo in itertools.product(*[_pieces(q[k].tolist()) for k in range(len(kept))]):
-            table.update({("completion", i): u for i, (u, _) in zip(kept, combo)})
-            decision = prune_completions(advantages=advantages[kept], prompt_ids=kept, config=config, seed=0, step=0)
-            rows = [(i, j) for k, i in enumerate(kept) for j in range(GROUP) if decision.keep[k, j]]
-            weights = [1.0 / (probs[i] * float(q[kept.index(i), j])) for i, j in rows]
-            gradient = pruned_gradient(rollouts=ROLLOUTS, advantages=advantages, rows=rows, weights=weights,
-                                       normaliser=FULL_TOKENS)
-            probability = prompt_probability * math.prod(length for _, length in combo)
-            expected += probability * gradient
-            total += probability
-    assert abs(total - 1.0) < 1e-12
-    torch.testing.assert_close(expected, full_gradient(ROLLOUTS, normaliser=FULL_TOKENS), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("sampling", ["independent", "systematic"])
