@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GRPO + DPPO on Qwen3-4B / MATH-style data, one or more 8-GPU nodes.
+# GRPO + DPPO on Qwen3-4B / GSM8K (or MATH with TASK=math), one or more 8-GPU nodes.
 # Overrides: GPUS=8 NODES=1 NODE_RANK=0 MASTER_ADDR=localhost MASTER_PORT=29500 TP=2 PP=1
-#   HF_MODEL=/models/Qwen3-4B DATA=/data/gsm8k/train.jsonl TASK=gsm8k ITERS=500
+#   HF_MODEL=/models/Qwen3-4B DATA=megatron_prune/data/samples/gsm8k_sample.jsonl (the bundled sample;
+#   point it at your full train.jsonl) TASK=gsm8k ITERS=500
 #   PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 OUT=runs/grpo_qwen3_4b DRY_RUN=1 (print the command only)
 set -euo pipefail
 cd "$(dirname "$0")/.."

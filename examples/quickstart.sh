@@ -7,7 +7,8 @@
 # run next.
 #
 # Overrides: NPROC (ranks), TP, PP, STEPS, GBS (pairs per step), MBS, EVAL_INTERVAL, OUT (output
-# folder), INSTALL=1 (reinstall into .venv), DRY_RUN=1 (print the command only).
+# folder), INSTALL=1 (reinstall into .venv), TORCH_INDEX_URL (the index torch is installed from),
+# DRY_RUN=1 (print the command only; installs nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
@@ -18,16 +19,6 @@ GBS=${GBS:-16}
 MBS=${MBS:-4}
 EVAL_INTERVAL=${EVAL_INTERVAL:-20}
 OUT=${OUT:-outputs/quickstart}
-
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
-. .venv/bin/activate
-# Installed once (the project and its CPU torch); INSTALL=1 reinstalls, e.g. after a pull.
-if [ "${INSTALL:-0}" = "1" ] || ! python -c "import importlib.metadata as m; m.version('megatron-prune'); import torch, megatron.core" 2>/dev/null; then
-  python -m pip install -q torch==2.13.0
-  python -m pip install -q -e .
-fi
 
 SAMPLES=megatron_prune/data/samples
 CMD=(torchrun --nproc-per-node "$NPROC" -m megatron_prune.dpo
@@ -46,6 +37,17 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
   echo "${CMD[@]}"
   exit 0
 fi
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+# Installed once (the project and its CPU torch); INSTALL=1 reinstalls, e.g. after a pull.
+if [ "${INSTALL:-0}" = "1" ] || ! python -c "import importlib.metadata as m; m.version('megatron-prune'); import torch, megatron.core" 2>/dev/null; then
+  # TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu) picks the index torch comes from
+  python -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+  python -m pip install -q -e .
+fi
+
 mkdir -p "$OUT"
 rm -f "$OUT/metrics.jsonl"
 OMP_NUM_THREADS=1 "${CMD[@]}"

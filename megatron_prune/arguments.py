@@ -19,12 +19,26 @@ from typing import Any
 
 from megatron_prune.config import field_docs, flag_of
 
-__all__ = ["UsageError", "add_dataclass_group", "build_parser", "configs_from_args", "fail_usage", "field_docs",
-           "flag_of", "parse_configs"]
+__all__ = ["ToolHelpFormatter", "UsageError", "add_dataclass_group", "build_parser", "configs_from_args", "fail_usage",
+           "field_docs", "flag_of", "parse_configs"]
 
 
 class UsageError(ValueError):
     """A flag or layout problem found before any rank does work."""
+
+
+class ToolHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help of the tools' hand-written parsers: the description as written, and each flag's
+    default after its help unless the help already says it (or there is none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default in (None, False, argparse.SUPPRESS) or default == []
+                or action.option_strings == [] or isinstance(action, argparse._HelpAction)):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})".lstrip()
 
 
 _REPEAT_AFTER_LAUNCHER = """

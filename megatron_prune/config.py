@@ -88,7 +88,7 @@ class ModelConfig:
     """Router z-loss coefficient of a MoE model, added to the training pass's loss (0 = off); reported as
     moe_z_loss."""
     device: str = field(default="auto", metadata=_flag("--device", choices=("auto", "cuda", "npu", "cpu")))
-    """Accelerator (auto: cuda if present, else npu if present, else cpu)."""
+    """Accelerator (auto: npu if present, else cuda if present, else cpu)."""
 
 
 @dataclass(kw_only=True)
@@ -152,7 +152,7 @@ class CheckpointConfig:
     save: str | None = field(default=None, metadata=_flag("--save"))
     """Directory for checkpoints (atomic; resumable at any layout)."""
     save_interval: int | None = field(default=None, metadata=_flag("--save-interval"))
-    """Save every N steps (and at the end)."""
+    """Save every N steps and at the end (default: only at the end)."""
     load: str | None = field(default=None, metadata=_flag("--load"))
     """Resume from the newest complete checkpoint here (a converted model loads weights only)."""
     finetune: bool = field(default=False, metadata=_flag("--finetune"))
@@ -230,11 +230,11 @@ class DPOConfig:
     """The DPO objective and its data."""
 
     data_path: list[str] = field(default_factory=list, metadata=_flag("--data-path", nargs="+"))
-    """Preference files (JSONL/Parquet): prompt/chosen/rejected, HH-RLHF or HelpSteer3 records."""
+    """Preference files (JSONL/Parquet): prompt/chosen/rejected, HH-RLHF or HelpSteer3 records (required to train)."""
     eval_data_path: list[str] = field(default_factory=list, metadata=_flag("--eval-data-path", nargs="+"))
     """Held-out preference files; reward accuracy is measured on them at --eval-interval."""
     eval_interval: int | None = field(default=None, metadata=_flag("--eval-interval"))
-    """Evaluate every N steps (and at the end) when --eval-data-path is set."""
+    """Evaluate every N steps and at the end when --eval-data-path is set (default: only at the end)."""
     data_format: str = field(default="auto", metadata=_flag("--data-format", choices=("auto", "explicit", "hh", "helpsteer3")))
     """Record format (auto-detected per record by default)."""
     skip_invalid: bool = field(default=False, metadata=_flag("--skip-invalid-records"))

@@ -17,7 +17,7 @@ import pickle
 import socket
 import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -92,3 +92,14 @@ def run_distributed(fn: Callable, world_size: int, **kwargs: Any) -> list[Any]:
             with open(os.path.join(outdir, f"{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f)[1])
         return results
+
+
+def every_rank(results: list[dict]) -> Iterator[tuple[int, Any, Any]]:
+    """``(rank, key, value)`` over every rank's result dict, after checking that every rank
+    returned the same cases: a test checks what each rank computed, not only rank 0's."""
+    keys = list(results[0])
+    for rank, result in enumerate(results):
+        assert list(result) == keys, f"rank {rank} returned cases {list(result)}, rank 0 {keys}"
+    for rank, result in enumerate(results):
+        for key, value in result.items():
+            yield rank, key, value

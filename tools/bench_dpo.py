@@ -141,8 +141,11 @@ SEED = 1234
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small")
+    from megatron_prune.arguments import ToolHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small",
+                   help="model shape, data lengths and batch (the table above)")
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
                    help="modes to run (concat is always added: ratios are against it)")
     p.add_argument("--data-path", nargs="+", default=None, help="preference files (default: bundled HH-RLHF sample)")
@@ -161,8 +164,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train LoRA adapters of this rank (alpha = rank) on every linear, adapter-off reference; "
                         "0 = full-parameter training with an online reference")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP of every mode's run (above 1 the tool starts torchrun itself)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP of every mode's run (above 1 the tool starts torchrun itself)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="default: preset")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every mode)")
     p.add_argument("--plot", metavar="PATH", help="PNG bar chart of speedup and memory ratio vs the model")

@@ -79,8 +79,10 @@ PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_ti
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=TASKS, default="toy")
+    from megatron_prune.arguments import ToolHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
+    p.add_argument("--task", choices=TASKS, default="toy", help="the task trained and evaluated")
     p.add_argument("--modes", nargs="+", choices=MODES, default=[m for m in MODES if not m.endswith(SHARED_SUFFIX)],
                    help="modes to run (grpo is always added: it is the baseline)")
     p.add_argument("--seeds", type=int, default=3, help="seeds (policy initialisation, prompts and draws)")
@@ -94,17 +96,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=32, help="prompts per step (global batch)")
     p.add_argument("--num-prompts", type=int, default=64,
                    help="training prompt set (gsm8k: the first N problems; they recur, so prompt pruning has history)")
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 4 (toy tasks), 64 (gsm8k)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows per training microbatch (default: --prompts)")
-    p.add_argument("--rollout-micro-batch-size", type=int, default=None)
+    p.add_argument("--rollout-micro-batch-size", type=int, default=None,
+                   help="prompts per rollout forward (default: the trainer's)")
     p.add_argument("--seq-length", type=int, default=None, help="packing capacity (default: 64 toy, 512 gsm8k)")
-    p.add_argument("--toy-prompt-length", type=int, default=3)
+    p.add_argument("--toy-prompt-length", type=int, default=3, help="prompt tokens of the toy tasks")
     p.add_argument("--data-path", nargs="+", default=None, help="gsm8k problems (default: the bundled sample)")
     p.add_argument("--max-prompt-length", type=int, default=256, help="gsm8k prompts keep their last N tokens")
     p.add_argument("--prompt-rate", type=float, default=0.5, help="r_q of dppo and dppo_prompt")
     p.add_argument("--completion-rate", type=float, default=0.5, help="r_o of dppo, dppo_completion and cppo")
-    p.add_argument("--dppo-sampling", default=None,
+    p.add_argument("--dppo-sampling", default=None, choices=("independent", "systematic"),
                    help="DPPO's completion keep draws (the trainer's --dppo-sampling; default: the trainer's default)")
     p.add_argument("--dppo-prompt-sampling", default=None, choices=("independent", "systematic"),
                    help="DPPO's prompt keep draws (the trainer's --dppo-prompt-sampling; default: the trainer's default)")
@@ -116,23 +119,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-skip-zero-advantage", dest="skip_zero_advantage", action="store_false",
                    help="train zero-advantage completions too (the trainer's --no-skip-zero-advantage; by default "
                         "every mode leaves them out when --kl-beta is 0, which is exact)")
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate of every mode")
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = none)")
     p.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
-    p.add_argument("--ppo-epochs", type=int, default=1)
-    p.add_argument("--minibatches", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's rollout")
+    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per PPO epoch")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     p.add_argument("--kv-cache", action="store_true", help="KV-cached rollout (one pipeline stage)")
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every", type=int, default=5,
+                   help="held-out evaluation every N steps (not counted in training time)")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts")
     p.add_argument("--eval-samples", type=int, default=4, help="fixed-seed samples per held-out prompt")
     p.add_argument("--eval-temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--grad-variance", type=int, default=0, metavar="K",
                    help="pruned-gradient draws compared with the unpruned gradient on sampled steps (0 = off)")
-    p.add_argument("--grad-variance-every", type=int, default=10)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    p.add_argument("--grad-variance-every", type=int, default=10, help="with --grad-variance: every N steps")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP of every run (above 1 the tool starts torchrun itself)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP of every run (above 1 the tool starts torchrun itself)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="accelerator of every run")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (CPU)")
     p.add_argument("--json", metavar="PATH", help="write the results (rewritten after every run)")
     p.add_argument("--plot", metavar="PATH", help="PNG: held-out reward vs cumulative training time")

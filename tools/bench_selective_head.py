@@ -35,10 +35,12 @@ QWEN3_VOCAB = 151936
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"))
+    from megatron_prune.arguments import ToolHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"), help="where the head runs")
     p.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB, help="vocabulary (default: Qwen3's)")
-    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--hidden-size", type=int, default=1024, help="hidden size h of the head's input")
     p.add_argument(
         "--seq-lens", type=int, nargs="+", default=None,
         help="positions T per run (default: 256 512 1024 on CPU, 2048 4096 8192 on GPU/NPU)",
@@ -48,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default: float32 on CPU, bfloat16 on GPU/NPU")
     p.add_argument("--iters", type=int, default=1, help="timed forward+backward iterations per run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random hidden states and labels")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--worker-seq-len", type=int, help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
-"""Check a Megatron checkpoint against its HF model: same tokens, compare the logits.
+r"""Check a Megatron checkpoint against its HF model: same tokens, compare the logits.
 
     torchrun --nproc-per-node N*M tools/compare_hf_megatron.py --hf-dir HF --load OUT \
-        --tensor-model-parallel-size N --pipeline-model-parallel-size M [--tolerance 1e-4] [--seq-length 32]
+        --tensor-model-parallel-size N --pipeline-model-parallel-size M [--tolerance 1e-4] [--seq-length 32] \
         [--virtual-pipeline-model-parallel-size V] [--expert-model-parallel-size E]
 
 Runs the Megatron model at the given layout (fp32) and transformers' model of HF (fp32, on
@@ -19,11 +19,13 @@ import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_prune.arguments import ToolHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HF model directory")
     p.add_argument("--load", required=True, help="Megatron checkpoint (save root or iter_* directory)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP of the Megatron model")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP of the Megatron model")
     p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="model chunks per pipeline rank (interleaved schedule; needs PP > 1): the "
                         "--batch-size rows run as one-row microbatches, padded to a multiple of PP")
@@ -31,8 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="expert-parallel ranks of a Qwen3-MoE model (must divide the data-parallel size); "
                         "a MoE model at TP > 1 runs with sequence parallelism")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted max |delta logits|")
-    p.add_argument("--seq-length", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=32, help="tokens per compared sequence")
+    p.add_argument("--batch-size", type=int, default=2, help="random sequences compared")
     p.add_argument("--seed", type=int, default=0, help="seed of the random test tokens")
     p.add_argument("--hf-device", default="cpu", help="device of the HF reference model (rank 0)")
     return p.parse_args(argv)

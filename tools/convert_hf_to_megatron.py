@@ -17,14 +17,17 @@ import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_prune.arguments import ToolHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--save", required=True, help="new directory for the Megatron checkpoint")
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="parameter dtype of the checkpoint; auto: bf16 for a bf16 model, else fp32")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="layout to convert at (memory per rank only; the checkpoint loads at any layout)")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages to convert at (the checkpoint loads at any layout)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert-parallel ranks of a Qwen3-MoE model (must divide the data-parallel size); "
                         "a MoE model at TP > 1 runs with sequence parallelism")

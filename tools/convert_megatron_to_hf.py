@@ -28,7 +28,9 @@ import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_prune.arguments import ToolHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (a save root or one iter_* directory)")
     p.add_argument("--hf-out", default=None, help="new (or empty) directory for the HF model")
     p.add_argument("--merge-lora", action="store_true",
@@ -48,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dtype of the written weights; auto keeps the checkpoint's")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 4GiB")
     p.add_argument("--hf-assets", default=None,
-                   help="directory with the original config.json and tokenizer files (default: OUT/hf_assets)")
+                   help="directory with the original config.json and tokenizer files (default: hf_assets/ inside --load, "
+                        "else next to it)")
     args = p.parse_args(argv)
     if args.hf_out is None and args.peft_out is None:
         p.error("give --hf-out DIR (HF model) and/or --peft-out DIR (LoRA adapters)")

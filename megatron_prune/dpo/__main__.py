@@ -25,6 +25,12 @@ GROUPS = {
 }
 
 
+def _checks(configs) -> None:
+    from megatron_prune.dpo.trainer import check_dpo_flags
+
+    check_dpo_flags(configs)
+
+
 def _run(configs):
     from megatron_prune.dpo.trainer import run_dpo
 
@@ -33,7 +39,7 @@ def _run(configs):
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(prog="megatron-prune-dpo", description="DPO with position/sequence/branch pruning",
-                   groups=GROUPS, run=_run, argv=argv)
+                   groups=GROUPS, run=_run, argv=argv, extra_checks=_checks)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from megatron_prune.config import CheckpointConfig, DPOConfig, LoggingConfig, Mo
 from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset
 from megatron_prune.data.sampler import EpochSampler, dp_shard
 from megatron_prune.data.tokenizer import load_tokenizer
+from megatron_prune.model.arch import ModelArch
 from megatron_prune.dpo.batch import CHOSEN, REJECTED
 from megatron_prune.dpo.step import DPOStep, DPOStepSettings
 from megatron_prune.training import session
@@ -122,6 +123,29 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
     return table
 
 
+def check_dpo_flags(configs: dict[str, Any]) -> tuple[str, ModelArch, dict | None]:
+    """The DPO run's flag checks that need no rank and no data (the CLI runs them before
+    ``--dry-run`` returns): the reference mode, the architecture and, under LoRA, the base."""
+    dpo: DPOConfig = configs["DPOConfig"]
+    if not dpo.data_path:
+        raise session.UsageError("--data-path is required")
+    for flag, paths in (("--data-path", dpo.data_path), ("--eval-data-path", dpo.eval_data_path)):
+        for path in paths:
+            if not os.path.exists(path):
+                raise session.UsageError(f"{flag} {path}: data file not found")
+    if dpo.layout == "shared" and not configs["PruneConfig"].selective_head:
+        raise session.UsageError("--dpo-layout shared needs the selective head (both responses' first tokens are "
+                                 "scored from the prompt's last position); drop --no-selective-head")
+    from megatron_prune.lora_config import resolve_ref_mode
+
+    try:
+        ref_mode = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
+    except ValueError as exc:
+        raise session.UsageError(str(exc)) from None
+    arch, lora_base = session.resolve_model_and_base(configs)
+    return ref_mode, arch, lora_base
+
+
 def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     model_cfg: ModelConfig = configs["ModelConfig"]
     train_cfg: TrainConfig = configs["TrainConfig"]
@@ -129,20 +153,9 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     log_cfg: LoggingConfig = configs["LoggingConfig"]
     prune: PruneConfig = configs["PruneConfig"]
     dpo: DPOConfig = configs["DPOConfig"]
-    if not dpo.data_path:
-        raise session.UsageError("--data-path is required")
-    if dpo.layout == "shared" and not prune.selective_head:
-        raise session.UsageError("--dpo-layout shared needs the selective head (both responses' first tokens are "
-                                 "scored from the prompt's last position); drop --no-selective-head")
-    from megatron_prune.lora_config import check_load, lora_meta, resolve_ref_mode
+    from megatron_prune.lora_config import lora_meta
 
-    try:
-        ref_mode = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
-        lora_base = check_load(ckpt_cfg.load, configs.get("LoRAConfig"), hf_model=model_cfg.hf_model,
-                               model_preset=model_cfg.model_preset, seed=train_cfg.seed)
-    except ValueError as exc:
-        raise session.UsageError(str(exc)) from None
-    arch = session.resolve_arch(model_cfg, ckpt_cfg)
+    ref_mode, arch, lora_base = check_dpo_flags(configs)
     tokenizer = load_tokenizer(session.resolve_tokenizer(model_cfg, ckpt_cfg))
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")

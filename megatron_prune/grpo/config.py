@@ -62,7 +62,8 @@ class GRPOConfig:
     clip_eps_high: float = field(default=0.2, metadata=_flag("--clip-eps-high"))
     """Upper clip of the PPO ratio: 1 + eps_high (DAPO's clip-higher uses e.g. 0.28)."""
     kl_beta: float = field(default=0.0, metadata=_flag("--kl-beta"))
-    """Coefficient of the k3 KL to a frozen reference model (online); 0 = no reference model."""
+    """Coefficient of the k3 KL to the reference (a frozen copy of the starting model; under LoRA the policy with
+    its adapters switched off); 0 = no KL term and no reference pass."""
     normalize_std: bool = field(default=True, metadata=_flag("--std-normalization", bool_off="--no-std-normalization"))
     """Divide group-relative advantages by the group's reward std (off: Dr. GRPO's r - mean)."""
     advantage_std: str = field(default="population", metadata=_flag("--advantage-std", choices=ADVANTAGE_STDS))

@@ -415,14 +415,9 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     ckpt_cfg: CheckpointConfig = configs["CheckpointConfig"]
     log_cfg: LoggingConfig = configs["LoggingConfig"]
     grpo: GRPOConfig = configs["GRPOConfig"]
-    arch = session.resolve_arch(model_cfg, ckpt_cfg)
-    from megatron_prune.lora_config import check_load, lora_meta
+    from megatron_prune.lora_config import lora_meta
 
-    try:
-        lora_base = check_load(ckpt_cfg.load, configs.get("LoRAConfig"), hf_model=model_cfg.hf_model,
-                               model_preset=model_cfg.model_preset, seed=train_cfg.seed)
-    except ValueError as exc:
-        raise session.UsageError(str(exc)) from None
+    arch, lora_base = session.resolve_model_and_base(configs)
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg)
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")

@@ -116,6 +116,25 @@ def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:
     return arch
 
 
+def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
+    """The architecture to build and, under LoRA, where its frozen base comes from: what both
+    trainers check before any rank starts (and ``--dry-run`` too). Reads only checkpoint and HF
+    metadata; a mismatch or a missing checkpoint is a :class:`UsageError`."""
+    from megatron_prune.lora_config import check_load
+    from megatron_prune.training.checkpoint import CheckpointError
+
+    model, train, ckpt = configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"]
+    try:
+        arch = resolve_arch(model, ckpt)
+        lora_base = check_load(ckpt.load, configs.get("LoRAConfig"), hf_model=model.hf_model,
+                               model_preset=model.model_preset, seed=train.seed)
+    except UsageError:
+        raise
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:
+        raise UsageError(str(exc)) from None
+    return arch, lora_base
+
+
 def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
     if model.tokenizer:
         return model.tokenizer

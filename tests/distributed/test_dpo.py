@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.dist import every_rank, run_distributed
 from tests.distributed.dpo_harness import NUM_PAIRS, assert_same, dpo_grads
 
 PRUNED = dict(position_ratio=0.6, seq_min_ratio=0.5)
@@ -93,17 +93,15 @@ def test_pruning_modes_cut_what_they_promise(single):
 
 @pytest.mark.distributed
 def test_layouts_match_single_rank_2_ranks(single):
-    results = run_distributed(layout_checks, 2)[0]
-    for (layout, mode), got in results.items():
+    for rank, (layout, mode), got in every_rank(run_distributed(layout_checks, 2)):
         ref = single[mode] if mode == "tied_all" else single["modes"][mode]
-        assert_same(ref, got, f"{layout}/{mode}")
+        assert_same(ref, got, f"rank {rank}: {layout}/{mode}")
 
 
 @pytest.mark.distributed
 def test_layouts_match_single_rank_tp2xpp2(single):
-    results = run_distributed(layout_checks_4, 4)[0]
-    for (layout, mode), got in results.items():
-        assert_same(single["modes"][mode], got, f"{layout}/{mode}")
+    for rank, (layout, mode), got in every_rank(run_distributed(layout_checks_4, 4)):
+        assert_same(single["modes"][mode], got, f"rank {rank}: {layout}/{mode}")
 
 
 def test_position_pruning_reward_estimate_is_unbiased_by_enumeration():

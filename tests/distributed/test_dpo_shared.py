@@ -18,7 +18,7 @@ import itertools
 
 import pytest
 
-from tests.dist import run_distributed
+from tests.dist import every_rank, run_distributed
 from tests.distributed.dpo_harness import assert_same, dpo_grads
 
 PRUNINGS = dict(position=dict(position_ratio=0.6), sequence=dict(seq_min_ratio=0.5), branch=dict(branch=True))
@@ -153,18 +153,18 @@ def test_packed_rows_equal_padded_rows_and_run_no_padding_between_pairs(single):
 
 @pytest.mark.distributed
 def test_shared_parallel_layouts_match_single_rank_2_ranks(single):
-    results = run_distributed(parallel_checks, 2, layouts=LAYOUTS_2)[0]
-    assert len(results) == len(LAYOUTS_2) * len(PARALLEL_CASES)
-    for (layout, name, join, mbs, pack), got in results.items():
-        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}/packed={pack}")
+    results = run_distributed(parallel_checks, 2, layouts=LAYOUTS_2)
+    assert len(results[0]) == len(LAYOUTS_2) * len(PARALLEL_CASES)
+    for rank, (layout, name, join, mbs, pack), got in every_rank(results):
+        assert_same(single["full"][name], got, f"rank {rank}: {layout}/{name}/{join}/mbs{mbs}/packed={pack}")
 
 
 @pytest.mark.distributed
 def test_shared_parallel_layouts_match_single_rank_tp2xpp2(single):
     par = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    results = run_distributed(parallel_checks, 4, layouts={"tp2xpp2": par})[0]
-    for (layout, name, join, mbs, pack), got in results.items():
-        assert_same(single["full"][name], got, f"{layout}/{name}/{join}/mbs{mbs}/packed={pack}")
+    for rank, (layout, name, join, mbs, pack), got in every_rank(run_distributed(parallel_checks, 4,
+                                                                                layouts={"tp2xpp2": par})):
+        assert_same(single["full"][name], got, f"rank {rank}: {layout}/{name}/{join}/mbs{mbs}/packed={pack}")
 
 
 @pytest.mark.e2e

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.dist import every_rank, run_distributed
 from tests.distributed.dpo_harness import assert_metrics_and_grads
 
 pytestmark = pytest.mark.distributed
@@ -139,10 +139,9 @@ def test_packed_equals_unpacked():
 
 def test_layouts_equal_single_rank():
     ref = single_rank()
-    got = run_distributed(_layouts_all, 4)
-    # every rank returns the same metrics; gathered grads are complete on every rank
-    for (layout, name), result in got[0].items():
-        assert_same(ref[name], result, f"{layout}/{name}")
+    # every rank returns the metrics and the gathered, complete gradients: all are checked
+    for rank, (layout, name), result in every_rank(run_distributed(_layouts_all, 4)):
+        assert_same(ref[name], result, f"rank {rank}: {layout}/{name}")
 
 
 def _rollout_vs_training_logprobs(*, dense_packing: bool) -> dict:

@@ -52,6 +52,11 @@ def _token_of_class(digit: int, k: int) -> int:
     return 4 + digit + 10 * k
 
 
+FIXED_REWARDS = {0: [1.0, 1 / 3], 1: [0.0, 0.0], 2: [0.5, 0.0]}
+"""The rewards of :func:`fixed_rollout`'s completions, written out: the reference uses these, and
+the trainer's scorer must give the same (checked in ``fixed_rollout``)."""
+
+
 def fixed_rollout(source) -> dict[int, list[list[int]]]:
     """Completions of each prompt, chosen for their rewards (fraction of right-class tokens):
     prompt 0 (1, 1/3); prompt 1 (0, 0): a zero-variance group; prompt 2 (1/2, 0)."""
@@ -66,6 +71,8 @@ def fixed_rollout(source) -> dict[int, list[list[int]]]:
             1: [[wrong(4), wrong(8), wrong(1)], [wrong(6), eos]],
             2: [[right(3), wrong(2), eos], [wrong(9), wrong(11), wrong(2)]],
         }[prompt_id]
+        scored = [source.score(source.get(prompt_id), c) for c in table[prompt_id]]
+        assert scored == pytest.approx(FIXED_REWARDS[prompt_id], abs=1e-12), (prompt_id, scored)
     return table
 
 
@@ -289,7 +296,7 @@ def reference_grpo(*, policy, reference, arch, source, prompt_ids: list[int], ro
     for prompt_id in prompt_ids:
         prompt = list(source.get(prompt_id).tokens)
         completions = rollout[prompt_id]
-        rewards = torch.tensor([source.score(source.get(prompt_id), c) for c in completions], dtype=torch.float64)
+        rewards = torch.tensor(FIXED_REWARDS[prompt_id], dtype=torch.float64)
         advantages = ((rewards - rewards.mean()) / (rewards.std(correction=0) + 1e-6)).float()
         for completion, advantage in zip(completions, advantages):
             with perturbed(policy):

@@ -14,7 +14,7 @@ import functools
 
 import pytest
 
-from tests.dist import run_distributed
+from tests.dist import every_rank, run_distributed
 from tests.distributed.test_grpo import assert_same, grpo_step
 
 pytestmark = pytest.mark.distributed
@@ -61,7 +61,7 @@ def test_shared_prompt_equals_unshared(packed):
 def test_shared_prompt_at_dp2_tp2_and_pp2():
     ref = single_rank()[(True, False)]
     shared_tokens = single_rank()[(True, True)]["metrics"]["train_tokens"]
-    for name, result in run_distributed(_two_ranks, 2)[0].items():
-        assert_same_step(ref, result, name)
+    for rank, name, result in every_rank(run_distributed(_two_ranks, 2)):
+        assert_same_step(ref, result, f"rank {rank}: {name}")
         # Data-parallel ranks take whole groups: the prompts are not copied more often than on one rank.
         assert result["metrics"]["train_tokens"] == shared_tokens, name

@@ -339,7 +339,7 @@ def test_tools_convert_compare_export(suite, hf_models):
 
 
 @pytest.mark.distributed
-def test_compare_tool_runs_virtual_pipeline_stages(suite, hf_models):
+def test_compare_tool_runs_virtual_pipeline_stages(suite, hf_models, capsys):
     """PP=2 x VPP=2 on 4 ranks (the interleaved schedule over the model's 4 layers in 4 chunks)
     matches transformers to 1e-6; a layer count the chunks cannot split is a usage error."""
     assert suite[1]["compare at PP=2 x VPP=2"] == 0
@@ -348,6 +348,8 @@ def test_compare_tool_runs_virtual_pipeline_stages(suite, hf_models):
         compare.main(["--hf-dir", hf_models[CLI_KIND], "--load", "unused", "--pipeline-model-parallel-size", "2",
                       "--virtual-pipeline-model-parallel-size", "2"])
     assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "do not split into" in err and "equal model chunks" in err, err
 
 
 @pytest.mark.distributed

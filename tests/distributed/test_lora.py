@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.dist import every_rank, run_distributed
 from tests.distributed.dpo_harness import SEED, sample_pairs
 
 LORA = dict(rank=4, alpha=8.0)
@@ -494,10 +494,13 @@ def test_only_adapters_train_single_rank(single):
 
 @pytest.mark.distributed
 def test_lora_step_layouts_match_single_rank_2_ranks(single):
-    results = run_distributed(layouts, 2, which="2")[0]
-    for name in LAYOUTS_2:
-        _assert_step_matches(single["step"], results[name], name)
-        _assert_only_adapters_train(results[name]["frozen"], name)
+    per_rank = run_distributed(layouts, 2, which="2")
+    results = per_rank[0]
+    assert set(LAYOUTS_2) <= set(results)
+    for rank, name, got in every_rank(per_rank):
+        if name in LAYOUTS_2:
+            _assert_step_matches(single["step"], got, f"rank {rank}: {name}")
+            _assert_only_adapters_train(got["frozen"], f"rank {rank}: {name}")
     for name in ("tp2", "tp2-sp"):
         assert results[name]["replicas_agree"], name
         got = results[f"dropout:{name}"]

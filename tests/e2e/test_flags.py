@@ -72,17 +72,62 @@ def test_valid_flags_pass_validation(monkeypatch, capsys):
     assert _no_process_group()
 
 
-def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, capsys, dry_run):
     other = get_preset("tiny-tied")
     assert other != get_preset("tiny")
     ckpt = tmp_path / "ckpt" / "iter_0000002"
     (ckpt / "dist").mkdir(parents=True)
     (ckpt / "meta.json").write_text(json.dumps(
         {"format": "megatron-prune/1", "iteration": 2, "arch": other.to_dict(), "has_optimizer": True}))
-    code, err = _main([*TINY_DPO, "--load", str(tmp_path / "ckpt")], monkeypatch, capsys)
+    code, err = _main([*TINY_DPO, "--load", str(tmp_path / "ckpt"), *(["--dry-run"] if dry_run else [])],
+                      monkeypatch, capsys)
     assert code == 2
     assert f"--load {tmp_path / 'ckpt'} holds a different architecture" in err, err
     assert "Traceback" not in err
+    assert _no_process_group()
+
+
+DRY_RUN_REFUSES = [
+    pytest.param(["--model-preset", "tiny"], "--data-path is required", id="no-data"),
+    pytest.param(["--model-preset", "tiny", "--data-path", "missing.jsonl"],
+                 "--data-path missing.jsonl: data file not found", id="missing-data"),
+    pytest.param([*TINY_DPO, "--eval-data-path", "missing.jsonl"],
+                 "--eval-data-path missing.jsonl: data file not found", id="missing-eval-data"),
+    pytest.param([*TINY_DPO, "--dpo-layout", "shared", "--no-selective-head"],
+                 "--dpo-layout shared needs the selective head", id="shared-without-selective-head"),
+    pytest.param([*TINY_DPO, "--ref-mode", "adapter-off"], "--ref-mode adapter-off needs LoRA adapters",
+                 id="adapter-off-without-lora"),
+]
+
+
+@pytest.mark.parametrize("argv, message", DRY_RUN_REFUSES)
+def test_dry_run_refuses_what_the_run_would(argv, message, monkeypatch, capsys):
+    """--dry-run runs every check that needs no rank and no data, so it refuses what the real run
+    would refuse at its start, with the same one-line message."""
+    code, err = _main([*argv, "--dry-run"], monkeypatch, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"megatron-prune: error: {message}"), err
+    assert _no_process_group()
+
+
+def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, capsys):
+    from megatron_prune.grpo.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    ckpt = tmp_path / "ckpt" / "iter_0000001"
+    (ckpt / "dist").mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps(
+        {"format": "megatron-prune/1", "iteration": 1, "arch": get_preset("tiny-tied").to_dict(), "has_optimizer": True}))
+    cases = [(["--task", "gsm8k", "--data-path", "missing.jsonl"], "--data-path missing.jsonl: data file not found"),
+             (["--task", "toy", "--load", str(tmp_path / "ckpt")], "holds a different architecture")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(["--model-preset", "tiny", *argv, "--dry-run"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err, err
     assert _no_process_group()
 
 

@@ -205,11 +205,13 @@ def test_bench_dpo_json_smoke(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_prompt_limit_follows_a_short_max_seq_length_and_is_checked():
+def test_prompt_limit_follows_a_short_max_seq_length_and_is_checked(capsys):
     args = bench_dpo.parse_args(["--preset", "cpu-small", "--max-seq-length", "128"])
     assert args.max_prompt_length == 80  # the preset's 160 would leave no room for a response
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         bench_dpo.parse_args(["--preset", "cpu-small", "--max-seq-length", "128", "--max-prompt-length", "128"])
+    assert exc.value.code == 2
+    assert "--max-prompt-length (128) must be in [1, --max-seq-length" in capsys.readouterr().err
 
 
 def test_a_failed_mode_fails_the_run(tmp_path, capsys):
@@ -278,15 +280,16 @@ def test_lora_branch_ideal_is_6_over_5_and_8_over_6_with_recompute():
     assert ratio(BODY, full, branch) == pytest.approx(8 / 6, rel=1e-3)
 
 
-def test_lora_flags_reach_the_benchmark_and_pass_dicts_keep_the_adapter_off_reference():
+def test_lora_flags_reach_the_benchmark_and_pass_dicts_keep_the_adapter_off_reference(capsys):
     full, _ = _lora_steps(5)
     again = fm.passes_from_dict(json.loads(json.dumps(fm.passes_to_dict(full))))
     assert [p.adapters for p in again] == [False, True]
     assert fm.step_flops(HAND, again, lora_rank=2) == fm.step_flops(HAND, full, lora_rank=2)
     assert bench_dpo.parse_args(["--lora-rank", "64"]).lora_rank == 64
     assert bench_dpo.parse_args([]).lora_rank == 0
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         bench_dpo.parse_args(["--lora-rank", "-1"])
+    assert exc.value.code == 2 and "--lora-rank must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_lora_memory_is_compared_with_full_parameter_concat():

@@ -221,6 +221,10 @@ def test_grpo_layout_runs_no_padding_rows(lengths, mbs, dense, pp):
             continue
         position, row = sel.index // rows, sel.index % rows
         assert torch.equal(batch.tokens[row, position + 1], sel.labels)  # position p predicts token p + 1
+        counts = torch.bincount(sel.seq_ids, minlength=len(batch.items)).tolist()
+        assert counts == [len(it.completion) for it in batch.items], "each completion token scored once"
+        for k, it in enumerate(batch.items):
+            assert sel.labels[sel.seq_ids == k].tolist() == it.completion
         real_rows = set(row.tolist())
         assert len(real_rows) >= rows - (1 if pp > 1 else 0), "a row of real tokens only"
         scored += [it.prompt_id for it in batch.items]

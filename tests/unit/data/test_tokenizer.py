@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -90,11 +91,18 @@ def test_plain_template_is_hh_rlhf(tiny_tokenizer):
 
 
 @pytest.mark.parametrize(
-    "messages",
-    [[], "hello", [{"role": "user"}], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 3}], ["x"]],
+    "messages,message",
+    [
+        ([], "messages must be a non-empty list"),
+        ("hello", "messages must be a non-empty list"),
+        ([{"role": "user"}], "message 0 content must be a string"),
+        ([{"role": "robot", "content": "x"}], "message 0 has role 'robot'"),
+        ([{"role": "user", "content": 3}], "message 0 content must be a string"),
+        (["x"], "message 0 must be an object"),
+    ],
 )
-def test_chat_template_rejects_bad_messages(tiny_tokenizer, messages):
-    with pytest.raises(ValueError):
+def test_chat_template_rejects_bad_messages(tiny_tokenizer, messages, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         tiny_tokenizer.apply_chat_template(messages)
 
 
