@@ -85,6 +85,10 @@ def test_pruning_modes_cut_what_they_promise(single):
     assert pos["scored_positions"] < 0.7 * base["scored_positions"]
     assert pos["policy_tokens"] == base["policy_tokens"]
     assert seq["policy_tokens"] < base["policy_tokens"] and seq["ref_tokens"] < base["ref_tokens"]
+    # Branch pruning: one response of each pair runs without a backward.
+    branch = single["modes"]["branch"]["counters"]
+    assert 0 < branch["train_tokens"] < branch["policy_tokens"] == base["policy_tokens"]
+    assert branch["forward_only_tokens"] == branch["ref_tokens"] + branch["policy_tokens"] - branch["train_tokens"]
     for name in ("position", "sequence", "branch", "all"):
         diff = max((single["modes"][name]["grads"][k] - base_g).abs().max().item()
                    for k, base_g in single["modes"]["off"]["grads"].items())

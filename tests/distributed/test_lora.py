@@ -578,8 +578,7 @@ def test_branch_pruning_is_unbiased_under_lora():
 
 @pytest.mark.distributed
 def test_merged_and_peft_exports_match_the_lora_model(single):
-    pytest.importorskip("peft")
-    res = single["export"]
+    res = single["export"]  # peft is part of the [test] extra: the module fixture has loaded the PEFT directory
     assert res["from_hf_equal"], "a fresh LoRA model on HF base weights is not the base model"
     assert res["merged"].max_abs_diff <= EXPORT_TOLERANCE, res["merged"].summary()
     assert res["peft"].max_abs_diff <= EXPORT_TOLERANCE, res["peft"].summary()

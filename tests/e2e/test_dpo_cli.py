@@ -116,6 +116,7 @@ def test_precomputed_reference_matches_online(tmp_path):
     pre = run_cli(tmp_path / "b" if (tmp_path / "b").mkdir() is None else tmp_path, *common,
                   "--ref-mode", "precomputed", "--ref-cache", str(cache))
     assert any(p.name.startswith("ref_logps_") for p in cache.iterdir())
-    for a, b in zip(online, pre):
+    assert [r["step"] for r in online] == [r["step"] for r in pre] and len(online) == 2
+    for a, b in zip(online, pre, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert b["ref_tokens"] == 0 and a["ref_tokens"] > 0

@@ -175,13 +175,28 @@ def flash_varlen_emulator(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softm
     return torch.cat(out)
 
 
+def use_flash_emulator(monkeypatch) -> list:
+    """Route segment attention to the flash path with the emulated kernel; returns a list that
+    grows by one per kernel call, so a test can check the flash path really ran."""
+    calls: list = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return flash_varlen_emulator(*args, **kwargs)
+
+    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: counted)
+    return calls
+
+
 def test_flash_path_inputs(monkeypatch):
     """The GPU path's gathered queries/keys and cu_seqlens, run through a PyTorch emulation of
     flash_attn_varlen_func (the kernel itself needs a GPU)."""
-    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: flash_varlen_emulator)
+    calls = use_flash_emulator(monkeypatch)
     for seed in range(4):
         layout = random_layout(random.Random(100 + seed), b=2, s=16)
+        before = len(calls)
         compare(layout, layout.rows, seed=seed)
+        assert len(calls) > before, "the flash path did not run"
 
 
 def test_table_round_trip_and_detection():
@@ -246,8 +261,7 @@ def keys_only_case(seed: int, *, b: int):
 def test_positions_before_the_queries_are_keys_only(flash, monkeypatch):
     """``query`` covers only the last positions; the earlier ones are keys that segments take as
     their prefix. Each query row equals the full computation's row at the same position."""
-    if flash:
-        monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: flash_varlen_emulator)
+    calls = use_flash_emulator(monkeypatch) if flash else None
     for seed in range(6):
         b = 1 + seed % 2
         n, layout, reference_rows = keys_only_case(seed, b=b)
@@ -259,3 +273,4 @@ def test_positions_before_the_queries_are_keys_only(flash, monkeypatch):
         assert_close(got.double(), want, **TOL)
         for name, g, w in zip("qkv", got_grads, want_grads):
             assert_close(g.double(), w.double(), **TOL, msg=f"grad {name}")
+    assert calls is None or calls, "the flash path did not run"
