@@ -21,7 +21,13 @@ shared             shared   selective  none (one row [prompt, chosen, rejected] 
 shared_all         shared   selective  position + sequence + branch
 shared_packed      shared   selective  none; each microbatch's rows in one row
 shared_all_packed  shared   selective  position + sequence + branch; packed rows
+concat_packed      concat   all rows   none; packed rows (Full-concat without padding)
+branch_packed      concat   selective  branch; packed rows
 =================  =======  =========  ==========================================
+
+Packed rows (``--dpo-pack-rows``) remove the padding between pairs, which the FLOP ideal does not
+count: ``branch_packed`` against ``concat_packed`` is branch pruning's speedup with neither side
+paying for padding (both against ``concat`` are in the table).
 
 Timed steps run first and touch no memory statistics. Then the first ``--memory-steps`` timed
 steps are replayed (same pruning draws) with a peak window around each phase (reference,
@@ -88,6 +94,10 @@ MODES: dict[str, dict] = {
                           pack_rows=True),
     "shared_all_packed": dict(layout="shared", selective_head=True, position_ratio=0.6, seq_min_ratio=0.5,
                               branch=True, pack_rows=True),
+    "concat_packed": dict(layout="concat", selective_head=False, position_ratio=1.0, seq_min_ratio=1.0, branch=False,
+                          pack_rows=True),
+    "branch_packed": dict(layout="concat", selective_head=True, position_ratio=1.0, seq_min_ratio=1.0, branch=True,
+                          pack_rows=True),
 }
 
 _QWEN3 = dict(model_type="qwen3", qk_norm=True, rope_theta=1000000.0, max_position_embeddings=4096)

@@ -58,7 +58,7 @@ run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice 
 # The same slice with LoRA rank 64 on every linear and the adapter-off reference; bench_dpo then
 # runs full-parameter concat once more for the memory comparison (total_mem_ratio_vs_full_param).
 run qwen3-4b-slice-lora64 190 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --lora-rank 64 --warmup 1 --steps 3 --memory-steps 1 --timeout 70 \
-  --modes concat branch position_branch position \
+  --modes concat branch position_branch concat_packed branch_packed \
   --json "$OUT/qwen3-4b-slice-lora64.json" --plot "$OUT/qwen3-4b-slice-lora64.png"
 # Qwen3-30B-A3B's widths (128 experts, top-8), 6 of 48 layers, EP=1 on the one GPU (~87 GB of
 # training state): the modes the goals are judged on, 1 warm-up + 3 timed steps of 16 pairs each.

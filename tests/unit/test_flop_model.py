@@ -150,7 +150,8 @@ def test_summary_has_the_documented_schema():
                                     recompute=False, bytes_per_elem=4) for m in bench_dpo.MODES}
     bench_dpo.add_ratios(modes)
     assert list(modes) == ["full", "concat", "selective", "position", "sequence", "branch", "position_branch", "all",
-                           "shared", "shared_all", "shared_packed", "shared_all_packed"]
+                           "shared", "shared_all", "shared_packed", "shared_all_packed", "concat_packed",
+                           "branch_packed"]
     for m in modes.values():
         for key in ("step_time_s", "peak_mem_bytes", "policy_tokens", "speedup_vs_concat",
                     "ideal_speedup_vs_concat", "mem_ratio_vs_concat", "logits_elements", "ref_tokens"):
