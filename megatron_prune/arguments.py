@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,6 +107,12 @@ def fail_usage(exc: Exception | str, *, prefix: str = "megatron-prune: error: ")
 
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage dump, once per launch) instead of the full usage."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1e-5" for a flag (its negative-number pattern has no exponent), so
+        # "--lr -1e-5" would say "expected one argument" instead of the range check's message.
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str):  # type: ignore[override]
         fail_usage(f"{message} (run with --help to see every flag, its choices and default)",

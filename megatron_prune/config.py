@@ -11,6 +11,8 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
+import os
 import textwrap
 from dataclasses import dataclass, field
 
@@ -137,12 +139,30 @@ class TrainConfig:
         for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "sgd_momentum",
+                     "distributed_timeout_minutes"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError("--lr and --min-lr must be >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must be <= --lr {self.lr} (the decay goes from --lr down to it)")
+        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.seq_length:
+            raise ValueError(f"--max-prompt-length must be in [1, --seq-length {self.seq_length}), got "
+                             f"{self.max_prompt_length}: a prompt needs room for its response")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
         if not 0.0 <= self.sgd_momentum < 1.0:
             raise ValueError(f"--sgd-momentum must be in [0, 1), got {self.sgd_momentum}")
+        if self.distributed_timeout_minutes <= 0:
+            raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
 
 
 @dataclass(kw_only=True)
@@ -163,6 +183,11 @@ class CheckpointConfig:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.save_interval is not None and self.save is None:
             raise ValueError("--save-interval needs --save")
+        if self.finetune and self.load is None:
+            raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
+        for flag, path in (("--save", self.save), ("--load", self.load)):
+            if path is not None and os.path.exists(path) and not os.path.isdir(path):
+                raise ValueError(f"{flag} {path}: exists and is not a directory")
 
 
 @dataclass(kw_only=True)
@@ -175,6 +200,15 @@ class LoggingConfig:
     """TensorBoard event directory (when tensorboard is installed)."""
     log_interval: int = field(default=1, metadata=_flag("--log-interval"))
     """Console progress line every N steps."""
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.metrics_jsonl is not None and os.path.isdir(self.metrics_jsonl):
+            raise ValueError(f"--metrics-jsonl {self.metrics_jsonl}: is a directory; give a file path")
+        if self.tensorboard_dir is not None and os.path.exists(self.tensorboard_dir) \
+                and not os.path.isdir(self.tensorboard_dir):
+            raise ValueError(f"--tensorboard-dir {self.tensorboard_dir}: exists and is not a directory")
 
 
 PRUNE_PRESETS: dict[str, dict[str, float | bool]] = {
@@ -259,8 +293,14 @@ class DPOConfig:
     """Directory of the precomputed reference log-probs (default: <save or data dir>/ref_logps)."""
 
     def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ValueError(f"--dpo-beta must be > 0, got {self.beta}")
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise ValueError(f"--dpo-beta must be a finite number > 0, got {self.beta}")
+        if self.eval_interval is not None and not self.eval_data_path:
+            raise ValueError("--eval-interval needs --eval-data-path (the held-out pairs to evaluate on)")
+        if self.ref_cache is not None and self.ref_mode != "precomputed":
+            raise ValueError("--ref-cache needs --ref-mode precomputed (only precomputed reference log-probs are cached)")
+        if self.ref_cache is not None and os.path.exists(self.ref_cache) and not os.path.isdir(self.ref_cache):
+            raise ValueError(f"--ref-cache {self.ref_cache}: exists and is not a directory")
         if self.pack_rows and self.layout == "full":
             raise ValueError("--dpo-pack-rows needs --dpo-layout concat or shared: the full layout's rows "
                              "have no segments to keep the packed pairs apart")

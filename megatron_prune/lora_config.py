@@ -38,6 +38,8 @@ class LoRAConfig:
             raise ValueError(f"--lora-alpha must be a positive number, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        if self.rank == 0 and (self.alpha is not None or self.dropout != 0.0):
+            raise ValueError("--lora-alpha and --lora-dropout need --lora-rank > 0 (LoRA is off at rank 0)")
         names = self.target_names
         if not names:
             raise ValueError(f"--lora-targets names no linear; choose from {','.join(TARGETS)}")

@@ -95,6 +95,8 @@ def gsm8k_answer(answer: str) -> str:
     if match is None:
         raise RecordError("no final answer", "the last line of 'answer' must be '#### <answer>'")
     value = match.group(1)
+    if not re.search(r"\d", value):  # the reward compares numbers: a reference without one can never be matched
+        raise RecordError("no final answer", f"'#### {value[:40]}' is not a number")
     return value.replace(",", "") if _NUMBER_WITH_COMMAS.match(value) else value
 
 

@@ -94,6 +94,15 @@ class GRPOConfig:
             raise ValueError(f"--loss-normalization must be one of {NORMALISATIONS}, got {self.loss_normalization!r}")
         self.loss_config()  # validates the clip and KL values
         self.advantage_config()
+        if self.group_size < 2:
+            raise ValueError(f"--group-size must be >= 2, got {self.group_size}: advantages are relative to the "
+                             "group, so with one completion per prompt every advantage is 0 and nothing trains")
+        if not 2 <= self.toy_num_digits <= 10:
+            raise ValueError(f"--toy-num-digits must be in [2, 10], got {self.toy_num_digits}")
+        if self.toy_prompt_length < 3:
+            raise ValueError(f"--toy-prompt-length must be >= 3 (BOS, separator, digit), got {self.toy_prompt_length}")
+        if self.task in TOY_TASKS and self.data_path:
+            raise ValueError(f"--data-path is for --task gsm8k or math; --task {self.task} makes its own prompts")
 
     @property
     def updates_per_rollout(self) -> int:

@@ -188,7 +188,13 @@ class ModelArch:
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"{cfg_path} not found: --hf-model must be an HF model directory")
         with open(cfg_path, encoding="utf-8") as f:
-            return cls.from_hf_config(json.load(f), source=cfg_path)
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{cfg_path}: not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+        return cls.from_hf_config(config, source=cfg_path)
 
 
 # Fields of an HF MoE config that change the model and that Megatron's layer here cannot express.

@@ -56,12 +56,14 @@ def _is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META)) and os.path.isdir(os.path.join(path, "dist"))
 
 
-def find_latest(root: str) -> str:
-    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one)."""
+def find_latest(root: str, *, flag: str = "--load") -> str:
+    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one); errors name ``flag``."""
     if _is_complete(root):
         return root
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"{flag} {root}: not a directory")
     if not os.path.isdir(root):
-        raise CheckpointError(f"--load {root}: directory does not exist")
+        raise CheckpointError(f"{flag} {root}: directory does not exist")
     tracker = os.path.join(root, TRACKER)
     if os.path.isfile(tracker):
         with open(tracker) as f:
@@ -74,7 +76,7 @@ def find_latest(root: str) -> str:
         d for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit() and _is_complete(os.path.join(root, d))
     )
     if not complete:
-        raise CheckpointError(f"--load {root}: no complete checkpoint found (expected iter_*/{META})")
+        raise CheckpointError(f"{flag} {root}: no complete checkpoint found (expected iter_*/{META})")
     return os.path.join(root, complete[-1])
 
 

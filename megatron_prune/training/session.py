@@ -123,16 +123,37 @@ def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
     from megatron_prune.lora_config import check_load
     from megatron_prune.training.checkpoint import CheckpointError
 
+    from megatron_prune.training.checkpoint import find_latest
+
     model, train, ckpt = configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"]
+    ref_load = next((cfg.ref_load for cfg in configs.values() if getattr(cfg, "ref_load", None)), None)
     try:
         arch = resolve_arch(model, ckpt)
         lora_base = check_load(ckpt.load, configs.get("LoRAConfig"), hf_model=model.hf_model,
                                model_preset=model.model_preset, seed=train.seed)
+        if ref_load is not None:
+            find_latest(ref_load, flag="--ref-load")
     except UsageError:
         raise
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         raise UsageError(str(exc)) from None
+    if model.expert_model_parallel_size > 1 and not arch.is_moe:
+        raise UsageError(f"--expert-model-parallel-size {model.expert_model_parallel_size} needs a mixture-of-experts "
+                         f"model; {arch.model_type} is dense")
+    if ckpt.save is not None:
+        _check_writable("--save", ckpt.save)
     return arch, lora_base
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """``path`` is a directory this process can create or write into (checked without creating it)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag} {path}: {existing} exists and is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write into {existing}")
 
 
 def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from megatron_prune.model.arch import get_preset
-from tests.e2e.conftest import REPO, TINY_DPO, launch_env, torchrun_cmd
+from tests.e2e.conftest import REPO, SAMPLE, TINY_DPO, launch_env, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -24,6 +24,7 @@ def _main(argv, monkeypatch, capsys, *, world=1):
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.chdir(REPO)  # relative paths in the cases (README.md, .) are the repository's
     with pytest.raises(SystemExit) as exc:
         main(argv)
     err = capsys.readouterr().err
@@ -50,6 +51,25 @@ BAD = [
     pytest.param(["--global-batch-size", "6"], 2,
                  "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2", id="gbs%mbxdp"),
     pytest.param(["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1", id="sp-without-tp"),
+    pytest.param(["--lr", "1e-6", "--min-lr", "1e-3"], 1, "--min-lr 0.001 must be <= --lr 1e-06", id="min-lr>lr"),
+    pytest.param(["--lr", "-1e-5"], 1, "--lr and --min-lr must be >= 0", id="negative-lr-exponent"),
+    pytest.param(["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), got 2.0", id="beta1"),
+    pytest.param(["--weight-decay", "-0.1"], 1, "--weight-decay must be >= 0, got -0.1", id="weight-decay"),
+    pytest.param(["--log-interval", "0"], 1, "--log-interval must be >= 1, got 0", id="log-interval"),
+    pytest.param(["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes must be > 0", id="timeout"),
+    pytest.param(["--max-prompt-length", "128"], 1, "--max-prompt-length must be in [1, --seq-length 128), got 128",
+                 id="prompt-fills-the-sequence"),
+    pytest.param(["--dpo-beta", "inf"], 1, "--dpo-beta must be a finite number > 0, got inf", id="beta-inf"),
+    pytest.param(["--eval-interval", "2"], 1, "--eval-interval needs --eval-data-path", id="eval-interval-alone"),
+    pytest.param(["--finetune"], 1, "--finetune needs --load", id="finetune-alone"),
+    pytest.param(["--ref-cache", "cache"], 1, "--ref-cache needs --ref-mode precomputed", id="ref-cache-alone"),
+    pytest.param(["--lora-alpha", "16"], 1, "--lora-alpha and --lora-dropout need --lora-rank > 0", id="alpha-alone"),
+    pytest.param(["--metrics-jsonl", "."], 1, "--metrics-jsonl .: is a directory", id="metrics-is-a-dir"),
+    pytest.param(["--save", "README.md"], 1, "--save README.md: exists and is not a directory", id="save-is-a-file"),
+    pytest.param(["--ref-load", "no-such-ckpt"], 1, "--ref-load no-such-ckpt: directory does not exist",
+                 id="ref-load-missing"),
+    pytest.param(["--expert-model-parallel-size", "2", "--global-batch-size", "4"], 2,
+                 "--expert-model-parallel-size 2 needs a mixture-of-experts model; qwen3 is dense", id="ep-on-dense"),
 ]
 
 
@@ -122,7 +142,11 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
     (ckpt / "meta.json").write_text(json.dumps(
         {"format": "megatron-prune/1", "iteration": 1, "arch": get_preset("tiny-tied").to_dict(), "has_optimizer": True}))
     cases = [(["--task", "gsm8k", "--data-path", "missing.jsonl"], "--data-path missing.jsonl: data file not found"),
-             (["--task", "toy", "--load", str(tmp_path / "ckpt")], "holds a different architecture")]
+             (["--task", "toy", "--load", str(tmp_path / "ckpt")], "holds a different architecture"),
+             (["--task", "toy", "--group-size", "1"], "--group-size must be >= 2, got 1"),
+             (["--task", "toy", "--toy-num-digits", "11"], "--toy-num-digits must be in [2, 10], got 11"),
+             (["--task", "toy", "--toy-prompt-length", "2"], "--toy-prompt-length must be >= 3"),
+             (["--task", "toy", "--data-path", SAMPLE], "--data-path is for --task gsm8k or math")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exc:
             main(["--model-preset", "tiny", *argv, "--dry-run"])

@@ -44,6 +44,8 @@ def test_gsm8k_answer():
     for bad in ("no answer", "#### \nmore", "####"):
         with pytest.raises(RecordError, match="no final answer"):
             gsm8k_answer(bad)
+    with pytest.raises(RecordError, match="'#### two' is not a number"):  # the reward could never match it
+        gsm8k_answer("step\n#### two")
 
 
 def test_math_boxed():
@@ -78,6 +80,7 @@ BAD_LINES = [
     (b'{"question": 5, "answer": "#### 1"}', "wrong type"),
     (b'{"question": " ", "answer": "#### 1"}', "empty field"),
     (b'{"question": "q", "answer": "1"}', "no final answer"),
+    (b'{"question": "q", "answer": "#### two"}', "no final answer"),
     (b'{"problem": "p", "solution": "no box"}', "no final answer"),
 ]
 GOOD = {"question": "q", "answer": "#### 1"}
@@ -97,7 +100,7 @@ def test_bad_records_are_counted_when_skipping(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         dataset = MathDataset(path, config=MathDataConfig(skip_invalid=True))
     assert len(dataset) == 1
-    assert sum(dataset.skipped.values()) == len(BAD_LINES) and dataset.skipped["no final answer"] == 2
+    assert sum(dataset.skipped.values()) == len(BAD_LINES) and dataset.skipped["no final answer"] == 3
     assert any(f"{path}:2: malformed json" in message for message in caplog.messages)
 
 
