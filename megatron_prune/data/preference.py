@@ -10,7 +10,10 @@ Record shapes, detected per record (or forced with ``format=``):
 ``hh``
     HH-RLHF: ``chosen`` and ``rejected`` are full transcripts sharing the dialogue up to the
     last ``"\\n\\nAssistant:"``. The prompt is that shared dialogue, marker included; a
-    response is the rest (its single leading space belongs to the plain template).
+    response is the rest (its single leading space belongs to the plain template). The same
+    record with message lists instead of transcripts (TRL's conversational "implicit prompt"):
+    the prompt is the messages both lists share, and each must end in one assistant message
+    after them.
 ``helpsteer3``
     HelpSteer3-Preference: ``context`` (message list), ``response1``, ``response2`` and
     ``overall_preference`` (int in [-3, 3]; negative prefers response1, positive response2).
@@ -211,13 +214,34 @@ def _drop_one_space(text: str) -> str:
 
 
 def _parse_hh(record: dict[str, Any]) -> PreferenceText:
-    chosen = _field(record, "chosen", str)
-    rejected = _field(record, "rejected", str)
-    prompt_c, response_c = split_hh_transcript(chosen)
-    prompt_r, response_r = split_hh_transcript(rejected)
+    chosen = _field(record, "chosen", (str, list))
+    rejected = _field(record, "rejected", (str, list))
+    if isinstance(chosen, list) or isinstance(rejected, list):
+        return _parse_implicit_chat(chosen, rejected)
+    try:
+        prompt_c, response_c = split_hh_transcript(chosen)
+        prompt_r, response_r = split_hh_transcript(rejected)
+    except RecordError as exc:
+        raise RecordError(exc.reason, f"{exc.detail} (a record without 'prompt' must hold HH-RLHF transcripts "
+                                      "or chat messages in 'chosen' and 'rejected')") from None
     if prompt_c != prompt_r:
         raise RecordError("no shared prefix", "chosen and rejected differ before their last assistant turn")
     return PreferenceText(parse_hh_dialogue(prompt_c), _drop_one_space(response_c), _drop_one_space(response_r))
+
+
+def _parse_implicit_chat(chosen: Any, rejected: Any) -> PreferenceText:
+    """Chat messages without a ``prompt``: the prompt is what both lists share."""
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise RecordError("wrong type", "'chosen' and 'rejected' must both be transcripts or both message lists")
+    chosen_turns, rejected_turns = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+    shared = 0
+    while (shared < min(len(chosen_turns), len(rejected_turns)) - 1
+           and chosen_turns[shared] == rejected_turns[shared]):
+        shared += 1
+    prompt = chosen_turns[:shared]
+    if not prompt:
+        raise RecordError("no shared prefix", "chosen and rejected share no messages before their responses")
+    return PreferenceText(prompt, _response(chosen_turns, prompt, "chosen"), _response(rejected_turns, prompt, "rejected"))
 
 
 def _parse_explicit(record: dict[str, Any]) -> PreferenceText:

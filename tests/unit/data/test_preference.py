@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -79,6 +80,27 @@ def test_hh_split():
         {"role": "user", "content": "Tell me a joke"},
     ]
     assert (text.chosen, text.rejected) == ("Why did the chicken...", "No.")
+
+
+def test_chat_messages_without_a_prompt_share_their_prompt():
+    """TRL's conversational implicit-prompt records: the prompt is the messages both lists share."""
+    turns = [{"role": "system", "content": "Be kind."}, *USER, {"role": "assistant", "content": "Hi."},
+             {"role": "user", "content": "A joke?"}]
+    record = {"chosen": turns + [{"role": "assistant", "content": "Why did..."}],
+              "rejected": turns + [{"role": "assistant", "content": "No."}]}
+    assert parse_preference_record(record) == PreferenceText(turns, "Why did...", "No.")
+    cases = [
+        ({"chosen": turns + [{"role": "assistant", "content": "a"}], "rejected": "b"}, "wrong type"),
+        ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
+          "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}]}, "no shared prefix"),
+        ({"chosen": turns + [{"role": "assistant", "content": "a"}],
+          "rejected": turns + [{"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]},
+         "one assistant message"),
+        ({"chosen": "c", "rejected": "r"}, "a record without 'prompt' must hold HH-RLHF transcripts or chat messages"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(RecordError, match=re.escape(message)):
+            parse_preference_record(bad)
 
 
 def test_hh_split_on_real_bundled_records(tiny_tokenizer):
