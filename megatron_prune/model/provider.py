@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_prune.accelerator import get_accelerator
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.model.norm import RMSNorm
+from megatron_prune.model.swiglu import SwiGLU
 from megatron_prune.model.segment_attention import with_segment_attention
 
 # The embedding is padded to a multiple of this, independent of TP, so that one checkpoint
@@ -119,6 +120,10 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig) -> Transformer
     if parallel.virtual_pipeline_model_parallel_size and get_accelerator().kind == "cpu":
         # Measured on gloo: the interleaved schedule with batched isend/irecv gives wrong gradients.
         kwargs["batch_p2p_comm"] = False
+    # A dense model on the local spec takes its SwiGLU from the spec (megatron_prune.model.swiglu:
+    # keeps only fc1's output for the backward); Megatron's MLP reads the spec's activation only
+    # under this flag. MoE experts and the TE spec keep Megatron's own activation.
+    kwargs["use_te_activation_func"] = not use_transformer_engine(parallel) and not arch.is_moe
     return TransformerConfig(**kwargs)
 
 
@@ -133,6 +138,11 @@ def _local_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int 
             attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=norm, k_layernorm=norm)
         )
     sub = dataclasses.replace(sub, self_attention=attn)
+    if config.use_te_activation_func:
+        assert not arch.is_moe, "a MoE layer's experts would apply the flag without this spec"
+        mlp = sub.mlp
+        sub = dataclasses.replace(sub, mlp=dataclasses.replace(
+            mlp, submodules=dataclasses.replace(mlp.submodules, activation_func=ModuleSpec(module=SwiGLU))))
     layer_spec = with_segment_attention(dataclasses.replace(layer_spec, submodules=sub))
     n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
     layer_specs = [layer_spec] * n_local
