@@ -17,6 +17,22 @@ MOE_EP4 = "tests/distributed/test_moe.py::test_expert_parallel_4_ranks_matches_s
 
 MUTANTS: list[dict] = [
     {
+        "name": "rmsnorm-backward-misses-the-rms-term",
+        "why": "the hand-written RMSNorm backward treats 1/rms as a constant (drops its dependence on x)",
+        "file": "megatron_prune/model/norm.py",
+        "old": "grad_x = (inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)",
+        "new": "grad_x = (inv_rms * g).to(x.dtype)",
+        "tests": ["tests/unit/model/test_norm.py::test_gradients_match_autograd_in_float64"],
+    },
+    {
+        "name": "swiglu-backward-wrong-silu-derivative",
+        "why": "the hand-written SwiGLU backward uses sigmoid(a) for d silu(a)/da",
+        "file": "megatron_prune/model/swiglu.py",
+        "old": "out[..., :width] = g * up * sigmoid * (1 + gate * (1 - sigmoid))",
+        "new": "out[..., :width] = g * up * sigmoid",
+        "tests": ["tests/unit/model/test_swiglu.py::test_gradients_match_autograd_in_float64"],
+    },
+    {
         "name": "logprobs-padded-vocab-in-normaliser",
         "why": "the forward visits every local weight row, so padded vocabulary rows enter the log-sum-exp",
         "file": OP,
