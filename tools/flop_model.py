@@ -34,8 +34,9 @@ Two views of the same step:
   efficiency of the executed work; padded / ideal shows what padding and recompute cost.
 
 Memory (``padded`` view only, rough): a training microbatch stores per token and layer about
-``6h + 3q + 4kv + 5ffn`` activations (a MoE layer: ``5 * top_k * expert_ffn`` plus the router's
-probabilities and the token's permuted copies) plus ``2 * heads * seq_length`` attention
+``4h + 3q + 4kv + 4ffn`` activations, less ``q + kv`` with query/key norms (the local spec's
+RMSNorm and SwiGLU keep only their inputs; a MoE layer: ``5 * top_k * expert_ffn``, Megatron's
+own activation, plus the router's probabilities and the token's permuted copies) plus ``2 * heads * seq_length`` attention
 scores/probs (the unfused local attention keeps them), or only the layer input under full
 recompute plus one layer's working set; a forward-only microbatch keeps one layer's working set
 (residual stream plus the larger of attention and MLP intermediates); the baseline head holds one fp32 ``rows x vocab``
@@ -179,9 +180,9 @@ class Shape:
         attention = len(targets) - mlp
         return rank * (attention + mlp * (self.dense_layers + self.top_k * self.moe_layers) / self.layers)
 
-    def frozen_norm_savings_per_token(self) -> float:
-        """Normalised inputs a training pass keeps per token and layer only for the norm weights'
-        gradients (two RMSNorms, plus the query and key norms): not kept when the norms are frozen."""
+    def recomputed_norm_outputs_per_token(self) -> float:
+        """Normalised inputs per token and layer (two RMSNorms, plus the query and key norms) that
+        the local spec's RMSNorm recomputes in its backward instead of keeping."""
         return 2 * self.hidden + (self.q_width + self.kv_width if self.qk_norm else 0)
 
     def adapter_flops_per_token(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> float:
@@ -323,7 +324,9 @@ def _lora_step_flops(shape: Shape, passes: list[Pass], *, recompute: bool, view:
 def activation_elements_per_token_layer(shape: Shape, seq_length: float) -> float:
     """Stored activations of one token in one layer (no recompute), unfused local attention
     (scores and probabilities over ``seq_length`` keys)."""
+    recomputed_silu = shape.ffn * shape.dense_layers / shape.layers  # the dense layers' SwiGLU keeps only fc1's output
     return (6 * shape.hidden + 3 * shape.q_width + 4 * shape.kv_width + 5 * shape.mlp_activation_width()
+            - shape.recomputed_norm_outputs_per_token() - recomputed_silu
             + shape.moe_dispatch_width() + 2 * shape.heads * seq_length)
 
 
@@ -351,14 +354,12 @@ def step_peak_bytes(shape: Shape, passes: list[Pass], *, recompute: bool = False
     Weights, gradient buffers and optimizer state are the baseline, not counted.
 
     Under LoRA (``lora_rank > 0``) a training microbatch also keeps each adapter's rank-r
-    activation, but not the normalised inputs that only the frozen norm weights' gradients need,
-    and no head weight gradient (the head is frozen); the adapters' own parameters are too small
-    to be the optimizer's largest.
+    activation, and no head weight gradient (the head is frozen); the adapters' own parameters are
+    too small to be the optimizer's largest.
     """
     largest_param = shape.vocab * shape.hidden
     peak = optimizer_temporaries * largest_param * 4.0 if not lora_rank else 0.0
-    lora_per_token = (shape.adapter_activations_per_token(lora_rank, lora_targets)
-                      - shape.frozen_norm_savings_per_token()) if lora_rank else 0.0
+    lora_per_token = shape.adapter_activations_per_token(lora_rank, lora_targets) if lora_rank else 0.0
     for p in passes:
         for mb in p.microbatches:
             per_layer = (activation_elements_per_token_layer(shape, mb.attention_keys) + lora_per_token) * mb.padded_tokens
