@@ -35,8 +35,8 @@ class ToolHelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or default in (None, False, argparse.SUPPRESS) or default == []
-                or action.option_strings == [] or isinstance(action, argparse._HelpAction)):
+        if ("default" in text or default is None or default is False or default is argparse.SUPPRESS
+                or default == [] or not action.option_strings or isinstance(action, argparse._HelpAction)):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{text} (default: {shown})".lstrip()

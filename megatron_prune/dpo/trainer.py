@@ -16,9 +16,9 @@ from megatron_prune.config import CheckpointConfig, DPOConfig, LoggingConfig, Mo
 from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset
 from megatron_prune.data.sampler import EpochSampler, dp_shard
 from megatron_prune.data.tokenizer import load_tokenizer
-from megatron_prune.model.arch import ModelArch
 from megatron_prune.dpo.batch import CHOSEN, REJECTED
 from megatron_prune.dpo.step import DPOStep, DPOStepSettings
+from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import session
 from megatron_prune.training.loop import train
 from megatron_prune.training.parallel import is_logging_rank
@@ -129,10 +129,8 @@ def check_dpo_flags(configs: dict[str, Any]) -> tuple[str, ModelArch, dict | Non
     dpo: DPOConfig = configs["DPOConfig"]
     if not dpo.data_path:
         raise session.UsageError("--data-path is required")
-    for flag, paths in (("--data-path", dpo.data_path), ("--eval-data-path", dpo.eval_data_path)):
-        for path in paths:
-            if not os.path.exists(path):
-                raise session.UsageError(f"{flag} {path}: data file not found")
+    session.check_data_files("--data-path", dpo.data_path)
+    session.check_data_files("--eval-data-path", dpo.eval_data_path)
     if dpo.layout == "shared" and not configs["PruneConfig"].selective_head:
         raise session.UsageError("--dpo-layout shared needs the selective head (both responses' first tokens are "
                                  "scored from the prompt's last position); drop --no-selective-head")

@@ -8,7 +8,6 @@ Launch with torchrun for several ranks, e.g.::
 
 from __future__ import annotations
 
-import os
 import sys
 
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
@@ -36,9 +35,9 @@ def _checks(configs) -> None:
                          f"into --minibatches {grpo.minibatches}")
     if grpo.task not in TOY_TASKS and not grpo.data_path:
         raise UsageError(f"--task {grpo.task} needs --data-path")
-    for path in grpo.data_path or []:
-        if not os.path.exists(path):
-            raise UsageError(f"--data-path {path}: data file not found")
+    from megatron_prune.training import session
+
+    session.check_data_files("--data-path", grpo.data_path)
     train = configs["TrainConfig"]
     room = train.seq_length - grpo.max_new_tokens
     if room < 1:
@@ -59,8 +58,6 @@ def _checks(configs) -> None:
         raise UsageError("--kv-cache cannot run with --sequence-parallel (a cached decoding step feeds one token, "
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
                          "to sample with full recompute")
-    from megatron_prune.training import session
-
     session.resolve_model_and_base(configs)  # the architecture and, under LoRA, the base
 
 

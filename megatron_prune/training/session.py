@@ -116,6 +116,13 @@ def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:
     return arch
 
 
+def check_data_files(flag: str, paths) -> None:
+    """Every file ``flag`` names exists (checked before any rank works, also under ``--dry-run``)."""
+    for path in paths or []:
+        if not os.path.exists(path):
+            raise UsageError(f"{flag} {path}: data file not found")
+
+
 def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
     """The architecture to build and, under LoRA, where its frozen base comes from: what both
     trainers check before any rank starts (and ``--dry-run`` too). Reads only checkpoint and HF
