@@ -1,0 +1,59 @@
+"""Seeded bugs of LoRA on dense models (the adapter arithmetic, its tensor parallelism, the
+fresh-adapter and adapter-off guarantees), each with the tests that must catch it.
+
+Format: ``tools/mutants.py`` (``MUTANTS``: name, why, file, old, new, tests).
+"""
+
+from __future__ import annotations
+
+LORA = "megatron_prune/model/lora.py"
+TESTS = "tests/distributed/test_lora.py"
+LAYOUTS_2 = f"{TESTS}::test_lora_step_layouts_match_single_rank_2_ranks"
+EXPORTS = f"{TESTS}::test_merged_and_peft_exports_match_the_lora_model"
+
+MUTANTS: list[dict] = [
+    {
+        "name": "lora-up-projection-unscaled",
+        "why": "the adapter's product is added without alpha / r, so the model is not the one a merged or PEFT "
+               "export describes (the tests use alpha / r = 2)",
+        "file": LORA,
+        "old": "self.lora_B.t(),\n                           alpha=self.lora_scale)",
+        "new": "self.lora_B.t(),\n                           alpha=1.0)",
+        "tests": [EXPORTS],
+    },
+    {
+        "name": "lora-row-partial-sums-not-reduced",
+        "why": "a row-parallel base's adapter applies B to its rank's partial x A^T instead of the sum over TP",
+        "file": LORA,
+        "old": "            low = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)\n",
+        "new": "            low = partial\n",
+        "tests": [LAYOUTS_2],
+    },
+    {
+        "name": "lora-column-a-grad-partial-under-sp",
+        "why": "under sequence parallelism the replicated A of a column-parallel base keeps the gradient of its "
+               "rank's sequence shard: finalize_model_grads does not sum it over TP",
+        "file": LORA,
+        "old": "        if module.sequence_parallel:\n            param.sequence_parallel = True\n        return\n",
+        "new": "        return\n",
+        "tests": [LAYOUTS_2],
+    },
+    {
+        "name": "lora-fresh-b-not-zero",
+        "why": "B starts non-zero, so a fresh adapter is not the base model",
+        "file": LORA,
+        "old": "                sh.data.zero_()\n",
+        "new": "                sh.data.fill_(1e-3)\n",
+        "tests": [f"{TESTS}::test_fresh_adapter_is_the_base_model"],
+    },
+    {
+        "name": "lora-adapter-off-reference-keeps-adapters",
+        "why": "the adapter-off reference runs with the adapters on: DPO's reference and GRPO's KL reference "
+               "move with the policy",
+        "file": LORA,
+        "old": "    for m in modules:\n        m.lora_enabled = False\n",
+        "new": "    for m in modules:\n        m.lora_enabled = True\n",
+        "tests": [f"{TESTS}::test_adapter_off_reference_is_the_frozen_base",
+                  f"{TESTS}::test_grpo_kl_reference_is_the_adapter_off_policy"],
+    },
+]
