@@ -41,13 +41,14 @@ def perturb_adapters(chunks, *, seed: int = 7) -> None:
             sh.data.copy_(global_slice(sh, full))
 
 
-def _settings(prune: dict | None = None, layout: str = "concat"):
+def _settings(prune: dict | None = None, layout: str = "concat", pack_rows: bool = False):
     from megatron_prune.config import DPOConfig, PruneConfig
     from megatron_prune.dpo.step import DPOStepSettings
 
     _, pad_id = sample_pairs()
     prune_cfg = PruneConfig(**{**dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False), **(prune or {})})
-    return DPOStepSettings(dpo=DPOConfig(layout=layout), prune=prune_cfg, seed=SEED, micro_batch_size=2, pad_id=pad_id)
+    return DPOStepSettings(dpo=DPOConfig(layout=layout, pack_rows=pack_rows), prune=prune_cfg, seed=SEED,
+                           micro_batch_size=2, pad_id=pad_id)
 
 
 def _my_samples():
@@ -82,7 +83,7 @@ def step_and_collect(runner, policy, optimizer, *, distopt: bool) -> tuple:
 
 def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dict | None = None,
               lora: dict | None = None, branch_pattern: tuple[int, ...] | None = None,
-              save_to: str | None = None) -> dict:
+              save_to: str | None = None, layout: str = "concat", pack_rows: bool = False) -> dict:
     """One DPO step (adapter-off reference, Adam) of a LoRA model: loss, adapter gradients, grad
     norm and adapters after the step (whole tensors), and what the step did to the base."""
     from megatron.core import parallel_state
@@ -107,7 +108,7 @@ def lora_step(*, parallel: dict | None = None, distopt: bool = False, prune: dic
         base = {n: p.detach().clone() for n, p in named if not _is_adapter(n)}
         adapters = [p for n, p in named if _is_adapter(n)]
         assert base and adapters
-        runner = DPOStep(settings=_settings(prune), policy=policy, reference=adapter_off(policy))
+        runner = DPOStep(settings=_settings(prune, layout, pack_rows), policy=policy, reference=adapter_off(policy))
         if branch_pattern is not None:
             plan = runner.plan
 
@@ -537,6 +538,37 @@ def test_lora_step_layouts_match_single_rank_4_ranks(single):
     for name in LAYOUTS_4:
         _assert_step_matches(single["step"], results[name], name)
         _assert_only_adapters_train(results[name]["frozen"], name)
+
+
+DPO_LAYOUTS = {"full": dict(layout="full"), "shared": dict(layout="shared"),
+               "concat, packed rows": dict(layout="concat", pack_rows=True),
+               "shared, packed rows": dict(layout="shared", pack_rows=True)}
+PRUNINGS = {"none": {}, "position+sequence": dict(position_ratio=0.6, seq_min_ratio=0.5),
+            "all": dict(position_ratio=0.6, seq_min_ratio=0.5, branch=True, branch_chosen_prob=0.3)}
+
+
+def dpo_layouts_under_lora() -> dict:
+    """The LoRA step (adapter-off reference) in concat and in every other DPO layout, per pruning."""
+    return {prune: {"concat": lora_step(prune=kw), **{name: lora_step(prune=kw, **layout)
+                                                       for name, layout in DPO_LAYOUTS.items()}}
+            for prune, kw in PRUNINGS.items()}
+
+
+@pytest.mark.distributed
+def test_lora_step_is_the_same_in_every_dpo_layout():
+    """Under LoRA too, the full and shared layouts and packed rows are the concat step (loss,
+    every adapter gradient, adapters after the step) with and without pruning. The shared
+    layout runs pruned responses on stored prompt keys and values: adapters on, no backward."""
+    res = run_distributed(dpo_layouts_under_lora, 1)[0]
+    for prune, by_layout in res.items():
+        for name, got in by_layout.items():
+            _assert_step_matches(by_layout["concat"], got, f"{name}, pruning {prune}")
+            _assert_only_adapters_train(got["frozen"], f"{name}, pruning {prune}")
+    # The prunings change the step (position and sequence pruning the loss, branch pruning the
+    # gradient), so the comparisons above are not all between the same step.
+    none, pos_seq, all_ = (res[p]["concat"] for p in PRUNINGS)
+    assert abs(float(none["metrics"]["loss"]) - float(pos_seq["metrics"]["loss"])) > 1e-4
+    assert any(not torch.allclose(all_["grads"][k], pos_seq["grads"][k], rtol=1e-3, atol=1e-6) for k in all_["grads"])
 
 
 ENUM_PAIRS = 4

@@ -10,6 +10,7 @@ LORA = "megatron_prune/model/lora.py"
 TESTS = "tests/distributed/test_lora.py"
 LAYOUTS_2 = f"{TESTS}::test_lora_step_layouts_match_single_rank_2_ranks"
 EXPORTS = f"{TESTS}::test_merged_and_peft_exports_match_the_lora_model"
+DPO_LAYOUTS = f"{TESTS}::test_lora_step_is_the_same_in_every_dpo_layout"
 
 MUTANTS: list[dict] = [
     {
@@ -55,5 +56,15 @@ MUTANTS: list[dict] = [
         "new": "    for m in modules:\n        m.lora_enabled = True\n",
         "tests": [f"{TESTS}::test_adapter_off_reference_is_the_frozen_base",
                   f"{TESTS}::test_grpo_kl_reference_is_the_adapter_off_policy"],
+    },
+    {
+        "name": "lora-shared-pruned-responses-without-adapters",
+        "why": "in the shared layout the pruned responses, run on the training pass's stored prompt keys and "
+               "values, run with the adapters off: their log-ratios come from the base model, not the policy",
+        "file": "megatron_prune/dpo/step.py",
+        "old": '        with attend_to_prefix_kv(store), torch.profiler.record_function("dpo:pruned_on_prefix_kv"):\n',
+        "new": "        from megatron_prune.model.lora import adapters_disabled\n"
+               "        with attend_to_prefix_kv(store), adapters_disabled([model]):\n",
+        "tests": [DPO_LAYOUTS],
     },
 ]
