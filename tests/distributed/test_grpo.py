@@ -30,8 +30,10 @@ CASES = {
 
 
 def grpo_step(*, parallel: dict | None = None, dppo: dict | None = None, kl_beta: float = 0.0,
-              no_pruner: bool = False) -> dict:
-    """Metrics, sampled completions and whole gradients of one GRPO step (no optimizer step)."""
+              no_pruner: bool = False, lora: dict | None = None) -> dict:
+    """Metrics, sampled completions and whole gradients of one GRPO step (no optimizer step).
+    With ``lora`` the policy trains adapters (set non-zero, so they act) and the KL reference is
+    the adapter-off policy."""
     from megatron_prune.config import TrainConfig
     from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
     from megatron_prune.grpo.dppo import KeepDecision
@@ -44,8 +46,16 @@ def grpo_step(*, parallel: dict | None = None, dppo: dict | None = None, kl_beta
     par = ParallelConfig(**(parallel or {}))
     with model_parallel(par, seed=SEED):
         arch = get_preset("tiny")
-        policy = setup_model(arch, par, seed=SEED)
-        reference = setup_model(arch, par, seed=SEED + 1, trainable=False) if kl_beta else None
+        if lora is None:
+            policy = setup_model(arch, par, seed=SEED)
+            reference = setup_model(arch, par, seed=SEED + 1, trainable=False) if kl_beta else None
+        else:
+            from megatron_prune.model.lora import LoRAConfig, adapter_off
+            from tests.distributed.test_lora import perturb_adapters
+
+            policy = setup_model(arch, par, seed=SEED, lora=LoRAConfig(**lora))
+            perturb_adapters(policy)
+            reference = adapter_off(policy) if kl_beta else None
         configs = {
             "TrainConfig": TrainConfig(global_batch_size=4, micro_batch_size=4, seq_length=48, seed=SEED),
             "GRPOConfig": GRPOConfig(group_size=4, max_new_tokens=6, kl_beta=kl_beta),

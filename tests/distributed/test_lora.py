@@ -571,6 +571,39 @@ def test_lora_step_is_the_same_in_every_dpo_layout():
     assert any(not torch.allclose(all_["grads"][k], pos_seq["grads"][k], rtol=1e-3, atol=1e-6) for k in all_["grads"])
 
 
+GRPO_LORA = dict(dppo=dict(completion_prune_rate=0.5, dense_packing=True), kl_beta=0.1, lora=LORA)
+
+
+def grpo_under_lora(which: str) -> dict:
+    """One GRPO step of a LoRA policy (rollout with adapters on, DPPO completion pruning, dense
+    packing, KL to the adapter-off policy): without and with a shared prompt at one rank, and
+    with it at DP=2, TP=2 and PP=2."""
+    from tests.distributed.test_grpo import grpo_step
+
+    shared = {**GRPO_LORA, "dppo": {**GRPO_LORA["dppo"], "shared_prompt": True}}
+    if which == "1":
+        return {"plain": grpo_step(**GRPO_LORA), "shared": grpo_step(**shared)}
+    return {name: grpo_step(parallel=par, **shared) for name, par in (
+        ("dp2", {}), ("tp2", dict(tensor_model_parallel_size=2)), ("pp2", dict(pipeline_model_parallel_size=2)))}
+
+
+@pytest.mark.distributed
+def test_grpo_under_lora_is_layout_independent_and_shares_prompts_exactly():
+    from tests.distributed.test_grpo import assert_same
+
+    metrics = ("loss", "policy_loss", "kl_loss", "kl", "reward_mean", "kept_completion_fraction")
+    single_rank = run_distributed(grpo_under_lora, 1, which="1")[0]
+    plain, shared = single_rank["plain"], single_rank["shared"]
+    assert plain["metrics"]["kl"] > 0 and plain["metrics"]["kept_completion_fraction"] < 1.0
+    adapters = {k: g for k, g in plain["grads"].items() if _is_adapter(k)}
+    assert adapters and all(float(g.abs().max()) > 0 for g in adapters.values()), "an adapter got no gradient"
+    assert all(float(g.abs().max()) == 0 for k, g in plain["grads"].items() if not _is_adapter(k))
+    assert_same(plain, shared, "shared prompt vs not", metrics=metrics)
+    assert shared["metrics"]["train_tokens"] < plain["metrics"]["train_tokens"]
+    for rank, name, got in every_rank(run_distributed(grpo_under_lora, 2, which="2")):
+        assert_same(plain, got, f"rank {rank}: {name}", metrics=metrics)
+
+
 ENUM_PAIRS = 4
 
 
