@@ -28,8 +28,8 @@ MUTANTS: list[dict] = [
         "name": "swiglu-backward-wrong-silu-derivative",
         "why": "the hand-written SwiGLU backward uses sigmoid(a) for d silu(a)/da",
         "file": "megatron_prune/model/swiglu.py",
-        "old": "out[..., :width] = g * up * sigmoid * (1 + gate * (1 - sigmoid))",
-        "new": "out[..., :width] = g * up * sigmoid",
+        "old": "torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=out[..., :width])",
+        "new": "torch.mul(g * up, torch.sigmoid(gate), out=out[..., :width])",
         "tests": ["tests/unit/model/test_swiglu.py::test_gradients_match_autograd_in_float64"],
     },
     {
