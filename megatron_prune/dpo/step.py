@@ -160,16 +160,31 @@ class DPOStep:
         return [plan_pair(pair, sample_id=sid, step=step, seed=self.s.seed, prune=self.s.prune) for sid, pair in samples]
 
     def _groups(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]]):
-        """Pairs of each microbatch of one pass, longest rows first.
+        """Pairs of each microbatch of one pass.
 
-        Pairs are grouped by the length of their rows in this pass, so each microbatch pads to
-        rows of similar length; every microbatch still holds ``micro_batch_size`` pairs, so the
-        step's loss (the mean of the microbatch means) is the same mean over pairs.
+        Padded rows: pairs are grouped by the length of their rows in this pass, longest first, so
+        each microbatch pads to rows of similar length. Packed rows (``--dpo-pack-rows``) have no
+        padding between pairs to save; there the pairs are spread to balance the microbatches'
+        tokens instead (longest first, each to the microbatch with the fewest tokens that still has
+        room), because the largest packed row sets the pass's peak activations and, under PP, the
+        length of every microbatch. Either way every microbatch holds ``micro_batch_size`` pairs
+        (the last one the remainder), so the step's loss (the mean of the microbatch means) is the
+        same mean over pairs.
         """
         layout = self.s.dpo.layout
-        order = sorted(plans, key=lambda p: -row_length([p], layout=layout, branches=[branches_of(p)]))
+        length = {id(p): row_length([p], layout=layout, branches=[branches_of(p)]) for p in plans}
+        order = sorted(plans, key=lambda p: -length[id(p)])
         mbs = self.s.micro_batch_size
-        return [order[i : i + mbs] for i in range(0, len(order), mbs)]
+        if not self.s.dpo.pack_rows:
+            return [order[i : i + mbs] for i in range(0, len(order), mbs)]
+        sizes = [min(mbs, len(order) - i) for i in range(0, len(order), mbs)]
+        groups: list[list[PlannedPair]] = [[] for _ in sizes]
+        tokens = [0] * len(sizes)
+        for p in order:
+            k = min((k for k in range(len(sizes)) if len(groups[k]) < sizes[k]), key=lambda k: tokens[k])
+            groups[k].append(p)
+            tokens[k] += length[id(p)]
+        return groups
 
     def _microbatches(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]], *,
                       full_rows: bool = False):

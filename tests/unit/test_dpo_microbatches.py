@@ -14,9 +14,10 @@ from megatron_prune.dpo.step import DPOStep, DPOStepSettings
 OFF = PruneConfig(position_ratio=1.0, seq_min_ratio=1.0, branch=False)
 
 
-def step_for(layout: str, mbs: int, prune: PruneConfig = OFF) -> DPOStep:
+def step_for(layout: str, mbs: int, prune: PruneConfig = OFF, *, pack_rows: bool = False) -> DPOStep:
     runner = object.__new__(DPOStep)  # grouping needs no model or process groups
-    runner.s = DPOStepSettings(dpo=DPOConfig(layout=layout), prune=prune, seed=3, micro_batch_size=mbs, pad_id=0)
+    runner.s = DPOStepSettings(dpo=DPOConfig(layout=layout, pack_rows=pack_rows), prune=prune, seed=3,
+                               micro_batch_size=mbs, pad_id=0)
     return runner
 
 
@@ -60,6 +61,26 @@ def test_each_pass_groups_by_its_own_rows():
         lengths = [len(p.prompt) + len(p.responses[branch_of(p)]) for g in groups for p in g]
         assert lengths == sorted(lengths, reverse=True)
     assert [p.sample_id for g in kept for p in g] != [p.sample_id for g in pruned for p in g]
+
+
+@pytest.mark.parametrize("layout, mbs, n", [("concat", 2, 12), ("shared", 2, 12), ("concat", 4, 10), ("shared", 3, 16)])
+def test_packed_rows_balance_the_microbatches_tokens(layout, mbs, n):
+    """With packed rows nothing pads between pairs, so the grouping balances tokens instead: the
+    longest packed row (the pass's peak, and under PP every microbatch's length) is shorter than
+    with the length-sorted grouping, and the microbatch sizes are those of the padded grouping."""
+    both = lambda p: [CHOSEN, REJECTED]  # noqa: E731
+    packed, padded = step_for(layout, mbs, pack_rows=True), step_for(layout, mbs)
+    plans = packed.plan(0, pairs(n, seed=2))
+    groups, sorted_groups = packed._groups(plans, both), padded._groups(plans, both)
+    assert [len(g) for g in groups] == [len(g) for g in sorted_groups]
+    assert sorted(p.sample_id for g in groups for p in g) == list(range(n))  # every pair exactly once
+    lengths = {p.sample_id: row_length([p], layout=layout, branches=[both(p)]) for p in plans}
+    tokens = [sum(lengths[p.sample_id] for p in g) for g in groups]
+    sorted_tokens = [sum(lengths[p.sample_id] for p in g) for g in sorted_groups]
+    assert max(tokens) < max(sorted_tokens)
+    full = [t for t, g in zip(tokens, groups) if len(g) == mbs]  # the remainder group is lighter by design
+    assert max(full) - min(full) < max(lengths.values())  # within one pair of balanced
+    assert packed._groups(plans, both) == groups  # a pure function of the plans
 
 
 def test_last_group_holds_the_remainder():
