@@ -281,8 +281,9 @@ class DPOConfig:
     """full: chosen and rejected as padded rows; concat: both packed in one row as independent sequences;
     shared: one row [prompt, chosen, rejected] per pair, the prompt run once (exact; needs the selective head)."""
     pack_rows: bool = field(default=False, metadata=_flag("--dpo-pack-rows"))
-    """Lay each microbatch's rows end to end in one row, so no pass runs the padding between pairs (exact;
-    concat and shared layouts). Off by default: the padded rows are Megatron's usual [b, s] shapes."""
+    """Lay each microbatch's rows end to end in one row, so no pass runs the padding between pairs, and spread
+    each pass's pairs to balance the microbatches' tokens (exact; concat and shared layouts). Off by default:
+    the padded rows are Megatron's usual [b, s] shapes."""
     ref_mode: str | None = field(default=None, metadata=_flag("--ref-mode", choices=("online", "precomputed", "adapter-off")))
     """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk;
     adapter-off: the policy itself with its LoRA adapters switched off (no second model). Default: adapter-off
