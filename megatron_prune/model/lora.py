@@ -94,10 +94,8 @@ class _LoRAMixin:
 
     def _plus_up_projection(self, output: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         """``output + scale * low B^T`` as one ``addmm``: no ``[tokens, out]`` temporaries for the
-        product and its scaled copy, in forward or backward (the adapter's cost on CPU was about
-        half elementwise passes over them). With ``B = 0`` the result is ``output`` exactly."""
-        if low.dtype != output.dtype or self.lora_B.dtype != output.dtype:
-            return output + (F.linear(low, self.lora_B) * self.lora_scale).to(output.dtype)
+        product and its scaled copy, in forward or backward. With ``B = 0`` the result is ``output``
+        exactly. ``low``, ``B`` and ``output`` share the base weight's dtype (the adapters are made in it)."""
         flat = torch.addmm(output.reshape(-1, output.shape[-1]), low.reshape(-1, low.shape[-1]), self.lora_B.t(),
                            alpha=self.lora_scale)
         return flat.view(output.shape)
