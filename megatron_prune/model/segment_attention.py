@@ -17,8 +17,10 @@ dense bool mask, or None for causal) goes to the parent class unchanged, so with
 the layer is Megatron's own attention, bit for bit.
 
 Paths: on CPU (and in fp32) PyTorch's ``scaled_dot_product_attention`` on padded groups of
-similar-length segments, one call per group with the group's boolean mask (fp16/bf16 inputs are
-computed in fp32, as Megatron's softmax is). On a CUDA device with
+similar-length segments, one call per group (fp16/bf16 inputs are computed in fp32, as Megatron's
+softmax is). A prompt and the response that follows it directly are first joined into one causal
+segment (:func:`_merge_contiguous_prefixes`); groups of prefix-less segments run SDPA's own
+causal rule with no mask, the others the group's boolean mask. On a CUDA device with
 fp16/bf16 activations and the ``flash_attn`` package, ``flash_attn_varlen_func`` with separate
 query and key lengths (each segment's query block against its gathered ``[prefix ; own]`` keys;
 flash's causal mask is bottom-right aligned when there are fewer queries than keys, which is
@@ -48,7 +50,7 @@ import torch
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from megatron_prune.model.segments import TABLE_FIELDS, SegmentLayout
+from megatron_prune.model.segments import TABLE_FIELDS, Segment, SegmentLayout
 
 __all__ = [
     "PrefixKV",
@@ -80,7 +82,7 @@ def is_segment_table(attention_mask) -> bool:
 class _Group:
     q_index: torch.Tensor  # [n, Lq] flat (position * b + row) query indices, padded with 0
     k_index: torch.Tensor  # [n, Lk] flat key indices: prefix, then own tokens
-    allowed: torch.Tensor  # [n, 1, Lq, Lk] bool, True = attend
+    allowed: torch.Tensor | None  # [n, 1, Lq, Lk] bool, True = attend; None: plain causal (no prefix)
     q_valid: torch.Tensor  # [n, Lq] bool: real queries
 
 
@@ -98,6 +100,31 @@ class _Plan:
     max_k: int
 
 
+def _merge_contiguous_prefixes(row: list[Segment]) -> list[Segment]:
+    """``row`` with each prefix-less segment and the first segment that continues it directly, as
+    its prefix, joined into one causal segment.
+
+    The join attends the same pairs: the prefix's queries see their own keys causally either way,
+    and the continuation's queries see the whole prefix and their own keys up to themselves. It
+    turns ``[prompt, response]`` (a packed or pruned DPO row, a GRPO group's first completion)
+    into one prefix-less segment, which runs as plain causal attention without a mask. Other
+    segments that take the same prefix keep it: the prefix's positions are still its keys.
+    """
+    by_span = {(seg.start, seg.end): i for i, seg in enumerate(row) if seg.length and not seg.prefix_length}
+    merged = list(row)
+    joined: set[int] = set()
+    for i, seg in enumerate(row):
+        if not seg.length or not seg.prefix_length or seg.prefix_end != seg.start:
+            continue
+        j = by_span.get((seg.prefix_start, seg.prefix_end))
+        if j is None or j in joined:
+            continue
+        joined.add(j)
+        merged[j] = Segment(seg.prefix_start, seg.end)
+        merged[i] = Segment(seg.end, seg.end)  # empty: covered by the joined segment
+    return merged
+
+
 def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int = 0) -> _Plan:
     """Gathers for ``layout``; positions before ``queries_from`` are keys only (no query, no output),
     and query indices count from there (flat ``(p - queries_from) * b + r``)."""
@@ -107,7 +134,7 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
     covered = torch.zeros(s * b, dtype=torch.bool)
     covered[:shift] = True  # key-only positions: not queries, so not padding queries either
     for r, row in enumerate(layout.rows):
-        for seg in row:
+        for seg in _merge_contiguous_prefixes(row):
             if seg.length == 0:
                 continue
             assert seg.start >= queries_from, "a segment's queries lie before the first query position"
@@ -115,10 +142,11 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
             keys = list(range(seg.prefix_start, seg.prefix_end)) + own
             segs.append(([p * b + r - shift for p in own], [p * b + r for p in keys], seg.prefix_length))
             covered[torch.tensor(own) * b + r] = True
-    segs.sort(key=lambda item: len(item[1]))
+    # Prefix-less segments first, grouped apart from the others: their groups need no mask.
+    segs.sort(key=lambda item: (item[2] > 0, len(item[1])))
     groups, members, outputs = [], [], []
     for item in segs:
-        if members and len(item[1]) > _GROUP_GROWTH * len(members[0][1]):
+        if members and (len(item[1]) > _GROUP_GROWTH * len(members[0][1]) or (item[2] > 0) != (members[0][2] > 0)):
             groups.append(members)
             members = []
         members.append(item)
@@ -132,7 +160,8 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
         q_index = torch.zeros(n, lq, dtype=torch.long)
         k_index = torch.zeros(n, lk, dtype=torch.long)
         q_valid = torch.zeros(n, lq, dtype=torch.bool)
-        allowed = torch.zeros(n, lq, lk, dtype=torch.bool)
+        causal = members[0][2] == 0
+        allowed = None if causal else torch.zeros(n, lq, lk, dtype=torch.bool)
         i = torch.arange(lq)[:, None]
         j = torch.arange(lk)[None, :]
         for m, (q, k, prefix) in enumerate(members):
@@ -140,12 +169,15 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
             k_index[m, : len(k)] = torch.tensor(k)
             q_valid[m, : len(q)] = True
             # Query i sees the prefix and own keys up to itself; padded query rows copy the last
-            # real row (never a fully masked row), their outputs are dropped.
-            own = j - prefix
-            allowed[m] = (j < prefix) | ((own >= 0) & (own <= i.clamp(max=len(q) - 1)))
+            # real row (never a fully masked row), their outputs are dropped. Without a prefix
+            # that is SDPA's own causal rule (a real query never reaches the padded keys after
+            # it), which needs no mask and lets the kernel skip the blocks above the diagonal.
+            if not causal:
+                own = j - prefix
+                allowed[m] = (j < prefix) | ((own >= 0) & (own <= i.clamp(max=len(q) - 1)))
             outputs.extend(q)
-        built.append(_Group(q_index.to(device), k_index.to(device), allowed[:, None].to(device),
-                            q_valid.to(device)))
+        built.append(_Group(q_index.to(device), k_index.to(device),
+                            None if causal else allowed[:, None].to(device), q_valid.to(device)))
     pad_index = (~covered).nonzero().flatten()
     order = torch.tensor(outputs + (pad_index - shift).tolist(), dtype=torch.long)
     out_order = torch.empty(s * b - shift, dtype=torch.long)
@@ -231,7 +263,7 @@ def segment_attention(
             vg = v.index_select(0, group.k_index.flatten()).view(n, lk, ng, hn).transpose(1, 2)
             context = torch.nn.functional.scaled_dot_product_attention(
                 qg.to(compute), kg.to(compute), vg.to(compute), attn_mask=group.allowed, scale=scale,
-                enable_gqa=rep > 1,
+                is_causal=group.allowed is None, enable_gqa=rep > 1,
             ).to(query.dtype)  # [n, np, lq, hn]
             pieces.append(context.transpose(1, 2)[group.q_valid])
     pieces.append(v.index_select(0, plan.pad_index).repeat_interleave(rep, dim=1))

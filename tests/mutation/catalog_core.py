@@ -158,6 +158,24 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/model/test_segment_attention.py::test_random_layouts_equal_dense_reference"],
     },
     {
+        "name": "segment-join-across-padding",
+        "why": "a prompt and a response that does not start where the prompt ends are joined into one "
+               "causal segment: the padding between them becomes queries and keys of the response",
+        "file": "megatron_prune/model/segment_attention.py",
+        "old": "        if not seg.length or not seg.prefix_length or seg.prefix_end != seg.start:\n",
+        "new": "        if not seg.length or not seg.prefix_length:\n",
+        "tests": ["tests/unit/model/test_segment_attention.py::test_a_response_after_padding_does_not_join_its_prompt"],
+    },
+    {
+        "name": "segment-joined-group-masked-as-prefixed",
+        "why": "prefix-less segments are grouped with prefixed ones and run without a mask: a response "
+               "group loses its prefix-and-causal mask",
+        "file": "megatron_prune/model/segment_attention.py",
+        "old": " or (item[2] > 0) != (members[0][2] > 0)):\n",
+        "new": "):\n",
+        "tests": ["tests/unit/model/test_segment_attention.py::test_random_layouts_equal_dense_reference"],
+    },
+    {
         "name": "segment-rotary-from-row-index",
         "why": "with segments the model keeps Megatron's row-index rotary positions: a rejected response "
                "placed after the chosen one rotates as if it followed chosen, not the prompt",

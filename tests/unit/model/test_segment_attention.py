@@ -157,6 +157,27 @@ def test_padded_groups_do_not_mix_segments_of_different_lengths():
     compare(SegmentLayout(rows=rows, seq_length=40), rows)
 
 
+def test_prompt_and_its_first_response_run_as_one_causal_segment():
+    """A prefix-less segment and the segment that continues it directly join into one causal
+    segment, which runs without a mask; the later responses on the same prompt keep it as prefix."""
+    layout = shared_pair_layout()
+    plan = segment_attention_module._build_plan(layout, torch.device("cpu"))
+    unmasked = [g for g in plan.groups if g.allowed is None]
+    assert len(unmasked) == 1 and unmasked[0].q_valid.sum().item() == 8, "[prompt, chosen] did not join"
+    assert all(g.allowed is not None for g in plan.groups if g is not unmasked[0])
+    compare(layout, layout.rows)
+
+
+def test_a_response_after_padding_does_not_join_its_prompt():
+    """Negative control of the join: a response that does not start where its prompt ends keeps
+    the prompt as its prefix (joining would let it see the padding between them)."""
+    rows = [[Segment(0, 4), Segment(6, 9, 0, 4), Segment(9, 11, 0, 4)], [Segment(1, 3), Segment(3, 7, 1, 3)]]
+    layout = SegmentLayout(rows=rows, seq_length=12)
+    compare(layout, rows)
+    plan = segment_attention_module._build_plan(layout, torch.device("cpu"))
+    assert sum(int(g.q_valid.sum()) for g in plan.groups if g.allowed is None) == 4 + 6  # row 0's prompt, row 1's pair
+
+
 def flash_varlen_emulator(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
     """flash_attn_varlen_func's documented semantics in PyTorch: causal aligned bottom-right."""
     assert causal and dropout_p == 0.0
