@@ -498,13 +498,9 @@ def launch(args, argv: list[str], *, seeds: list[int], rnd: int, out_path: str) 
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    if nproc == 1:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if nproc == 1:  # one process: initialize_distributed uses an in-process store, no port to collide on
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
     print(f"[bench_grpo] seeds {seeds} round {rnd}: {' '.join(cmd[:6])} ...", flush=True)
     subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
 

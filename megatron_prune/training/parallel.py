@@ -63,13 +63,19 @@ def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
         return
     global _timeout_minutes
     _timeout_minutes = timeout_minutes
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
+        # One process without torchrun: an in-process store, so no TCP port is probed and then bound
+        # later (another job on the machine could take it in between and fail this one's start).
+        dist.init_process_group(backend=acc.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group(
         backend=acc.backend,
         rank=int(os.environ.get("RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=timeout,
     )
 
 

@@ -1,0 +1,35 @@
+"""How a process without torchrun starts torch.distributed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+SCRIPT = """
+import os
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron_prune.model.provider import ParallelConfig
+from megatron_prune.training.parallel import initialize_distributed, initialize_model_parallel
+
+initialize_distributed()
+initialize_model_parallel(ParallelConfig(), seed=1)
+import torch
+x = torch.ones(2)
+dist.all_reduce(x, group=parallel_state.get_data_parallel_group())
+print(dist.get_world_size(), parallel_state.get_tensor_model_parallel_world_size(), x.tolist(),
+      "MASTER_PORT" in os.environ)
+"""
+
+
+def test_one_process_without_torchrun_needs_no_port():
+    """Without torchrun's variables the process group lives on an in-process store: no TCP port is
+    probed and bound later, so two single-process jobs started together cannot take the same one.
+    Megatron's groups and a collective still work."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "1 1 [1.0, 1.0] False", out.stdout
