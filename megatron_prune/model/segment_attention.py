@@ -130,67 +130,63 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
     and query indices count from there (flat ``(p - queries_from) * b + r``)."""
     s, b = layout.seq_length, layout.batch_size
     shift = queries_from * b
-    segs = []  # (flat query indices, flat key indices [prefix ; own], prefix length) per segment
-    covered = torch.zeros(s * b, dtype=torch.bool)
-    covered[:shift] = True  # key-only positions: not queries, so not padding queries either
+    segs = []  # (row, first query, query count, first prefix key, prefix length) per segment
     for r, row in enumerate(layout.rows):
         for seg in _merge_contiguous_prefixes(row):
             if seg.length == 0:
                 continue
             assert seg.start >= queries_from, "a segment's queries lie before the first query position"
-            own = list(range(seg.start, seg.end))
-            keys = list(range(seg.prefix_start, seg.prefix_end)) + own
-            segs.append(([p * b + r - shift for p in own], [p * b + r for p in keys], seg.prefix_length))
-            covered[torch.tensor(own) * b + r] = True
+            segs.append((r, seg.start, seg.length, seg.prefix_start, seg.prefix_length))
     # Prefix-less segments first, grouped apart from the others: their groups need no mask.
-    segs.sort(key=lambda item: (item[2] > 0, len(item[1])))
-    groups, members, outputs = [], [], []
+    key_count = lambda item: item[2] + item[4]  # noqa: E731
+    segs.sort(key=lambda item: (item[4] > 0, key_count(item)))
+    groups, members = [], []
     for item in segs:
-        if members and (len(item[1]) > _GROUP_GROWTH * len(members[0][1]) or (item[2] > 0) != (members[0][2] > 0)):
+        if members and (key_count(item) > _GROUP_GROWTH * key_count(members[0]) or (item[4] > 0) != (members[0][4] > 0)):
             groups.append(members)
             members = []
         members.append(item)
     if members:
         groups.append(members)
-    built = []
+    built, flat_q, flat_k = [], [], []
     for members in groups:
-        lq = max(len(q) for q, _, _ in members)
-        lk = max(len(k) for _, k, _ in members)
-        n = len(members)
-        q_index = torch.zeros(n, lq, dtype=torch.long)
-        k_index = torch.zeros(n, lk, dtype=torch.long)
-        q_valid = torch.zeros(n, lq, dtype=torch.bool)
-        causal = members[0][2] == 0
-        allowed = None if causal else torch.zeros(n, lq, lk, dtype=torch.bool)
-        i = torch.arange(lq)[:, None]
-        j = torch.arange(lk)[None, :]
-        for m, (q, k, prefix) in enumerate(members):
-            q_index[m, : len(q)] = torch.tensor(q)
-            k_index[m, : len(k)] = torch.tensor(k)
-            q_valid[m, : len(q)] = True
-            # Query i sees the prefix and own keys up to itself; padded query rows copy the last
-            # real row (never a fully masked row), their outputs are dropped. Without a prefix
-            # that is SDPA's own causal rule (a real query never reaches the padded keys after
-            # it), which needs no mask and lets the kernel skip the blocks above the diagonal.
-            if not causal:
-                own = j - prefix
-                allowed[m] = (j < prefix) | ((own >= 0) & (own <= i.clamp(max=len(q) - 1)))
-            outputs.extend(q)
-        built.append(_Group(q_index.to(device), k_index.to(device),
-                            None if causal else allowed[:, None].to(device), q_valid.to(device)))
-    pad_index = (~covered).nonzero().flatten()
-    order = torch.tensor(outputs + (pad_index - shift).tolist(), dtype=torch.long)
+        row, start, length, prefix_start, prefix = (torch.tensor(col, dtype=torch.long)[:, None] for col in zip(*members))
+        i = torch.arange(max(m[2] for m in members))[None, :]  # query slot
+        j = torch.arange(max(key_count(m) for m in members))[None, :]  # key slot: prefix, then own tokens
+        q_valid = i < length
+        q_index = torch.where(q_valid, (start + i) * b + row - shift, 0)
+        k_valid = j < prefix + length
+        k_pos = torch.where(j < prefix, prefix_start + j, start + j - prefix)
+        k_index = torch.where(k_valid, k_pos * b + row, 0)
+        flat_q.append(q_index[q_valid])
+        flat_k.append(k_index[k_valid])
+        # Query i sees the prefix and own keys up to itself; padded query rows copy the last real
+        # row (never a fully masked row), their outputs are dropped. Without a prefix that is
+        # SDPA's own causal rule (a real query never reaches the padded keys after it), which
+        # needs no mask and lets the kernel skip the blocks above the diagonal.
+        allowed = None
+        if members[0][4] > 0:
+            own = j[:, None, :] - prefix[:, :, None]
+            last = torch.minimum(i, length - 1)[:, :, None]
+            allowed = (j[:, None, :] < prefix[:, :, None]) | ((own >= 0) & (own <= last))
+            allowed = allowed[:, None].to(device)
+        built.append(_Group(q_index.to(device), k_index.to(device), allowed, q_valid.to(device)))
+    outputs = torch.cat(flat_q) if flat_q else torch.zeros(0, dtype=torch.long)
+    covered = torch.zeros(s * b - shift, dtype=torch.bool)
+    covered[outputs] = True
+    pad_index = (~covered).nonzero().flatten() + shift  # flat key positions of the uncovered queries
+    order = torch.cat([outputs, pad_index - shift])
     out_order = torch.empty(s * b - shift, dtype=torch.long)
     out_order[order] = torch.arange(s * b - shift)
-    flat_q = [p for q, _, _ in segs for p in q]
-    flat_k = [p for _, k, _ in segs for p in k]
-    cu_q = torch.tensor([0] + [len(q) for q, _, _ in segs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + [len(k) for _, k, _ in segs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lengths_q = [m[2] for m in segs]
+    lengths_k = [key_count(m) for m in segs]
+    cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return _Plan(
         groups=built, pad_index=pad_index.to(device), out_order=out_order.to(device),
-        q_flat=torch.tensor(flat_q, dtype=torch.long).to(device), k_flat=torch.tensor(flat_k, dtype=torch.long).to(device),
+        q_flat=outputs.to(device), k_flat=(torch.cat(flat_k) if flat_k else torch.zeros(0, dtype=torch.long)).to(device),
         cu_q=cu_q.to(device), cu_k=cu_k.to(device),
-        max_q=max((len(q) for q, _, _ in segs), default=0), max_k=max((len(k) for _, k, _ in segs), default=0),
+        max_q=max(lengths_q, default=0), max_k=max(lengths_k, default=0),
     )
 
 

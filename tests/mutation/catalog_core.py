@@ -153,8 +153,8 @@ MUTANTS: list[dict] = [
                "instead of after the prefix: a response sees the wrong own keys (or too few) whenever "
                "it has a shared prompt",
         "file": "megatron_prune/model/segment_attention.py",
-        "old": "            own = j - prefix\n",
-        "new": "            own = j\n",
+        "old": "            own = j[:, None, :] - prefix[:, :, None]\n",
+        "new": "            own = j[:, None, :] + 0 * prefix[:, :, None]\n",
         "tests": ["tests/unit/model/test_segment_attention.py::test_random_layouts_equal_dense_reference"],
     },
     {
@@ -171,7 +171,7 @@ MUTANTS: list[dict] = [
         "why": "prefix-less segments are grouped with prefixed ones and run without a mask: a response "
                "group loses its prefix-and-causal mask",
         "file": "megatron_prune/model/segment_attention.py",
-        "old": " or (item[2] > 0) != (members[0][2] > 0)):\n",
+        "old": " or (item[4] > 0) != (members[0][4] > 0)):\n",
         "new": "):\n",
         "tests": ["tests/unit/model/test_segment_attention.py::test_random_layouts_equal_dense_reference"],
     },
