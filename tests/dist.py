@@ -66,32 +66,45 @@ class DistributedTestError(AssertionError):
     pass
 
 
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
 def run_distributed(fn: Callable, world_size: int, **kwargs: Any) -> list[Any]:
-    """Run ``fn(**kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    with tempfile.TemporaryDirectory() as outdir:
-        try:
-            mp.start_processes(
-                _worker,
-                args=(fn, world_size, _free_port(), outdir, kwargs),
-                nprocs=world_size,
-                join=True,
-                start_method="spawn",
-            )
-        except Exception as exc:  # noqa: BLE001 - re-raised with every rank's traceback
-            reports = []
+    """Run ``fn(**kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    The rendezvous port is probed free and bound seconds later by rank 0, after Megatron's
+    imports; a concurrent job (the mutation harness runs two) can take it in between. A launch
+    that fails only because the port was taken, before ``fn`` ran, is retried on a new port.
+    """
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory() as outdir:
+            try:
+                mp.start_processes(
+                    _worker,
+                    args=(fn, world_size, _free_port(), outdir, kwargs),
+                    nprocs=world_size,
+                    join=True,
+                    start_method="spawn",
+                )
+            except Exception as exc:  # noqa: BLE001 - re-raised with every rank's traceback
+                reports = []
+                for rank in range(world_size):
+                    path = os.path.join(outdir, f"{rank}.pkl")
+                    if os.path.exists(path):
+                        with open(path, "rb") as f:
+                            status, payload = pickle.load(f)
+                        if status == "error":
+                            reports.append(f"--- rank {rank} ---\n{payload}")
+                text = "\n".join(reports) or str(exc)
+                if attempt < 2 and any(mark in text for mark in _PORT_TAKEN):
+                    continue
+                raise DistributedTestError(text) from None
+            results = []
             for rank in range(world_size):
-                path = os.path.join(outdir, f"{rank}.pkl")
-                if os.path.exists(path):
-                    with open(path, "rb") as f:
-                        status, payload = pickle.load(f)
-                    if status == "error":
-                        reports.append(f"--- rank {rank} ---\n{payload}")
-            raise DistributedTestError("\n".join(reports) or str(exc)) from None
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(outdir, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f)[1])
-        return results
+                with open(os.path.join(outdir, f"{rank}.pkl"), "rb") as f:
+                    results.append(pickle.load(f)[1])
+            return results
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def every_rank(results: list[dict]) -> Iterator[tuple[int, Any, Any]]:
