@@ -174,8 +174,8 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
     outputs = torch.cat(flat_q) if flat_q else torch.zeros(0, dtype=torch.long)
     covered = torch.zeros(s * b - shift, dtype=torch.bool)
     covered[outputs] = True
-    pad_index = (~covered).nonzero().flatten() + shift  # flat key positions of the uncovered queries
-    order = torch.cat([outputs, pad_index - shift])
+    uncovered = (~covered).nonzero().flatten()  # padding queries; their keys sit ``shift`` further on
+    order = torch.cat([outputs, uncovered])
     out_order = torch.empty(s * b - shift, dtype=torch.long)
     out_order[order] = torch.arange(s * b - shift)
     lengths_q = [m[2] for m in segs]
@@ -183,7 +183,7 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
     cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return _Plan(
-        groups=built, pad_index=pad_index.to(device), out_order=out_order.to(device),
+        groups=built, pad_index=(uncovered + shift).to(device), out_order=out_order.to(device),
         q_flat=outputs.to(device), k_flat=(torch.cat(flat_k) if flat_k else torch.zeros(0, dtype=torch.long)).to(device),
         cu_q=cu_q.to(device), cu_k=cu_k.to(device),
         max_q=max(lengths_q, default=0), max_k=max(lengths_k, default=0),
