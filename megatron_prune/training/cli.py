@@ -38,6 +38,7 @@ def run_cli(
                                   unknown_handler=parse_mindspeed_flags if kind == "npu" else None)
     from megatron_prune.data.records import DataError
     from megatron_prune.training import session
+    from megatron_prune.training.parallel import check_rendezvous_env
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -54,6 +55,10 @@ def run_cli(
             for name, cfg in configs.items():
                 print(f"  {name}: {cfg}")
         return 0
+    try:
+        check_rendezvous_env()
+    except ValueError as exc:
+        session.fail_usage(exc)
     from megatron_prune.training.loop import NonFiniteError
 
     if int(os.environ.get("RANK", "0")) == 0:

@@ -48,6 +48,16 @@ def validate_layout(parallel: ParallelConfig, world_size: int) -> int:
     return world_size // (tp * pp)
 
 
+def check_rendezvous_env() -> None:
+    """Several ranks need a rendezvous address: refuse ``WORLD_SIZE > 1`` without ``MASTER_PORT``."""
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size != "1" and "MASTER_PORT" not in os.environ:
+        raise ValueError(
+            f"WORLD_SIZE={world_size} but MASTER_PORT is not set: launch the ranks with torchrun "
+            "(python -m torch.distributed.run), which sets MASTER_ADDR and MASTER_PORT, or set both"
+        )
+
+
 def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
     """Start torch.distributed from torchrun's environment (a single process when absent).
 
@@ -64,17 +74,18 @@ def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
     global _timeout_minutes
     _timeout_minutes = timeout_minutes
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
-        # One process without torchrun: an in-process store, so no TCP port is probed and then bound
-        # later (another job on the machine could take it in between and fail this one's start).
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    check_rendezvous_env()
+    if "MASTER_PORT" not in os.environ:
+        # One process without a rendezvous: an in-process store, so no TCP port is probed and then
+        # bound later (another job on the machine could take it in between and fail this one's start).
         dist.init_process_group(backend=acc.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group(
         backend=acc.backend,
         rank=int(os.environ.get("RANK", "0")),
-        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        world_size=int(world_size),
         timeout=timeout,
     )
 
@@ -110,14 +121,6 @@ def guard_collectives(during: str) -> Iterator[None]:
         if failure is None:
             raise
         raise failure from exc
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def initialize_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
@@ -237,6 +240,7 @@ __all__ = [
     "barrier",
     "collective_failure",
     "broadcast_object",
+    "check_rendezvous_env",
     "destroy_model_parallel",
     "expert_parallel_max",
     "guard_collectives",

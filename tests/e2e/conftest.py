@@ -34,6 +34,7 @@ TINY_DPO = [
 
 
 def free_port() -> int:
+    """A port free now, for launches that must agree on one in advance (two agents as two nodes)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -50,7 +51,9 @@ def launch_env(**extra: str) -> dict[str, str]:
 
 def torchrun_cmd(target: list[str], *, nproc: int = 2, rdzv: list[str] | None = None) -> list[str]:
     """``torchrun`` (as ``python -m torch.distributed.run``) of ``target`` (``-m pkg ...`` or a script)."""
-    rdzv = rdzv if rdzv is not None else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+    # Port 0: the agent binds a free port itself and its workers join its store, so no port is
+    # probed here and bound later (a concurrent job could take it in between).
+    rdzv = rdzv if rdzv is not None else ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
                                           "--nnodes", "1"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *rdzv, *target]
 

@@ -33,3 +33,18 @@ def test_one_process_without_torchrun_needs_no_port():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-2] == "1 1 [1.0, 1.0] False", out.stdout
+
+
+def test_several_ranks_without_a_rendezvous_port_are_refused_before_any_work():
+    """``WORLD_SIZE=2`` without ``MASTER_PORT`` (ranks started by hand, not by torchrun) cannot
+    meet: the CLI says how to launch them, exit code 2, before the model is built."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(WORLD_SIZE="2", RANK="0", PYTHONWARNINGS="ignore")
+    sample = os.path.join(os.path.dirname(__file__), "..", "..", "megatron_prune", "data", "samples",
+                          "hh_rlhf_sample.jsonl")
+    out = subprocess.run([sys.executable, "-m", "megatron_prune.dpo", "--model-preset", "tiny",
+                          "--data-path", sample, "--global-batch-size", "4", "--micro-batch-size", "1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "WORLD_SIZE=2 but MASTER_PORT is not set" in out.stderr and "torchrun" in out.stderr, out.stderr
