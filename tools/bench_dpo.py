@@ -150,12 +150,23 @@ PRESETS: dict[str, dict] = {
 SEED = 1234
 
 
+def _preset_help() -> str:
+    def one(name: str, p: dict) -> str:
+        a = p["arch"]
+        moe = f", {a['num_experts']} experts top-{a['num_experts_per_tok']}" if a.get("num_experts") else ""
+        return (f"{name} (hidden {a['hidden_size']}, {a['num_layers']} layers, vocabulary {a['vocab_size']}{moe}; "
+                f"{p['pairs']} pairs per step in microbatches of {p['micro_batch_size']}, rows <= "
+                f"{p['max_seq_length']} tokens; {p['device']})")
+
+    return "; ".join(one(name, preset) for name, preset in PRESETS.items())
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron_prune.arguments import ToolHelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small",
-                   help="model shape, data lengths and batch (the table above)")
+                   help="model shape, data lengths and batch: " + _preset_help())
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
                    help="modes to run (concat is always added: ratios are against it)")
     p.add_argument("--data-path", nargs="+", default=None, help="preference files (default: bundled HH-RLHF sample)")
@@ -201,6 +212,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
     if "concat" not in args.modes:
         args.modes = ["concat"] + list(args.modes)
     return args

@@ -173,6 +173,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             dppo_args(mode, args)
         except ValueError as exc:
             p.error(f"mode {mode} (--prompt-rate, --completion-rate, --prompt-floor, --completion-floor): {exc}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
     return args
 
 

@@ -136,7 +136,8 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from exc
+        raise DataError(path, None, "reading Parquet needs pyarrow", "pip install pyarrow, or convert the file to "
+                        "JSON Lines") from exc
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several unrelated types for unreadable files

@@ -154,7 +154,8 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     from megatron_prune.lora_config import lora_meta
 
     ref_mode, arch, lora_base = check_dpo_flags(configs)
-    tokenizer = load_tokenizer(session.resolve_tokenizer(model_cfg, ckpt_cfg))
+    tokenizer_spec = session.resolve_tokenizer(model_cfg, ckpt_cfg)
+    tokenizer = load_tokenizer(tokenizer_spec)
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
     data_cfg = PreferenceDataConfig(max_seq_length=train_cfg.seq_length, max_prompt_length=train_cfg.max_prompt_length,
@@ -169,7 +170,8 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load, lora_base=lora_base)
-    parts.extra_meta = {"reference_load": ref_source, **lora_meta(lora, base=lora_base)}
+    parts.extra_meta = {"reference_load": ref_source, **lora_meta(lora, base=lora_base),
+                        **session.tokenizer_meta(tokenizer_spec)}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
                                pad_id=tokenizer.pad_id)
     off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,

@@ -434,5 +434,7 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
             reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source,
                                                 lora_base=lora_base)
     parts.extra_meta.update(lora_meta(lora, base=lora_base))
+    if grpo.task not in ("toy", "toy-binary"):  # the toy tasks use token ids, no tokenizer
+        parts.extra_meta.update(session.tokenizer_meta(session.resolve_tokenizer(model_cfg, ckpt_cfg)))
     objective = build_objective(configs=configs, arch=arch, policy=parts.model, reference=reference, source=source)
     return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg)

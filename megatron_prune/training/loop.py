@@ -66,6 +66,9 @@ class TrainingParts:
     """Architecture (recorded in checkpoints)."""
     extra_meta: dict = field(default_factory=dict)
     """Recorded in every checkpoint's meta.json (e.g. which reference model the run uses)."""
+    hf_assets: str | None = None
+    """HF model directory the run started from (``--hf-model``): its config and tokenizer files
+    are kept in ``hf_assets/`` of the save directory, so an export finds them."""
 
 
 def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
@@ -169,9 +172,19 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
     return int(loaded["iteration"])
 
 
-def _carry_hf_assets(ckpt: CheckpointConfig) -> None:
-    """Keep the original HF config and tokenizer next to our checkpoints (for export)."""
-    if not ckpt.load or not ckpt.save or (dist.is_initialized() and dist.get_rank() != 0):
+def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
+    """Keep the original HF config and tokenizer next to our checkpoints (for export): from the HF
+    directory the run started from, else from ``hf_assets/`` beside the checkpoint it loaded."""
+    if not ckpt.save or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    if hf_model is not None and os.path.isdir(hf_model):
+        from megatron_prune.model.hf_convert import ASSETS_DIR, copy_hf_assets
+
+        dst = os.path.join(ckpt.save, ASSETS_DIR)
+        if not os.path.isdir(dst):
+            copy_hf_assets(hf_model, dst)
+        return
+    if not ckpt.load:
         return
     for where in (ckpt.load, os.path.dirname(os.path.abspath(ckpt.load))):
         src = os.path.join(where, "hf_assets")
@@ -183,7 +196,7 @@ def _carry_hf_assets(ckpt: CheckpointConfig) -> None:
 
 
 def save(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, step: int) -> None:
-    _carry_hf_assets(ckpt)
+    _carry_hf_assets(ckpt, parts.hf_assets)
     path = ckpt_io.save_checkpoint(
         ckpt.save, iteration=step, model=parts.model, arch=parts.arch, optimizer=parts.optimizer,
         scheduler_state=parts.scheduler.state_dict(), trainer_state={"objective": objective.state_dict()},

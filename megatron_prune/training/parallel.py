@@ -30,9 +30,12 @@ def validate_layout(parallel: ParallelConfig, world_size: int) -> int:
     if tp < 1 or pp < 1:
         raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
     if world_size % (tp * pp):
+        hint = ("" if "WORLD_SIZE" in os.environ else
+                " (this process was not started by torchrun, so it is a world of one rank: launch it with "
+                "torchrun --nproc-per-node N, or set WORLD_SIZE=N to check a layout with --dry-run)")
         raise ValueError(
             f"world size {world_size} is not divisible by tensor-model-parallel-size x "
-            f"pipeline-model-parallel-size = {tp} x {pp}"
+            f"pipeline-model-parallel-size = {tp} x {pp}{hint}"
         )
     if parallel.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")

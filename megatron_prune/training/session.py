@@ -173,13 +173,22 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
     assets = os.path.join(ckpt.load or "", "hf_assets")
     if os.path.isdir(assets):
         return assets
-    if ckpt.load:  # a LoRA checkpoint started from --hf-model: the recorded base has the tokenizer
+    if ckpt.load:
         from megatron_prune.training.checkpoint import read_meta
 
-        base = read_meta(ckpt.load).get("lora_base") or {}
+        meta = read_meta(ckpt.load)
+        recorded = meta.get("tokenizer")  # what the run that saved it used
+        if recorded == "tiny" or (recorded and os.path.exists(recorded)):
+            return recorded
+        base = meta.get("lora_base") or {}  # a LoRA checkpoint started from --hf-model: its base has one
         if base.get("kind") == "hf" and os.path.isdir(base.get("path") or ""):
             return base["path"]
     raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
+
+
+def tokenizer_meta(spec: str) -> dict[str, str]:
+    """The checkpoint record of the tokenizer a run uses, so ``--load`` alone finds it again."""
+    return {"tokenizer": spec if spec == "tiny" or not os.path.exists(spec) else os.path.abspath(spec)}
 
 
 def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
@@ -224,7 +233,8 @@ def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, t
         ),
         bf16=model.bf16,
     )
-    return TrainingParts(model=policy, optimizer=optimizer, scheduler=build_scheduler(optimizer, train), arch=arch)
+    return TrainingParts(model=policy, optimizer=optimizer, scheduler=build_scheduler(optimizer, train), arch=arch,
+                         hf_assets=model.hf_model)
 
 
 def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str | None, *,

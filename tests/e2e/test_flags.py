@@ -82,6 +82,20 @@ def test_bad_flag_rejected_before_any_work(extra, world, message, monkeypatch, c
     assert _no_process_group()
 
 
+def test_a_layout_checked_outside_torchrun_says_how_to_launch(monkeypatch, capsys):
+    """Without torchrun the world is one rank: a TP=2 layout (even in a dry run) is refused with the
+    way to launch it or to check it, not only with the arithmetic."""
+    from megatron_prune.dpo.__main__ import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main([*TINY_DPO, "--tensor-model-parallel-size", "2", "--dry-run"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "world size 1 is not divisible" in err and "torchrun --nproc-per-node N" in err, err
+    assert "set WORLD_SIZE=N to check a layout with --dry-run" in err, err
+
+
 def test_valid_flags_pass_validation(monkeypatch, capsys):
     """The checks are not too strict: TP=2 x DP=2 with the same batch passes (dry run)."""
     from megatron_prune.dpo.__main__ import main

@@ -29,6 +29,7 @@ def _tiny_qwen3(path) -> None:
 def test_dpo_from_hf_model_then_export(tmp_path):
     hf = tmp_path / "hf"
     _tiny_qwen3(hf)
+    (hf / "tokenizer_config.json").write_text('{"model_max_length": 512}')  # an asset to carry to the export
     metrics = tmp_path / "m.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "megatron_prune.dpo", "--hf-model", str(hf), "--tokenizer", "tiny",
@@ -46,6 +47,14 @@ def test_dpo_from_hf_model_then_export(tmp_path):
                            "--load", str(tmp_path / "ckpt"), "--hf-out", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The checkpoint kept the HF directory's config and tokenizer files: the export copies them
+    # (the original config, not one rebuilt from the architecture) without being told where they are.
+    assert "no tokenizer" not in proc.stderr, proc.stderr[-3000:]
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 512}'
+    assert (out / "generation_config.json").is_file()
+    original, exported = (json.loads((d / "config.json").read_text()) for d in (hf, out))
+    assert {k: v for k, v in exported.items() if k not in ("dtype", "torch_dtype", "transformers_version")} == \
+        {k: v for k, v in original.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
     import torch
     from transformers import AutoModelForCausalLM
 

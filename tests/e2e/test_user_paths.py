@@ -78,6 +78,20 @@ def _in_process(module: str, argv: list[str], monkeypatch, capsys) -> tuple[int,
     return exc.value.code, capsys.readouterr().err
 
 
+def test_resume_with_load_alone_finds_the_recorded_tokenizer(tmp_path):
+    """A run of the tiny preset saved; ``--load`` alone (no preset, no --tokenizer) continues it:
+    the checkpoint records the tokenizer the run used, as it records the architecture."""
+    ckpt = tmp_path / "ckpt"
+    first, _ = _dpo(tmp_path, "first", "--train-iters", "1", "--save", str(ckpt))
+    metrics = tmp_path / "resumed.jsonl"
+    proc = _run([sys.executable, "-m", "megatron_prune.dpo", "--load", str(ckpt), "--data-path", SAMPLE,
+                 "--device", "cpu", "--seq-length", "128", "--max-prompt-length", "64", "--train-iters", "2",
+                 "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
+                 "--metrics-jsonl", str(metrics)])
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert [r["step"] for r in first] == [0] and [r["step"] for r in read_jsonl(metrics)] == [1]
+
+
 def test_bad_records_name_file_line_and_the_way_out(tmp_path, monkeypatch, capsys):
     good = json.dumps({"prompt": "hi", "chosen": "a", "rejected": "b"})
     cases = [

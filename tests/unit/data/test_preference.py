@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -176,6 +177,19 @@ def test_parquet(tmp_path, tiny_tokenizer):
     assert [p.line for p in pairs] == [1] and skipped == {"identical responses": 1}
     prompt, chosen, rejected = ids_text(tiny_tokenizer, pairs[0])
     assert (prompt, chosen, rejected) == ("\n\nHuman: Hi there\n\nAssistant:", " Hello!", " Go away.")
+
+
+def test_parquet_without_pyarrow_is_a_data_error_with_the_way_out(tmp_path, tiny_tokenizer, monkeypatch):
+    """pyarrow is optional: a Parquet file without it names the file and the fix, as a DataError (the
+    CLI prints it as one line) and without the skip hint, which could not help."""
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import of pyarrow now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    path = tmp_path / "pairs.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(DataError) as exc:
+        load_preference_pairs(path, tokenizer=tiny_tokenizer)
+    assert str(exc.value) == f"{path}: reading Parquet needs pyarrow: pip install pyarrow, or convert the file to JSON Lines"
+    assert exc.value.line is None
 
 
 def test_gzip_jsonl(tmp_path, tiny_tokenizer):
