@@ -170,19 +170,20 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
         return "tiny"
     if model.hf_model:
         return model.hf_model
-    assets = os.path.join(ckpt.load or "", "hf_assets")
+    if not ckpt.load:
+        raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
+    from megatron_prune.training.checkpoint import read_meta
+
+    meta = read_meta(ckpt.load)
+    recorded = meta.get("tokenizer")  # what the run that saved the checkpoint used
+    if recorded == "tiny" or (recorded and os.path.exists(recorded)):
+        return recorded
+    assets = os.path.join(ckpt.load, "hf_assets")  # kept by the converter and by runs from --hf-model
     if os.path.isdir(assets):
         return assets
-    if ckpt.load:
-        from megatron_prune.training.checkpoint import read_meta
-
-        meta = read_meta(ckpt.load)
-        recorded = meta.get("tokenizer")  # what the run that saved it used
-        if recorded == "tiny" or (recorded and os.path.exists(recorded)):
-            return recorded
-        base = meta.get("lora_base") or {}  # a LoRA checkpoint started from --hf-model: its base has one
-        if base.get("kind") == "hf" and os.path.isdir(base.get("path") or ""):
-            return base["path"]
+    base = meta.get("lora_base") or {}  # a LoRA checkpoint started from --hf-model: its base has one
+    if base.get("kind") == "hf" and os.path.isdir(base.get("path") or ""):
+        return base["path"]
     raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
 
 
