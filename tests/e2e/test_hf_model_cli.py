@@ -62,6 +62,14 @@ def test_dpo_from_hf_model_then_export(tmp_path):
     after = AutoModelForCausalLM.from_pretrained(out)
     changed = [n for n, p in after.state_dict().items() if not torch.equal(p, before.state_dict()[n])]
     assert changed, "training changed no weight in the exported model"
+    # Resuming needs neither --hf-model nor --tokenizer: the checkpoint recorded the tokenizer the
+    # run used ("tiny"), which wins over its hf_assets/ (config files here, no tokenizer).
+    resume = [a for a in cmd if a not in ("--hf-model", str(hf), "--tokenizer", "tiny")]
+    resume[resume.index("--train-iters") + 1] = "3"
+    proc = subprocess.run([*resume, "--load", str(tmp_path / "ckpt")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
     tokens = torch.tensor([[2, 17, 33, 90]])
     generated = after.generate(tokens, max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 8)
