@@ -50,6 +50,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, outdir: str, kw
 
     try:
         initialize_distributed(timeout_minutes=3)
+        open(os.path.join(outdir, f"{rank}.started"), "w").close()
         result = fn(**kwargs)
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(("ok", result), f)
@@ -96,7 +97,8 @@ def run_distributed(fn: Callable, world_size: int, **kwargs: Any) -> list[Any]:
                         if status == "error":
                             reports.append(f"--- rank {rank} ---\n{payload}")
                 text = "\n".join(reports) or str(exc)
-                if attempt < 2 and any(mark in text for mark in _PORT_TAKEN):
+                started = any(os.path.exists(os.path.join(outdir, f"{rank}.started")) for rank in range(world_size))
+                if attempt < 2 and not started and any(mark in text for mark in _PORT_TAKEN):
                     continue
                 raise DistributedTestError(text) from None
             results = []

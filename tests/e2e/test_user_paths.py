@@ -160,12 +160,18 @@ def test_grpo_left_truncates_long_prompts_and_reports_tokens(tmp_path):
     assert "step 0: every group's rewards are equal (zero variance)" in proc.stdout, proc.stdout[-3000:]
     # By default (no KL) those completions are skipped: nothing is scored or trained, same loss.
     skipped = tmp_path / "skipped.jsonl"
-    proc = _run([*cmd, "--metrics-jsonl", str(skipped)])
+    proc = _run([*cmd, "--metrics-jsonl", str(skipped), "--save", str(tmp_path / "ckpt")])
     assert proc.returncode == 0, proc.stdout[-5000:]
     for got in read_jsonl(skipped):
         assert got["train_tokens"] == got["forward_only_tokens"] == got["loss"] == 0.0
         assert got["kept_completion_fraction"] == 0.0
     assert "step 0: every group's rewards are equal (zero variance)" in proc.stdout, proc.stdout[-3000:]
+    # The checkpoint recorded the tokenizer: --load alone (no preset, no --tokenizer) goes on.
+    resume = [a for a in cmd if a not in ("--model-preset", "tiny")]
+    resume[resume.index("--train-iters") + 1] = "3"
+    proc = _run([*resume, "--load", str(tmp_path / "ckpt"), "--metrics-jsonl", str(skipped)])
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert [r["step"] for r in read_jsonl(skipped)] == [0, 1, 2]
 
 
 # --------------------------------------------------------------------------- examples and README

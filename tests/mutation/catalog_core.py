@@ -33,6 +33,14 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/model/test_swiglu.py::test_gradients_match_autograd_in_float64"],
     },
     {
+        "name": "swiglu-not-wired-into-the-model",
+        "why": "the dense local spec's MLP falls back to Megatron's glu (same values, more saved memory)",
+        "file": "megatron_prune/model/provider.py",
+        "old": 'kwargs["use_te_activation_func"] = not use_transformer_engine(parallel) and not arch.is_moe',
+        "new": 'kwargs["use_te_activation_func"] = False',
+        "tests": ["tests/distributed/test_local_spec.py"],
+    },
+    {
         "name": "logprobs-padded-vocab-in-normaliser",
         "why": "the forward visits every local weight row, so padded vocabulary rows enter the log-sum-exp",
         "file": OP,

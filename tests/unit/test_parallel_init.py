@@ -18,8 +18,11 @@ initialize_model_parallel(ParallelConfig(), seed=1)
 import torch
 x = torch.ones(2)
 dist.all_reduce(x, group=parallel_state.get_data_parallel_group())
+from torch.distributed import distributed_c10d
+store = distributed_c10d._get_default_store()
+store = getattr(store, "underlying_store", store)  # the default group's store is prefixed
 print(dist.get_world_size(), parallel_state.get_tensor_model_parallel_world_size(), x.tolist(),
-      "MASTER_PORT" in os.environ)
+      "MASTER_PORT" in os.environ, type(store).__name__)
 """
 
 
@@ -32,7 +35,7 @@ def test_one_process_without_torchrun_needs_no_port():
     env["PYTHONWARNINGS"] = "ignore"
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[-2] == "1 1 [1.0, 1.0] False", out.stdout
+    assert out.stdout.split("\n")[-2] == "1 1 [1.0, 1.0] False HashStore", out.stdout
 
 
 def test_several_ranks_without_a_rendezvous_port_are_refused_before_any_work():

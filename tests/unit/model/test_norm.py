@@ -50,12 +50,16 @@ def test_forward_and_backward_match_the_composed_norm(dtype, tol):
         torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol * float(w.abs().max()))
 
 
-def test_frozen_weight_gets_no_gradient_and_the_input_still_does():
+def test_frozen_weight_still_gives_the_input_its_gradient():
+    """LoRA freezes the norms: the input's gradient is still the composed ops' one."""
     module = norm(8, torch.float32)
     module.weight.requires_grad_(False)
     x = torch.randn(4, 8, requires_grad=True)
-    module(x).sum().backward()
-    assert module.weight.grad is None and x.grad is not None
+    out_grad = torch.randn(4, 8)
+    (got,) = torch.autograd.grad(module(x), x, out_grad)
+    (want,) = torch.autograd.grad(composed(x, module.weight, 1e-6), x, out_grad)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert module.weight.grad is None
 
 
 def _saved_full_size(fn, x: torch.Tensor) -> list[torch.Tensor]:

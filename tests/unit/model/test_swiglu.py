@@ -54,6 +54,10 @@ def test_refuses_what_it_does_not_compute():
     ok = SimpleNamespace(activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=None,
                          glu_linear_offset=0.0)
     SwiGLU(ok)
-    for bad in (dict(activation_func=F.gelu), dict(gated_linear_unit=False), dict(activation_func_clamp_value=5.0)):
-        with pytest.raises(ValueError, match="SwiGLU"):
+    for bad, named in ((dict(activation_func=F.gelu), "activation_func=F.silu"),
+                       (dict(gated_linear_unit=False), "gated_linear_unit=True"),
+                       (dict(activation_func_clamp_value=5.0), "activation_func_clamp_value"),
+                       (dict(glu_linear_offset=1.0), "glu_linear_offset")):
+        with pytest.raises(ValueError, match="SwiGLU") as exc:
             SwiGLU(SimpleNamespace(**{**vars(ok), **bad}))
+        assert named in str(exc.value)

@@ -1,0 +1,53 @@
+"""The local layer spec's own RMSNorm and SwiGLU are the functions a built model runs.
+
+Both keep only their inputs for the backward (``megatron_prune/model/norm.py``, ``swiglu.py``);
+their numerics are tested alone in ``tests/unit/model``. Here: a model built the way the trainers
+build it runs them in every place they belong (found in the autograd graph of a real forward), so
+a wiring change that falls back to Megatron's ops, which compute the same values while keeping
+more memory, fails a test instead of passing silently.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.dist import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _backward_nodes(preset: str) -> dict:
+    import torch
+
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    arch = get_preset(preset)
+    with model_parallel(ParallelConfig(), seed=3):
+        model = setup_model(arch, ParallelConfig(), seed=3)[0]
+        ids = torch.randint(0, arch.vocab_size, (2, 8))
+        logits = model(ids, torch.arange(8).expand(2, 8), None)
+        seen, stack, names = set(), [logits.grad_fn], Counter()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            names[type(node).__name__] += 1
+            stack.extend(fn for fn, _ in node.next_functions)
+    return {"layers": arch.num_layers, "qk_norm": arch.qk_norm, "names": dict(names)}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_built_model_runs_the_specs_norm_and_swiglu(preset):
+    (found,) = run_distributed(_backward_nodes, 1, preset=preset)
+    layers, names = found["layers"], found["names"]
+    # Per layer: the attention and MLP input norms (+ q and k norms), and the final norm.
+    norms = layers * (2 + 2 * found["qk_norm"]) + 1
+    assert names.get("_RMSNormFunctionBackward", 0) == norms, names
+    # Dense MLPs take the spec's SwiGLU; MoE experts keep Megatron's own activation.
+    assert names.get("_SwiGLUFunctionBackward", 0) == (0 if preset == "tiny-moe" else layers), names
