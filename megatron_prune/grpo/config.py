@@ -7,6 +7,7 @@ translate into the component configs of :mod:`megatron_prune.grpo` (``AdvantageC
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from megatron_prune.grpo.advantages import AdvantageConfig
@@ -180,5 +181,8 @@ class DPPOArgs:
                 sampling=self.sampling, prompt_sampling=self.prompt_sampling,
                 skip_zero_advantage=self.skip_zero_advantage and kl_beta == 0,
             )
-        except ValueError as exc:
-            raise ValueError(f"--dppo-*: {exc}") from None
+        except ValueError as exc:  # DPPOConfig names its fields; the user typed the flags
+            message = re.sub(r"\b(prompt_prune_rate|completion_prune_rate|prompt_floor|completion_floor|history_decay|"
+                             r"history_score|prompt_sampling|sampling)\b",
+                             lambda m: "--dppo-" + m.group(1).replace("_", "-"), str(exc))
+            raise ValueError(message) from None

@@ -92,7 +92,8 @@ class DPPOConfig:
             if rate > 1.0 - floor + 1e-12:
                 raise ValueError(
                     f"{level}_prune_rate {rate} cannot be reached with {level}_floor {floor}: every item is kept "
-                    f"with probability at least the floor, so at most 1 - floor = {1.0 - floor:.4g} can be pruned"
+                    f"with probability at least the floor, so at most 1 - floor = {1.0 - floor:.4g} can be pruned "
+                    f"(lower {level}_floor to prune more)"
                 )
         for name in ("sampling", "prompt_sampling"):
             if getattr(self, name) not in SAMPLINGS:

@@ -49,5 +49,6 @@ def test_built_model_runs_the_specs_norm_and_swiglu(preset):
     # Per layer: the attention and MLP input norms (+ q and k norms), and the final norm.
     norms = layers * (2 + 2 * found["qk_norm"]) + 1
     assert names.get("_RMSNormFunctionBackward", 0) == norms, names
-    # Dense MLPs take the spec's SwiGLU; MoE experts keep Megatron's own activation.
+    # A dense model's MLPs take the spec's SwiGLU; a mixture-of-experts model (its dense first
+    # layer too) keeps Megatron's own activation.
     assert names.get("_SwiGLUFunctionBackward", 0) == (0 if preset == "tiny-moe" else layers), names

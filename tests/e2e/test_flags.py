@@ -160,7 +160,11 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
              (["--task", "toy", "--group-size", "1"], "--group-size must be >= 2, got 1"),
              (["--task", "toy", "--toy-num-digits", "11"], "--toy-num-digits must be in [2, 10], got 11"),
              (["--task", "toy", "--toy-prompt-length", "2"], "--toy-prompt-length must be >= 3"),
-             (["--task", "toy", "--data-path", SAMPLE], "--data-path is for --task gsm8k or math")]
+             (["--task", "toy", "--data-path", SAMPLE], "--data-path is for --task gsm8k or math"),
+             (["--task", "toy", "--dppo-completion-prune-rate", "0.8"],
+              "--dppo-completion-prune-rate 0.8 cannot be reached with --dppo-completion-floor 0.3"),
+             (["--task", "toy", "--dppo-prompt-prune-rate", "0.5", "--dppo-prompt-floor", "0.6"],
+              "at most 1 - floor = 0.4 can be pruned (lower --dppo-prompt-floor to prune more)")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exc:
             main(["--model-preset", "tiny", *argv, "--dry-run"])
