@@ -159,8 +159,9 @@ class DPOStep:
     def plan(self, step: int, samples: list[tuple[int, PreferencePair]]) -> list[PlannedPair]:
         return [plan_pair(pair, sample_id=sid, step=step, seed=self.s.seed, prune=self.s.prune) for sid, pair in samples]
 
-    def _groups(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]]):
-        """Pairs of each microbatch of one pass.
+    def _groups(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]], *,
+                pairs: int | None = None):
+        """Pairs of each microbatch of one pass (``pairs`` each, default ``micro_batch_size``).
 
         Padded rows: pairs are grouped by the length of their rows in this pass, longest first, so
         each microbatch pads to rows of similar length. Packed rows (``--dpo-pack-rows``) have no
@@ -174,7 +175,7 @@ class DPOStep:
         layout = self.s.dpo.layout
         length = {id(p): row_length([p], layout=layout, branches=[branches_of(p)]) for p in plans}
         order = sorted(plans, key=lambda p: -length[id(p)])
-        mbs = self.s.micro_batch_size
+        mbs = pairs or self.s.micro_batch_size
         if not self.s.dpo.pack_rows:
             return [order[i : i + mbs] for i in range(0, len(order), mbs)]
         sizes = [min(mbs, len(order) - i) for i in range(0, len(order), mbs)]
@@ -187,7 +188,7 @@ class DPOStep:
         return groups
 
     def _microbatches(self, plans: list[PlannedPair], branches_of: Callable[[PlannedPair], list[int]], *,
-                      full_rows: bool = False):
+                      full_rows: bool = False, pairs: int | None = None):
         """Microbatches of one pass, their pairs, and the ``seq_length`` the schedule is called with.
 
         Without pipeline parallelism each microbatch is padded only to its own longest row; under
@@ -198,7 +199,7 @@ class DPOStep:
         ``--dpo-pack-rows`` each microbatch then becomes one row of its tokens (:func:`pack_rows`),
         padded only to the length multiple (under PP: to the pass's longest packed row).
         """
-        groups = self._groups(plans, branches_of)
+        groups = self._groups(plans, branches_of, pairs=pairs)
         branches = [[branches_of(p) for p in g] for g in groups]
         layout = self.s.dpo.layout
         lengths = [round_up(row_length(g, layout=layout, branches=b), self.pad_multiple)
@@ -288,7 +289,7 @@ class DPOStep:
             pruned_ratio = {}
         if self.s.prune.branch and separate:
             pruned_batches, pruned_len, pruned_groups = self._microbatches(
-                separate, lambda p: [1 - p.kept_branch], full_rows=bool(joined))
+                separate, lambda p: [1 - p.kept_branch], full_rows=bool(joined), pairs=self._pruned_pass_pairs(len(separate)))
             outputs = self._forward_only(self.policy, pruned_batches, pruned_len)
             self._count_policy(pruned_batches, backward=False)
             if outputs is not None:
@@ -330,6 +331,26 @@ class DPOStep:
 
             add_router_losses(outputs, self.policy, num_microbatches=len(batches))
         return outputs, self._reduced_counters()
+
+    def _pruned_pass_pairs(self, num_pairs: int) -> int:
+        """Pairs per microbatch of the pruned branch's own forward-only pass.
+
+        In the concat and full layouts a reference microbatch holds both responses of
+        ``micro_batch_size`` pairs; the pruned pass holds one response per pair, so twice the
+        pairs give it the same tokens per microbatch and half the forward calls (each call costs a
+        fixed few milliseconds of Python besides its compute). The grouping changes no value: this
+        pass only looks up log-probs per response. It stays ``micro_batch_size`` in the shared
+        layout (its ``[prompt, pruned]`` rows already hold one response per pair in every pass),
+        under the interleaved pipeline schedule (its microbatch count must stay a multiple of the
+        stages), and under pipeline parallelism unless every microbatch gets the same rows (the
+        p2p buffers are shaped once for the pass).
+        """
+        mbs = self.s.micro_batch_size
+        if self.s.dpo.layout == "shared" or (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+            return mbs
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1 and num_pairs % (2 * mbs):
+            return mbs
+        return 2 * mbs
 
     def _replays_pruned_branch(self) -> bool:
         """Whether pruned responses run on the training pass's prompt keys and values.

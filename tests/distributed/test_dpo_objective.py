@@ -434,6 +434,13 @@ def test_branch_pruning_saves_compute_by_structure():
             # (c) the training pass holds exactly the kept branches; the pruned pass the others.
             assert sorted(r for r in train["rows"] if r) == sorted(res["kept"]), f"{label}: training-pass rows"
             assert sorted(r for r in pruned_pass["rows"] if r) == sorted(res["pruned"]), f"{label}: pruned-pass rows"
+            # The pruned pass holds one response per pair: twice the pairs per microbatch (2 x 2),
+            # so half the forward calls, wherever every microbatch gets the same rows (always
+            # without PP; under PP when the pairs fill them).
+            n = len(res["pruned"])
+            doubled = layout == "dp2" or n % 4 == 0
+            assert pruned_pass["num_microbatches"] == -(-n // (4 if doubled else 2)), f"{label}: pruned microbatches"
+            assert train["num_microbatches"] == -(-n // 2), f"{label}: training microbatches"
             # (b) exactly one backward per training microbatch, none for forward-only passes.
             assert train["backwards"] == train["num_microbatches"] > 0, f"{label}: backward steps"
             assert ref_pass["backwards"] == pruned_pass["backwards"] == 0, f"{label}: forward-only backward"
