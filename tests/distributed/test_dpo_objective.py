@@ -352,7 +352,9 @@ def test_position_draw_keeps_alpha_of_positions_uniformly():
 
 
 # -- 4. compute savings as structure ---------------------------------------------------------------
-STRUCTURE_LAYOUTS = {"dp2": {}, "pp2": dict(pipeline_model_parallel_size=2)}
+STRUCTURE_LAYOUTS = {"dp2": {}, "pp2": dict(pipeline_model_parallel_size=2),
+                     "pp2-6pairs": dict(pipeline_model_parallel_size=2)}
+STRUCTURE_PAIRS = {"pp2-6pairs": 6}  # pairs that do not fill doubled microbatches under PP
 
 
 def _strip(row: list[int], pad_id: int) -> tuple[int, ...]:
@@ -371,9 +373,10 @@ def structure_checks() -> dict:
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.parallel import model_parallel
 
-    samples, pad_id = sample_pairs()
+    all_samples, pad_id = sample_pairs()
     out = {}
     for name, par in STRUCTURE_LAYOUTS.items():
+        samples = all_samples[: STRUCTURE_PAIRS.get(name, len(all_samples))]
         with model_parallel(ParallelConfig(**par), seed=SEED):
             _, policy, reference = _models(par)
             mine = dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),

@@ -147,6 +147,24 @@ MUTANTS: list[dict] = [
         "new": "if p.sample_id in joined else [p.kept_branch, 1 - p.kept_branch]",
         "tests": [STRUCTURE],
     },
+    {
+        "name": "dpo-pruned-pass-not-regrouped",
+        "why": "the pruned branch's forward-only pass keeps micro_batch_size pairs per microbatch: "
+               "twice the forward calls for the same tokens",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "            return mbs\n        return 2 * mbs",
+        "new": "            return mbs\n        return mbs",
+        "tests": [STRUCTURE],
+    },
+    {
+        "name": "dpo-pruned-pass-regrouped-under-pp-with-remainder",
+        "why": "under PP the pruned pass doubles its pairs per microbatch even when they do not fill "
+               "the last one (the p2p buffers are shaped for the first microbatch's rows)",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "get_pipeline_model_parallel_world_size() > 1 and num_pairs % (2 * mbs):",
+        "new": "get_pipeline_model_parallel_world_size() > 1 and False:",
+        "tests": [STRUCTURE],
+    },
     # -- the shared layout [prompt, chosen, rejected] ------------------------------------------------
     {
         "name": "dpo-shared-rejected-positions-continue-after-chosen",
