@@ -28,6 +28,17 @@ class UsageError(ValueError):
     """A flag or layout problem found before any rank does work."""
 
 
+def refuse_plot_without_matplotlib(parser: argparse.ArgumentParser, plot: str | None) -> None:
+    """The benchmark tools' ``--plot``: refused while parsing flags when matplotlib is missing,
+    not after every mode has run."""
+    if not plot:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
+
+
 class ToolHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Help of the tools' hand-written parsers: the description as written, and each flag's
     default after its help unless the help already says it (or there is none to show)."""

@@ -162,7 +162,7 @@ def _preset_help() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter
+    from megatron_prune.arguments import ToolHelpFormatter, refuse_plot_without_matplotlib
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small",
@@ -212,11 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            p.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
+    refuse_plot_without_matplotlib(p, args.plot)
     if "concat" not in args.modes:
         args.modes = ["concat"] + list(args.modes)
     return args

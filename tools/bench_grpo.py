@@ -79,7 +79,7 @@ PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_ti
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter
+    from megatron_prune.arguments import ToolHelpFormatter, refuse_plot_without_matplotlib
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--task", choices=TASKS, default="toy", help="the task trained and evaluated")
@@ -173,11 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             dppo_args(mode, args)
         except ValueError as exc:
             p.error(f"mode {mode} (--prompt-rate, --completion-rate, --prompt-floor, --completion-floor): {exc}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            p.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
+    refuse_plot_without_matplotlib(p, args.plot)
     return args
 
 

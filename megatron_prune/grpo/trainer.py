@@ -372,7 +372,8 @@ class GRPOObjective:
 
 
 def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: CheckpointConfig,
-                 train_cfg: TrainConfig) -> PromptSource:
+                 train_cfg: TrainConfig, tokenizer_name: str | None = None) -> PromptSource:
+    """The task's prompts; ``tokenizer_name`` is the resolved tokenizer (resolved here when None)."""
     if grpo.task in ("toy", "toy-binary"):
         return toy_source(vocab_size=arch.vocab_size, num_prompts=grpo.toy_num_prompts, seed=train_cfg.seed,
                           num_digits=grpo.toy_num_digits, prompt_length=grpo.toy_prompt_length,
@@ -381,7 +382,7 @@ def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: Ch
         raise session.UsageError(f"--task {grpo.task} needs --data-path")
     from megatron_prune.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(session.resolve_tokenizer(model_cfg, ckpt_cfg))
+    tokenizer = load_tokenizer(tokenizer_name or session.resolve_tokenizer(model_cfg, ckpt_cfg))
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
     # Without --max-prompt-length a prompt may use whatever the completion leaves of --seq-length.
@@ -418,7 +419,10 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     from megatron_prune.lora_config import lora_meta
 
     arch, lora_base = session.resolve_model_and_base(configs)
-    source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg)
+    toy = grpo.task in ("toy", "toy-binary")  # the toy tasks use token ids, no tokenizer
+    tokenizer_name = None if toy or not grpo.data_path else session.resolve_tokenizer(model_cfg, ckpt_cfg)
+    source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,
+                          tokenizer_name=tokenizer_name)
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
@@ -434,7 +438,7 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
             reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source,
                                                 lora_base=lora_base)
     parts.extra_meta.update(lora_meta(lora, base=lora_base))
-    if grpo.task not in ("toy", "toy-binary"):  # the toy tasks use token ids, no tokenizer
-        parts.extra_meta.update(session.tokenizer_meta(session.resolve_tokenizer(model_cfg, ckpt_cfg)))
+    if tokenizer_name is not None:
+        parts.extra_meta.update(session.tokenizer_meta(tokenizer_name))
     objective = build_objective(configs=configs, arch=arch, policy=parts.model, reference=reference, source=source)
     return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg)
