@@ -38,6 +38,7 @@ class DPOObjective:
         runner: DPOStep,
         eval_runner: DPOStep | None,
         train_cfg: TrainConfig,
+        eval_pairs: int = 0,
     ) -> None:
         self.dataset = dataset
         self.eval_dataset = eval_dataset
@@ -45,6 +46,7 @@ class DPOObjective:
         self.eval_runner = eval_runner
         self.train_cfg = train_cfg
         self.sampler = EpochSampler(len(dataset), seed=train_cfg.seed)
+        self.eval_pairs = eval_pairs
 
     def _my_samples(self, indices: list[int], dataset: PreferenceDataset) -> list:
         mine = dp_shard(indices, dp_rank=parallel_state.get_data_parallel_rank(),
@@ -59,12 +61,9 @@ class DPOObjective:
     def evaluate(self, step: int) -> dict[str, float] | None:
         if self.eval_dataset is None:
             return None
-        dp = parallel_state.get_data_parallel_world_size()
-        per_step = self.train_cfg.micro_batch_size * dp
-        usable = len(self.eval_dataset) - len(self.eval_dataset) % per_step
-        indices = list(range(usable))
+        indices = list(range(self.eval_pairs))
         outputs, _ = self.eval_runner.run(step, self._my_samples(indices, self.eval_dataset), forward_only=True)
-        return reduce_metrics(outputs)
+        return {**reduce_metrics(outputs), "pairs": float(self.eval_pairs)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
@@ -72,6 +71,24 @@ class DPOObjective:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sampler" in state:
             self.sampler.load_state_dict(state["sampler"])
+
+
+def heldout_pairs(total: int, *, micro_batch_size: int, dp: int) -> int:
+    """How many of ``total`` held-out pairs each evaluation runs: whole micro-batches on every
+    data-parallel rank (every rank runs the same microbatches). Too few pairs for one is a usage
+    error before any rank starts; the pairs left out are said once, and each evaluation reports
+    its count as ``eval_pairs``."""
+    per_step = micro_batch_size * dp
+    if total < per_step:
+        raise session.UsageError(
+            f"--eval-data-path has {total} usable pair(s), fewer than the --micro-batch-size {micro_batch_size} "
+            f"x data-parallel size {dp} = {per_step} that one evaluation needs; add held-out pairs or lower "
+            "--micro-batch-size")
+    usable = total - total % per_step
+    if usable < total and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-prune] held-out data: each evaluation runs {usable} of {total} pairs (whole micro-batches "
+              f"of {micro_batch_size} on {dp} data-parallel rank(s)); the last {total - usable} are left out", flush=True)
+    return usable
 
 
 def _fingerprint(paths: list[str], extra: str) -> str:
@@ -166,6 +183,13 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
         if ds is not None and sum(ds.skipped.values()) and int(os.environ.get("RANK", "0")) == 0:
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
 
+    eval_pairs = 0
+    if eval_dataset is not None:
+        from megatron_prune.training.parallel import validate_layout
+
+        dp = validate_layout(session.parallel_config(model_cfg), int(os.environ.get("WORLD_SIZE", "1")))
+        eval_pairs = heldout_pairs(len(eval_dataset), micro_batch_size=train_cfg.micro_batch_size, dp=dp)
+
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
@@ -206,6 +230,6 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
         runner = DPOStep(settings=settings, policy=parts.model, reference=None,
                          ref_lookup=lambda sid, branch: table[(sid, branch)])
     objective = DPOObjective(dataset=dataset, eval_dataset=eval_dataset, runner=runner, eval_runner=eval_runner,
-                             train_cfg=train_cfg)
+                             train_cfg=train_cfg, eval_pairs=eval_pairs)
     return train(objective=objective, parts=parts, train_cfg=train_cfg, ckpt=ckpt_cfg, log_cfg=log_cfg,
                  eval_interval=dpo.eval_interval or (train_cfg.train_iters if eval_dataset is not None else None))

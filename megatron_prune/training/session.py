@@ -147,20 +147,69 @@ def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
     if model.expert_model_parallel_size > 1 and not arch.is_moe:
         raise UsageError(f"--expert-model-parallel-size {model.expert_model_parallel_size} needs a mixture-of-experts "
                          f"model; {arch.model_type} is dense")
-    if ckpt.save is not None:
-        _check_writable("--save", ckpt.save)
+    check_layout_fits(arch, model)
+    check_output_paths(configs)
     return arch, lora_base
 
 
-def _check_writable(flag: str, path: str) -> None:
-    """``path`` is a directory this process can create or write into (checked without creating it)."""
+def check_layout_fits(arch: ModelArch, model: ModelConfig) -> None:
+    """The parallel layout splits this architecture: heads over TP, layers over PP x VPP, a MoE
+    model's experts over EP with sequence parallelism at TP > 1 (Megatron would otherwise stop
+    every rank with an assertion after the processes started, or build fewer layers)."""
+    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+    vpp = model.virtual_pipeline_model_parallel_size or 1
+    if arch.num_attention_heads % tp:
+        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the model's {arch.num_attention_heads} "
+                         "attention heads")
+    groups = arch.num_key_value_heads
+    if groups % tp and tp % groups:
+        raise UsageError(f"--tensor-model-parallel-size {tp} is neither a multiple nor a divisor of the model's "
+                         f"{groups} key-value heads")
+    if arch.num_layers % (pp * vpp):
+        split = f"--pipeline-model-parallel-size {pp}" + (f" x --virtual-pipeline-model-parallel-size {vpp}"
+                                                          if vpp > 1 else "")
+        raise UsageError(f"{split} does not divide the model's {arch.num_layers} layers into equal stages")
+    if arch.is_moe:
+        from megatron_prune.model.moe import moe_config_kwargs
+
+        try:
+            moe_config_kwargs(arch, parallel_config(model), grouped_gemm=False)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def check_output_paths(configs: dict) -> None:
+    """``--save``, ``--metrics-jsonl``'s folder and ``--tensorboard-dir`` can be written, checked
+    before any rank trains rather than at the first save."""
+    ckpt = configs["CheckpointConfig"]
+    log = configs.get("LoggingConfig")
+    if ckpt.save is not None:
+        _check_writable("--save", ckpt.save)
+    if log is not None and log.metrics_jsonl:
+        _check_writable("--metrics-jsonl", os.path.dirname(os.path.abspath(log.metrics_jsonl)), file=log.metrics_jsonl)
+    if log is not None and log.tensorboard_dir:
+        _check_writable("--tensorboard-dir", log.tensorboard_dir)
+
+
+def _check_writable(flag: str, path: str, *, file: str | None = None) -> None:
+    """``path`` is a directory this process can create or write into: probed by creating and
+    removing an empty folder in its nearest existing ancestor (permission bits alone let root
+    pass where the filesystem refuses, e.g. a read-only mount). ``file`` is what the flag named,
+    when that is a file inside ``path``."""
+    shown = file or path
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise UsageError(f"{flag} {path}: {existing} exists and is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: cannot write into {existing}")
+        raise UsageError(f"{flag} {shown}: {existing} exists and is not a directory")
+    if file is not None and os.path.exists(file) and not os.access(file, os.W_OK):
+        raise UsageError(f"{flag} {shown}: the file cannot be written")
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megatron-prune-write-probe-", dir=existing))
+    except OSError as exc:
+        raise UsageError(f"{flag} {shown}: cannot write into {existing} ({exc.strerror or exc})") from None
 
 
 def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:

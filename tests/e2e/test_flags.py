@@ -9,6 +9,7 @@ is a real 2-rank torchrun launch, to show only rank 0 speaks.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -70,6 +71,24 @@ BAD = [
                  id="ref-load-missing"),
     pytest.param(["--expert-model-parallel-size", "2", "--global-batch-size", "4"], 2,
                  "--expert-model-parallel-size 2 needs a mixture-of-experts model; qwen3 is dense", id="ep-on-dense"),
+    # The layout against the architecture (tiny: 4 heads, 2 key-value heads, 4 layers).
+    pytest.param(["--tensor-model-parallel-size", "3"], 3,
+                 "--tensor-model-parallel-size 3 does not divide the model's 4 attention heads", id="heads%tp"),
+    pytest.param(["--pipeline-model-parallel-size", "8"], 8,
+                 "--pipeline-model-parallel-size 8 does not divide the model's 4 layers into equal stages", id="layers%pp"),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "4"], 2,
+                 "--pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 4 does not divide the "
+                 "model's 4 layers", id="layers%ppxvpp"),
+    pytest.param(["--model-preset", "tiny-moe", "--tensor-model-parallel-size", "2"], 2,
+                 "a mixture-of-experts model at --tensor-model-parallel-size > 1 needs --sequence-parallel",
+                 id="moe-tp-without-sp"),
+    # Outputs that cannot be written: probed by writing, not by permission bits (root passes those).
+    pytest.param(["--save", "/proc/megatron-prune-save"], 1,
+                 "--save /proc/megatron-prune-save: cannot write into /proc", id="save-unwritable",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")),
+    pytest.param(["--metrics-jsonl", "/proc/megatron-prune/m.jsonl"], 1,
+                 "--metrics-jsonl /proc/megatron-prune/m.jsonl: cannot write into /proc", id="metrics-unwritable",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")),
 ]
 
 

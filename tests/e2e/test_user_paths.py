@@ -109,6 +109,34 @@ def test_bad_records_name_file_line_and_the_way_out(tmp_path, monkeypatch, capsy
         assert "pass --skip-invalid-records" in err and "Traceback" not in err, err
 
 
+def _heldout(tmp_path: Path, pairs: int) -> Path:
+    path = tmp_path / f"heldout{pairs}.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"question {i}?", "chosen": f"yes {i}", "rejected": f"no {i}"}) + "\n"
+                            for i in range(pairs)))
+    return path
+
+
+def test_heldout_set_too_small_for_one_microbatch_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    metrics = tmp_path / "m.jsonl"
+    code, err = _in_process("dpo", ["--model-preset", "tiny", "--device", "cpu", "--data-path", SAMPLE,
+                                    "--eval-data-path", str(_heldout(tmp_path, 1)), "--seq-length", "128",
+                                    "--max-prompt-length", "64", "--global-batch-size", "2", "--micro-batch-size", "2",
+                                    "--metrics-jsonl", str(metrics)], monkeypatch, capsys)
+    assert code == 2
+    assert ("--eval-data-path has 1 usable pair(s), fewer than the --micro-batch-size 2 x data-parallel size 1 = 2 "
+            "that one evaluation needs") in err, err
+    assert "Traceback" not in err and not metrics.exists()
+
+
+def test_heldout_pairs_left_out_are_said_and_counted(tmp_path):
+    """3 held-out pairs at micro-batch 2: each evaluation runs 2, the run says so once, and every
+    evaluation record carries the count."""
+    records, out = _dpo(tmp_path, "eval3", "--train-iters", "1", "--global-batch-size", "2",
+                        "--eval-data-path", str(_heldout(tmp_path, 3)))
+    assert "held-out data: each evaluation runs 2 of 3 pairs" in out and "the last 1 are left out" in out, out
+    assert records[-1]["eval_pairs"] == 2 and 0.0 <= records[-1]["eval_reward_accuracy"] <= 1.0, records
+
+
 def test_unknown_model_preset_under_torchrun_ends_with_one_line(tmp_path):
     """A real 2-rank launch: the usage error is the last line the user reads, after torchrun's report."""
     proc = _run(torchrun_cmd(["-m", "megatron_prune.dpo", "--model-preset", "big", "--data-path", SAMPLE]),
