@@ -429,14 +429,14 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     reference = None
     if grpo.kl_beta > 0:
         ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load, lora_base=lora_base)
-        parts.extra_meta = {"reference_load": ref_source}
+        parts.extra_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)
         if lora is not None and lora.enabled and not grpo.ref_load:
             from megatron_prune.model.lora import adapter_off
 
             reference = adapter_off(parts.model)  # the KL reference: the policy with adapters off
         else:
             reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source,
-                                                lora_base=lora_base)
+                                                lora_base=lora_base, ckpt=ckpt_cfg)
     parts.extra_meta.update(lora_meta(lora, base=lora_base))
     if tokenizer_name is not None:
         parts.extra_meta.update(session.tokenizer_meta(tokenizer_name))

@@ -289,17 +289,22 @@ def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, t
 
 def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str | None, *,
                      lora_base: dict | None = None) -> str | None:
-    """Checkpoint the reference model loads from; None = the starting preset/HF weights (under
-    LoRA: the recorded base ``lora_base``).
+    """Checkpoint the reference model loads from; None = the starting weights (an HF directory,
+    see :func:`reference_hf_dir`, or the preset's initialisation; under LoRA the recorded base
+    ``lora_base``).
 
-    A training checkpoint records the reference it was trained against (``reference_load`` in
-    its metadata), so a resumed run keeps comparing against the original model. A LoRA run that
-    starts from a checkpoint without adapters starts from that checkpoint's weights: they are its
-    base and its reference, whatever reference that checkpoint was trained against.
+    - ``--ref-load`` wins.
+    - Resuming (``--load`` without ``--finetune``): the reference the checkpoint records
+      (``reference_load`` in its metadata), whatever ``--model-preset``/``--hf-model`` also say,
+      so a resumed run keeps comparing against the model it was trained against.
+    - ``--finetune``: the loaded weights are the starting model, so they are the reference.
+    - A converted model (no optimizer state) is the starting point and the reference.
+    - A LoRA run that starts from a checkpoint without adapters starts from that checkpoint's
+      weights: they are its base and its reference.
     """
     if ref_load:
         return ref_load
-    if model.model_preset or model.hf_model or not ckpt.load:
+    if not ckpt.load:
         return None
     from megatron_prune.training.checkpoint import read_meta
 
@@ -308,16 +313,36 @@ def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str |
         return None
     if not meta.get("has_optimizer"):
         return ckpt.load  # a converted model: it is the starting point
+    if ckpt.finetune and not meta.get("lora"):
+        return ckpt.load
     if "reference_load" not in meta:
         raise UsageError(f"--load {ckpt.load} does not record its reference model; pass --ref-load")
     return meta["reference_load"]
 
 
+def reference_hf_dir(model: ModelConfig, ckpt: CheckpointConfig, source: str | None, *,
+                     lora_base: dict | None = None) -> str | None:
+    """The HF directory the reference loads when :func:`reference_source` gave no checkpoint: the
+    run's ``--hf-model`` when it starts from it, or, on resume, the one the checkpoint records
+    (``reference_hf_model``), so ``--load`` alone keeps an HF-started run's reference."""
+    if source is not None or lora_base is not None:
+        return None
+    if ckpt.load and not ckpt.finetune:
+        from megatron_prune.training.checkpoint import read_meta
+
+        meta = read_meta(ckpt.load)
+        if meta.get("has_optimizer") and "reference_hf_model" in meta:
+            return meta["reference_hf_model"]
+    return model.hf_model
+
+
 def build_reference(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig,
-                    source: str | None, *, lora_base: dict | None = None):
-    """A frozen reference model in the same layout (the starting policy unless ``source``; under
-    LoRA the starting policy is the recorded base ``lora_base``)."""
+                    source: str | None, *, lora_base: dict | None = None, ckpt: CheckpointConfig | None = None):
+    """A frozen reference model in the same layout: the checkpoint ``source``; else under LoRA
+    the recorded base ``lora_base``; else the HF weights :func:`reference_hf_dir` names; else the
+    preset's initialisation."""
     reference = setup_model(arch, parallel, seed=train.seed, trainable=False)
+    hf_dir = reference_hf_dir(model, ckpt or CheckpointConfig(), source, lora_base=lora_base)
     if source:
         from megatron_prune.training.checkpoint import load_checkpoint
 
@@ -326,9 +351,16 @@ def build_reference(arch: ModelArch, parallel: ParallelConfig, model: ModelConfi
         from megatron_prune.model.lora_base import BaseSource, load_base_weights
 
         load_base_weights(reference, BaseSource.from_dict(lora_base), arch=arch)
-    elif model.hf_model:
-        load_hf_weights(reference, model.hf_model, arch)
+    elif hf_dir:
+        load_hf_weights(reference, hf_dir, arch)
     return reference
+
+
+def reference_meta(model: ModelConfig, ckpt: CheckpointConfig, source: str | None, *,
+                   lora_base: dict | None = None) -> dict:
+    """What a checkpoint records about its reference, for a resumed run to find it again."""
+    hf_dir = reference_hf_dir(model, ckpt, source, lora_base=lora_base)
+    return {"reference_load": source, "reference_hf_model": os.path.abspath(hf_dir) if hf_dir else None}
 
 
 def load_hf_weights(chunks, hf_dir: str, arch: ModelArch) -> None:

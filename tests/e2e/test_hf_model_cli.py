@@ -69,7 +69,18 @@ def test_dpo_from_hf_model_then_export(tmp_path):
     proc = subprocess.run([*resume, "--load", str(tmp_path / "ckpt")], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+    resumed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    # ... and it keeps the HF weights as its reference (the checkpoint records where they came
+    # from): its step equals the uninterrupted run's.
+    whole_metrics = tmp_path / "whole.jsonl"
+    whole = [a for a in cmd if a not in ("--save", str(tmp_path / "ckpt"))]
+    whole[whole.index("--train-iters") + 1] = "3"
+    whole[whole.index("--metrics-jsonl") + 1] = str(whole_metrics)
+    proc = subprocess.run(whole, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    uninterrupted = [json.loads(line) for line in whole_metrics.read_text().splitlines()]
+    assert resumed[2]["loss"] == uninterrupted[2]["loss"], (resumed, uninterrupted)
     tokens = torch.tensor([[2, 17, 33, 90]])
     generated = after.generate(tokens, max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 8)

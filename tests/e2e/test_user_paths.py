@@ -109,6 +109,22 @@ def test_bad_records_name_file_line_and_the_way_out(tmp_path, monkeypatch, capsy
         assert "pass --skip-invalid-records" in err and "Traceback" not in err, err
 
 
+def test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_loaded_weights(tmp_path):
+    """A run trained against ``--ref-load A`` and resumed with ``--load`` (``--model-preset`` still
+    on the command line, ``--ref-load`` not) keeps A as its reference: its steps equal the
+    uninterrupted run's. ``--finetune`` from A starts with policy = reference = A (margin 0)."""
+    a = tmp_path / "a"
+    _dpo(tmp_path, "a", "--train-iters", "1", "--save", str(a))
+    whole, _ = _dpo(tmp_path, "whole", "--ref-load", str(a), "--train-iters", "3")
+    part = tmp_path / "part"
+    _dpo(tmp_path, "first", "--ref-load", str(a), "--train-iters", "2", "--save", str(part), "--save-interval", "2")
+    resumed, _ = _dpo(tmp_path, "resumed", "--load", str(part), "--train-iters", "3")
+    assert [r["step"] for r in resumed] == [2]
+    assert resumed[0]["loss"] == whole[2]["loss"] and resumed[0]["margin"] == whole[2]["margin"], (resumed, whole)
+    tuned, _ = _dpo(tmp_path, "tuned", "--load", str(a), "--finetune", "--train-iters", "1")
+    assert tuned[0]["step"] == 0 and tuned[0]["margin"] == 0.0 and tuned[0]["reward_accuracy"] == 0.5, tuned
+
+
 def _heldout(tmp_path: Path, pairs: int) -> Path:
     path = tmp_path / f"heldout{pairs}.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"question {i}?", "chosen": f"yes {i}", "rejected": f"no {i}"}) + "\n"

@@ -15,6 +15,9 @@ REFERENCE_FROZEN = f"{INVARIANTS}::test_reference_stays_the_starting_policy_whil
 MOE_EP2 = "tests/distributed/test_moe.py::test_expert_parallel_2_ranks_matches_single_rank"
 MOE_EP4 = "tests/distributed/test_moe.py::test_expert_parallel_4_ranks_matches_single_rank"
 
+RESUME_REFERENCE = ("tests/e2e/test_user_paths.py::"
+                    "test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_loaded_weights")
+
 MUTANTS: list[dict] = [
     {
         "name": "rmsnorm-backward-misses-the-rms-term",
@@ -132,9 +135,38 @@ MUTANTS: list[dict] = [
         "name": "reference-shares-policy",
         "why": "the DPO trainer's reference is the policy itself (shared parameters): every log-ratio stays 0",
         "file": "megatron_prune/dpo/trainer.py",
-        "old": "        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source, lora_base=lora_base)\n",
+        "old": "        return session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source, lora_base=lora_base,\n"
+               "                                       ckpt=ckpt_cfg)\n",
         "new": "        return parts.model\n",
         "tests": [REFERENCE_FROZEN],
+    },
+    {
+        "name": "reference-start-flags-override-the-recorded-one",
+        "why": "a resumed run that still names --model-preset/--hf-model compares against the fresh "
+               "starting weights instead of the reference its checkpoint records",
+        "file": "megatron_prune/training/session.py",
+        "old": "    if not ckpt.load:\n        return None\n    from megatron_prune.training.checkpoint import read_meta\n",
+        "new": "    if not ckpt.load or model.model_preset or model.hf_model:\n        return None\n"
+               "    from megatron_prune.training.checkpoint import read_meta\n",
+        "tests": [RESUME_REFERENCE],
+    },
+    {
+        "name": "finetune-keeps-the-recorded-reference",
+        "why": "--finetune compares against the loaded checkpoint's own recorded reference, not the "
+               "loaded weights it starts from (step 0 has a non-zero margin)",
+        "file": "megatron_prune/training/session.py",
+        "old": "    if ckpt.finetune and not meta.get(\"lora\"):\n        return ckpt.load\n",
+        "new": "",
+        "tests": [RESUME_REFERENCE],
+    },
+    {
+        "name": "resume-forgets-the-hf-reference",
+        "why": "a run started from --hf-model and resumed with --load alone compares against the "
+               "preset-style random initialisation instead of the HF weights it started from",
+        "file": "megatron_prune/training/session.py",
+        "old": "            return meta[\"reference_hf_model\"]\n",
+        "new": "            pass\n",
+        "tests": ["tests/e2e/test_hf_model_cli.py::test_dpo_from_hf_model_then_export"],
     },
     {
         "name": "canary-spawned-ranks-import-copy",
