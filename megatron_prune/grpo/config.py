@@ -77,7 +77,7 @@ class GRPOConfig:
     minibatches: int = field(default=1, metadata=_flag("--minibatches"))
     """Optimizer steps per pass over a rollout batch (its prompts split into this many parts)."""
     ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))
-    """Checkpoint of the reference model for --kl-beta (default: the starting model)."""
+    """Checkpoint of the reference model for --kl-beta (default: the starting model, with --finetune the loaded weights; a resumed run uses the one it recorded)."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
