@@ -14,7 +14,7 @@
 #   MODEL      --model-preset NAME, or an HF model directory [tiny]
 #   DATA       preference JSONL/Parquet [bundled HH-RLHF sample]
 #   SAVE       checkpoint directory; a rerun resumes from it [none]
-#   TRAIN_ITERS [20]  GBS [8]  MBS [1]  SEQ_LEN [256]  LR [1e-6]
+#   TRAIN_ITERS [20]  GBS [8]  MBS [1]  SEQ_LEN [256]  MAX_PROMPT_LEN [SEQ_LEN / 2]  LR [1e-6]
 #   PYTHON     interpreter that runs torchrun [.venv/bin/python when present, else python]
 #   DRY_RUN=1  print the command instead of running it
 set -euo pipefail
@@ -48,7 +48,8 @@ PLUGIN=(
   -m megatron_prune.dpo "${MODEL_ARGS[@]}" --data-path "$DATA"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
   --train-iters "${TRAIN_ITERS:-20}" --global-batch-size "${GBS:-8}" --micro-batch-size "${MBS:-1}"
-  --seq-length "${SEQ_LEN:-256}" --lr "${LR:-1e-6}"
+  --seq-length "${SEQ_LEN:-256}" --max-prompt-length "${MAX_PROMPT_LEN:-$(( ${SEQ_LEN:-256} / 2 ))}"
+  --lr "${LR:-1e-6}"
   --prune-position-ratio 0.6 --prune-seq-min-ratio 0.5 --prune-branch
 )
 if [ -n "${SAVE:-}" ]; then

@@ -1,8 +1,9 @@
 """Rollout: sample G completions per prompt with the policy in its training layout.
 
 A full-recompute sampler: for every new token the active sequences (right-padded, causal)
-run forward-only through Megatron's own schedule, so any TP / PP / VPP layout works (the
-schedule does the p2p). On the last pipeline stage the logits at each sequence's last
+run forward-only through Megatron's own schedule, so any TP / PP layout works (the schedule
+does the p2p; the interleaved schedule is refused by the CLI, as a decoding step can be one
+microbatch). On the last pipeline stage the logits at each sequence's last
 position are gathered over TP, the padded vocabulary columns are dropped, and a token is
 drawn with a per-completion ``torch.Generator`` seeded by ``(seed, step, prompt id,
 completion index)`` (one float64 uniform per token, inverse CDF over float64

@@ -91,6 +91,13 @@ def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, 
         )
     if model.hf_model and not os.path.isdir(model.hf_model):
         raise UsageError(f"--hf-model {model.hf_model}: not a directory")
+    vpp, pp = model.virtual_pipeline_model_parallel_size or 1, model.pipeline_model_parallel_size
+    microbatches = train.global_batch_size // (train.micro_batch_size * dp)
+    if vpp > 1 and microbatches < pp:
+        raise UsageError(
+            f"--virtual-pipeline-model-parallel-size {vpp} needs at least --pipeline-model-parallel-size {pp} "
+            f"microbatches per step; --global-batch-size {train.global_batch_size} / (--micro-batch-size "
+            f"{train.micro_batch_size} x data-parallel size {dp}) gives {microbatches}")
     return dp
 
 

@@ -79,6 +79,11 @@ BAD = [
     pytest.param(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "4"], 2,
                  "--pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 4 does not divide the "
                  "model's 4 layers", id="layers%ppxvpp"),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                  "--global-batch-size", "2"], 2,
+                 "--virtual-pipeline-model-parallel-size 2 needs at least --pipeline-model-parallel-size 2 "
+                 "microbatches per step; --global-batch-size 2 / (--micro-batch-size 2 x data-parallel size 1) "
+                 "gives 1", id="vpp-too-few-microbatches"),
     pytest.param(["--model-preset", "tiny-moe", "--tensor-model-parallel-size", "2"], 2,
                  "a mixture-of-experts model at --tensor-model-parallel-size > 1 needs --sequence-parallel",
                  id="moe-tp-without-sp"),
@@ -189,6 +194,12 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
             main(["--model-preset", "tiny", *argv, "--dry-run"])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and message in err, err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        main(["--model-preset", "tiny", "--task", "toy", "--pipeline-model-parallel-size", "2",
+              "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--dry-run"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--virtual-pipeline-model-parallel-size is not supported by GRPO" in err, err
     assert _no_process_group()
 
 
