@@ -1,4 +1,4 @@
-"""Reading local record files (JSONL, gzipped JSONL, Parquet) with errors that name file and line.
+"""Reading local record files (JSONL, JSON arrays, gzipped, Parquet) with errors that name file and line.
 
 Every dataset in this package reads through :func:`iter_records`, which yields one
 ``(number, record_or_error)`` per input record, never dropping one: a line that cannot be
@@ -6,22 +6,32 @@ decoded or parsed is yielded as a :class:`DataError`, so the caller decides (thr
 :class:`SkipPolicy`) whether it ends the run or becomes a counted, logged skip.
 
 Record numbers are 1-based: the line number in a JSONL file (blank lines are not records
-but still count as lines, so numbers match an editor), the row number in a Parquet file.
+but still count as lines, so numbers match an editor), the element number in a JSON array, the
+row number in a Parquet file.
+
+A ``.json`` file (or ``.json.gz``) whose first character is ``[`` is one JSON array of records
+(as exported by ``json.dump`` or ``Dataset.to_json(lines=False)``); any other ``.json`` file is
+read as JSON Lines. A UTF-8 byte order mark at the start of a file is ignored.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import gzip
 import json
 import logging
 import os
+import zlib
 from typing import Any, Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+JSON_ARRAY_SUFFIXES = (".json", ".json.gz")
+"""Suffixes whose files may hold one JSON array of records instead of JSON Lines."""
 PARQUET_SUFFIXES = (".parquet",)
+DATA_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 
 class DataError(ValueError):
@@ -83,25 +93,33 @@ def record_error(path: str | os.PathLike, line: int, error: RecordError) -> Data
     return DataError(path, line, error.reason, error.detail)
 
 
-def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
-    """Yield ``(record_number, record)`` for every record of a local file; bad ones as DataError.
-
-    The format follows the suffix: ``.jsonl``/``.json`` (one JSON object per line, optionally
-    ``.gz``) or ``.parquet`` (needs ``pyarrow``).
-    """
+def check_data_file(path: str | os.PathLike) -> None:
+    """FileNotFoundError or DataError (a directory, an unknown suffix) unless ``path`` is a data
+    file :func:`iter_records` can read; cheap enough to run before any rank works."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: data file not found")
+    expected = ", ".join(DATA_SUFFIXES)
     if os.path.isdir(path):
-        raise DataError(path, None, "not a file", "expected a .jsonl or .parquet file, got a directory")
-    lower = path.lower()
-    if lower.endswith(PARQUET_SUFFIXES):
-        yield from _iter_parquet(path)
-    elif lower.endswith(JSONL_SUFFIXES):
-        yield from _iter_jsonl(path)
-    else:
-        expected = ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+        raise DataError(path, None, "is a directory", f"expected a data file ({expected})")
+    if not path.lower().endswith(DATA_SUFFIXES):
         raise DataError(path, None, "unknown file type", f"expected one of {expected}")
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+    """Yield ``(record_number, record)`` for every record of a local file; bad ones as DataError.
+
+    The format follows the suffix: ``.jsonl``/``.json`` (one JSON object per line, or for
+    ``.json`` one JSON array of objects; optionally ``.gz``) or ``.parquet`` (needs ``pyarrow``).
+    A file that cannot be read as a whole (a truncated gzip stream, a malformed JSON array) is a
+    DataError without a record number.
+    """
+    path = os.fspath(path)
+    check_data_file(path)
+    if path.lower().endswith(PARQUET_SUFFIXES):
+        yield from _iter_parquet(path)
+    else:
+        yield from _iter_json(path)
 
 
 def count_records(path: str | os.PathLike) -> int:
@@ -109,13 +127,52 @@ def count_records(path: str | os.PathLike) -> int:
     return sum(1 for _ in iter_records(path))
 
 
-def _iter_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
-    opener = gzip.open if path.lower().endswith(".gz") else open
-    with opener(path, "rb") as handle:
-        for line_no, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            yield line_no, _parse_json_line(path, line_no, raw)
+def _iter_json(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+    compressed = path.lower().endswith(".gz")
+    try:
+        with (gzip.open if compressed else open)(path, "rb") as handle:
+            if path.lower().endswith(JSON_ARRAY_SUFFIXES) and _first_byte(handle) == b"[":
+                yield from _iter_json_array(path, handle.read())
+            else:
+                yield from _iter_json_lines(path, handle)
+    except (EOFError, zlib.error, OSError) as exc:  # gzip.BadGzipFile is an OSError
+        raise DataError(path, None, "unreadable gzip" if compressed else "unreadable file", str(exc)) from exc
+
+
+def _first_byte(handle) -> bytes:
+    """The first byte of ``handle`` after a byte order mark and whitespace; rewinds ``handle``."""
+    head = handle.read(len(codecs.BOM_UTF8)).removeprefix(codecs.BOM_UTF8)
+    while not head.strip():
+        chunk = handle.read(1 << 16)
+        if not chunk:
+            break
+        head = chunk
+    handle.seek(0)
+    return head.lstrip()[:1]
+
+
+def _iter_json_lines(path: str, handle) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+    for line_no, raw in enumerate(handle, start=1):
+        if line_no == 1:
+            raw = raw.removeprefix(codecs.BOM_UTF8)
+        if not raw.strip():
+            continue
+        yield line_no, _parse_json_line(path, line_no, raw)
+
+
+def _iter_json_array(path: str, data: bytes) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+    """The elements of a file holding one JSON array; a file that does not parse is one DataError."""
+    how = "a .json file starting with '[' is read as one JSON array of records"
+    try:
+        records = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise DataError(path, None, "invalid utf-8", f"byte {exc.start}: {exc.reason}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise DataError(path, None, "malformed json", f"{exc} ({how})") from None
+    for number, record in enumerate(records, start=1):  # a parsed file that starts with '[' is a list
+        if not isinstance(record, dict):
+            record = DataError(path, number, "not an object", f"expected a JSON object, got {type(record).__name__}")
+        yield number, record
 
 
 def _parse_json_line(path: str, line_no: int, raw: bytes) -> dict[str, Any] | DataError:
@@ -154,6 +211,9 @@ class LoadedRecords:
     """
 
     def __init__(self, paths: list[str], items: list, skipped: collections.Counter, *, what: str) -> None:
+        if not items and not skipped:
+            kind = "empty data file" if len(paths) == 1 else "empty data files"
+            raise DataError(", ".join(paths), None, kind, f"no records to read (expected {what})")
         if not items:
             raise DataError(", ".join(paths), None, f"no usable {what}", f"skipped: {dict(skipped)}")
         self.paths = paths

@@ -1,7 +1,8 @@
-"""Preference records: every shape, the HH-RLHF split, the truncation rule, errors and skips."""
+"""Preference records: every shape and file format, the HH-RLHF split, the truncation rule, errors and skips."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import sys
@@ -193,12 +194,86 @@ def test_parquet_without_pyarrow_is_a_data_error_with_the_way_out(tmp_path, tiny
 
 
 def test_gzip_jsonl(tmp_path, tiny_tokenizer):
-    import gzip
-
     path = tmp_path / "pairs.jsonl.gz"
     with gzip.open(path, "wt", encoding="utf-8") as handle:
         handle.write(json.dumps({"prompt": "x", "chosen": "a", "rejected": "b"}) + "\n")
     assert len(load_preference_pairs(path, tokenizer=tiny_tokenizer)[0]) == 1
+
+
+def _gzip_bytes(records) -> bytes:
+    return gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records), mtime=0)
+
+
+PAIRS = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(200)]
+UNREADABLE_GZIP = [
+    pytest.param(_gzip_bytes(PAIRS)[:-40], "Compressed file ended before the end-of-stream marker was reached",
+                 id="truncated"),
+    pytest.param(b'{"prompt": "x", "chosen": "a", "rejected": "b"}\n', "Not a gzipped file (b'{\"')",
+                 id="not-gzip"),
+    pytest.param(_gzip_bytes(PAIRS)[:-8] + b"\0" * 8, "CRC check failed", id="bad-crc"),
+    pytest.param(_gzip_bytes(PAIRS)[:20] + b"\xff" * 4 + _gzip_bytes(PAIRS)[24:], "Error -3 while decompressing data",
+                 id="corrupt-deflate"),  # zlib.error
+]
+
+
+@pytest.mark.parametrize("content, reason", UNREADABLE_GZIP)
+@pytest.mark.parametrize("skip_invalid", [False, True], ids=["strict", "skip-invalid"])
+def test_unreadable_gzip_is_a_data_error_naming_the_file(tmp_path, tiny_tokenizer, content, reason, skip_invalid):
+    """A truncated or non-gzip .jsonl.gz ends the run with one DataError naming the file (the CLI
+    prints it as one line); skipping cannot help, so there is no record number (and no skip hint)."""
+    path = tmp_path / "pairs.jsonl.gz"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=skip_invalid))
+    assert str(info.value).startswith(f"{path}: unreadable gzip: ") and reason in str(info.value)
+    assert info.value.line is None
+
+
+@pytest.mark.parametrize("name", ["pairs.json", "pairs.json.gz"])
+@pytest.mark.parametrize("indent", [None, 2], ids=["one-line", "indented"])
+def test_json_array_file(tmp_path, tiny_tokenizer, name, indent):
+    """A .json file holding one JSON array of records (json.dump, Dataset.to_json(lines=False))
+    reads like JSON Lines; a record's number is its 1-based position in the array."""
+    records = [PAIRS[0], ["not", "an", "object"], {"prompt": "x", "chosen": "a"}, PAIRS[1]]
+    data = json.dumps(records, indent=indent).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(path, tokenizer=tiny_tokenizer)
+    assert str(info.value) == f"{path}:2: not an object: expected a JSON object, got list"
+    dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert [pair.line for pair in dataset] == [1, 4]
+    assert dict(dataset.skipped) == {"not an object": 1, "missing field": 1}
+    assert ids_text(tiny_tokenizer, dataset[1])[1:] == (" good 1", " bad 1")
+
+
+def test_json_lines_in_a_json_file_still_read_line_by_line(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "pairs.json", [PAIRS[0], b"", PAIRS[1]])
+    assert [pair.line for pair in PreferenceDataset(path, tokenizer=tiny_tokenizer)] == [1, 3]
+
+
+def test_malformed_json_array_says_how_the_file_was_read(tmp_path, tiny_tokenizer):
+    """An array cut short fails as a whole, naming the file and where parsing stopped, and saying
+    why the file was read as one array (no record number: skipping cannot help)."""
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps(PAIRS[:3], indent=2)[:-20])
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: malformed json: .*: line 1[0-9] column \d+ \(char \d+\) "
+        r"\(a \.json file starting with '\[' is read as one JSON array of records\)", str(info.value)), info.value
+    assert info.value.line is None
+
+
+@pytest.mark.parametrize("name, array", [("pairs.jsonl", False), ("pairs.json", True), ("pairs.jsonl.gz", False)])
+def test_utf8_byte_order_mark_is_ignored(tmp_path, tiny_tokenizer, name, array):
+    data = json.dumps(PAIRS[:2]).encode() if array else b"".join(json.dumps(r).encode() + b"\n" for r in PAIRS[:2])
+    data = b"\xef\xbb\xbf" + data
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer)
+    assert [pair.line for pair in dataset] == [1, 2] and not dataset.skipped
+    assert ids_text(tiny_tokenizer, dataset[0])[0] == "\n\nHuman: question 0\n\nAssistant:"
 
 
 # --------------------------------------------------------------------------- truncation
@@ -320,9 +395,31 @@ def test_bad_records_are_counted_and_logged_when_skipping(tmp_path, tiny_tokeniz
 
 def test_empty_dataset_and_missing_file(tmp_path, tiny_tokenizer):
     path = write_jsonl(tmp_path / "bad.jsonl", [BAD_LINES[0][0]])
-    with pytest.raises(ValueError, match="no usable preference pairs"):
+    with pytest.raises(DataError) as info:
         PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert str(info.value) == f"{path}: no usable preference pairs: skipped: {{'malformed json': 1}}"
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         PreferenceDataset(tmp_path / "missing.jsonl", tokenizer=tiny_tokenizer)
     with pytest.raises(DataError, match="unknown file type"):
         PreferenceDataset(write_jsonl(tmp_path / "pairs.csv", [GOOD]), tokenizer=tiny_tokenizer)
+
+
+@pytest.mark.parametrize("name, content", [("empty.jsonl", b""), ("blank.jsonl", b"\n  \n\r\n"),
+                                           ("bom.jsonl", b"\xef\xbb\xbf\n"), ("empty.json", b"[]\n")])
+def test_empty_file_says_it_is_empty(tmp_path, tiny_tokenizer, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert str(info.value) == f"{path}: empty data file: no records to read (expected preference pairs)"
+    other = write_jsonl(tmp_path / "also_empty.jsonl", [])
+    with pytest.raises(DataError) as info:
+        PreferenceDataset([path, other], tokenizer=tiny_tokenizer)
+    assert str(info.value) == f"{path}, {other}: empty data files: no records to read (expected preference pairs)"
+
+
+def test_directory_as_data_path_says_it_is_a_directory(tmp_path, tiny_tokenizer):
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(tmp_path, tokenizer=tiny_tokenizer)
+    assert str(info.value) == (f"{tmp_path}: is a directory: expected a data file "
+                               "(.jsonl, .json, .jsonl.gz, .json.gz, .parquet)")
