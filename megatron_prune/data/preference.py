@@ -38,6 +38,9 @@ Truncation rule (``max_seq_length`` L, ``max_prompt_length`` P):
    P >= L) the record is invalid (reason ``"prompt too long"``), and so is a pair whose two
    responses are identical after truncation (reason ``"identical responses"``).
 
+Kept pairs that lost tokens to rules 1 and 2 are counted per part (``"prompt"``, ``"chosen"``,
+``"rejected"``) in :attr:`PreferenceDataset.truncated` and logged.
+
 Bad records raise :class:`DataError` naming file, 1-based line/record number and reason; with
 ``skip_invalid=True`` each is logged and counted in ``skipped`` instead. Nothing is dropped
 silently: yielded + skipped always equals the number of input records.
@@ -74,6 +77,8 @@ logger = logging.getLogger(__name__)
 FORMATS = ("auto", "explicit", "hh", "helpsteer3")
 ALWAYS_SKIPPED = frozenset({"tie"})
 """Reasons that are counted skips even without ``skip_invalid`` (the record is valid but unusable)."""
+PAIR_PARTS = ("prompt", "chosen", "rejected")
+"""Keys of the truncation counts, in the order of a pair's token ids."""
 
 PathLike = str | os.PathLike
 
@@ -342,28 +347,44 @@ def truncate_pair(
 
 
 def tokenize_preference(
-    text: PreferenceText, tokenizer: Tokenizer, *, max_seq_length: int, max_prompt_length: int | None = None
+    text: PreferenceText,
+    tokenizer: Tokenizer,
+    *,
+    max_seq_length: int,
+    max_prompt_length: int | None = None,
+    truncated: collections.Counter[str] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Token ids ``(prompt, chosen, rejected)`` of a parsed record, truncated to fit."""
+    """Token ids ``(prompt, chosen, rejected)`` of a parsed record, truncated to fit; each part
+    that lost tokens adds one to ``truncated[part]`` (see :data:`PAIR_PARTS`)."""
     try:
         prompt_ids = tokenizer.apply_chat_template(text.prompt, add_generation_prompt=True, tokenize=True)
     except ValueError as exc:
         raise RecordError("chat template failed", str(exc)) from None
     chosen_ids = tokenizer.encode(tokenizer.render_response(text.chosen)) + [tokenizer.eos_id]
     rejected_ids = tokenizer.encode(tokenizer.render_response(text.rejected)) + [tokenizer.eos_id]
-    return truncate_pair(
-        prompt_ids, chosen_ids, rejected_ids, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length,
+    whole = (prompt_ids, chosen_ids, rejected_ids)
+    kept = truncate_pair(
+        *whole, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length,
         keep_head=prompt_head_length(tokenizer) if max_prompt_length is not None else 0,
     )
+    if truncated is not None:
+        truncated.update(part for part, before, after in zip(PAIR_PARTS, whole, kept) if len(after) < len(before))
+    return kept
 
 
 # --------------------------------------------------------------------------- loading
 
 
 def iter_preference_pairs(
-    path: PathLike, *, tokenizer: Tokenizer, config: PreferenceDataConfig, policy: SkipPolicy
+    path: PathLike,
+    *,
+    tokenizer: Tokenizer,
+    config: PreferenceDataConfig,
+    policy: SkipPolicy,
+    truncated: collections.Counter[str] | None = None,
 ) -> Iterator[PreferencePair]:
-    """Pairs of one file in order; each bad record goes to ``policy`` (raise, or count and log)."""
+    """Pairs of one file in order; each bad record goes to ``policy`` (raise, or count and log),
+    each truncated part of a yielded pair is counted in ``truncated``."""
     source = os.fspath(path)
     for line, record in iter_records(source):
         if isinstance(record, DataError):
@@ -372,7 +393,8 @@ def iter_preference_pairs(
         try:
             text = parse_preference_record(record, format=config.format)
             ids = tokenize_preference(
-                text, tokenizer, max_seq_length=config.max_seq_length, max_prompt_length=config.max_prompt_length
+                text, tokenizer, max_seq_length=config.max_seq_length, max_prompt_length=config.max_prompt_length,
+                truncated=truncated,
             )
         except RecordError as exc:
             if exc.reason in ALWAYS_SKIPPED:
@@ -384,17 +406,28 @@ def iter_preference_pairs(
 
 
 def load_preference_pairs(
-    paths: PathLike | Sequence[PathLike], *, tokenizer: Tokenizer, config: PreferenceDataConfig | None = None
+    paths: PathLike | Sequence[PathLike],
+    *,
+    tokenizer: Tokenizer,
+    config: PreferenceDataConfig | None = None,
+    truncated: collections.Counter[str] | None = None,
 ) -> tuple[list[PreferencePair], collections.Counter[str]]:
-    """All pairs of ``paths`` (files in the given order) and the skip counts per reason."""
+    """All pairs of ``paths`` (files in the given order) and the skip counts per reason; the
+    truncated parts of the pairs are counted into ``truncated`` and logged."""
     config = config or PreferenceDataConfig()
     policy = SkipPolicy(skip_invalid=config.skip_invalid)
+    truncated = collections.Counter() if truncated is None else truncated
     pairs: list[PreferencePair] = []
     for path in _as_list(paths):
-        pairs.extend(iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy))
+        pairs.extend(iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy,
+                                           truncated=truncated))
     if policy.skipped:
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d preference pairs, skipped %d records: %s", len(pairs), skipped, dict(policy.skipped))
+    if truncated:
+        logger.warning("loaded %d preference pairs, truncated to fit max_seq_length=%d, max_prompt_length=%s "
+                       "(pairs per cut part): %s", len(pairs), config.max_seq_length, config.max_prompt_length,
+                       dict(truncated))
     return pairs, policy.skipped
 
 
@@ -409,12 +442,18 @@ class PreferenceDataset(LoadedRecords):
     number of input records.
     """
 
+    truncated: collections.Counter[str]
+    """Kept pairs that lost tokens, per part: ``"prompt"`` (left-truncated to max_prompt_length),
+    ``"chosen"`` and ``"rejected"`` (cut from the right to fit max_seq_length, losing their eos)."""
+
     def __init__(
         self, paths: PathLike | Sequence[PathLike], *, tokenizer: Tokenizer, config: PreferenceDataConfig | None = None
     ):
         self.config = config or PreferenceDataConfig()
         files = [os.fspath(p) for p in _as_list(paths)]
-        pairs, skipped = load_preference_pairs(files, tokenizer=tokenizer, config=self.config)
+        self.truncated = collections.Counter()
+        pairs, skipped = load_preference_pairs(files, tokenizer=tokenizer, config=self.config,
+                                               truncated=self.truncated)
         super().__init__(files, pairs, skipped, what="preference pairs")
 
     @property

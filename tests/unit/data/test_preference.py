@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 import re
@@ -304,19 +305,44 @@ def test_truncation_on_tokenized_pairs(tiny_tokenizer):
     full_by_line = {pair.line: pair for pair in full}
     head = prompt_head_length(tiny_tokenizer)
     assert head >= 1 and tiny_tokenizer.bos_id is not None
-    cut_prompts = 0
+    cut = collections.Counter()
     for short in dataset:
         long = full_by_line[short.line]
         assert len(short.prompt_ids) <= 40
         assert short.prompt_ids[0] == tiny_tokenizer.bos_id  # BOS survives left truncation
         if short.prompt_ids != long.prompt_ids:
-            cut_prompts += 1
+            cut["prompt"] += 1
             kept = 40 - head
             assert short.prompt_ids == long.prompt_ids[:head] + long.prompt_ids[-kept:]
-        for cut, whole in ((short.chosen_ids, long.chosen_ids), (short.rejected_ids, long.rejected_ids)):
-            assert len(short.prompt_ids) + len(cut) <= 64
-            assert cut == whole[: len(cut)]
-    assert cut_prompts > 0
+        for part, kept_ids, whole in (("chosen", short.chosen_ids, long.chosen_ids),
+                                      ("rejected", short.rejected_ids, long.rejected_ids)):
+            assert len(short.prompt_ids) + len(kept_ids) <= 64
+            assert kept_ids == whole[: len(kept_ids)]
+            cut[part] += len(kept_ids) < len(whole)
+    assert cut["prompt"] > 0 and cut["chosen"] > 0 and cut["rejected"] > 0
+    assert dataset.truncated == cut  # every cut part is counted, and nothing else
+    assert not full.truncated
+
+
+def test_truncation_is_counted_and_logged(tmp_path, tiny_tokenizer, caplog):
+    """Truncated pairs are kept, counted per part in ``truncated`` and logged; a record that
+    becomes invalid by truncation is a skip, not a truncation."""
+    records = [
+        {"prompt": "short", "chosen": "a", "rejected": "b"},
+        {"prompt": "long " * 60, "chosen": "a", "rejected": "b"},
+        {"prompt": "short", "chosen": "long " * 60, "rejected": "b"},
+        {"prompt": "short", "chosen": "same " * 60 + "x", "rejected": "same " * 60 + "y"},
+    ]
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    config = PreferenceDataConfig(max_seq_length=48, max_prompt_length=16, skip_invalid=True)
+    with caplog.at_level("WARNING"):
+        dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer, config=config)
+    assert [pair.line for pair in dataset] == [1, 2, 3]
+    assert dict(dataset.skipped) == {"identical responses": 1}
+    assert dict(dataset.truncated) == {"prompt": 1, "chosen": 1}
+    assert dataset[2].chosen_ids[-1] != tiny_tokenizer.eos_id  # a cut response loses its eos
+    assert ("loaded 3 preference pairs, truncated to fit max_seq_length=48, max_prompt_length=16 (pairs per cut part): "
+            "{'prompt': 1, 'chosen': 1}") in caplog.messages
 
 
 def test_prompt_head_is_bos_and_template_preamble(tiny_tokenizer):
