@@ -36,12 +36,24 @@ BUNDLED_TOKENIZERS = {"tiny": os.path.join(BUNDLED_TOKENIZER_DIR, "tiny.model")}
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """A directory holding none of these is not a Hugging Face tokenizer."""
+EXPECTED_TOKENIZER = (f"a tokenizer is a bundled name ({', '.join(BUNDLED_TOKENIZERS)}), a SentencePiece .model file or a "
+                      "local Hugging Face tokenizer directory (as written by save_pretrained)")
+"""What :func:`load_tokenizer` accepts; ends every :class:`TokenizerError`."""
 
 PLAIN_ROLE_MARKERS = {"system": "\n\nSystem:", "user": "\n\nHuman:", "assistant": "\n\nAssistant:"}
 """Turn markers of the plain (HH-RLHF) chat template, by message role."""
 PLAIN_GENERATION_PROMPT = PLAIN_ROLE_MARKERS["assistant"]
 
 Message = dict[str, str]
+
+
+class TokenizerError(ValueError):
+    """A tokenizer path that exists but holds no usable tokenizer; the message names the path,
+    what is wrong and what is expected (the CLI prints it as one line)."""
+
+    def __init__(self, path: str, problem: str):
+        self.path = path
+        super().__init__(f"{path}: {problem}; {EXPECTED_TOKENIZER}")
 
 
 class Tokenizer(abc.ABC):
@@ -133,9 +145,9 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = spm.SentencePieceProcessor(model_file=self.path)
         except (RuntimeError, OSError) as exc:
-            raise ValueError(f"{self.path}: not a SentencePiece model ({exc})") from exc
+            raise TokenizerError(self.path, _not_a_model(self.path, exc)) from exc
         if self._sp.eos_id() < 0:
-            raise ValueError(f"{self.path}: SentencePiece model has no eos piece; responses need one")
+            raise TokenizerError(self.path, "SentencePiece model has no eos piece; responses need one")
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
@@ -173,15 +185,16 @@ class HFTokenizer(Tokenizer):
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"{self.path}: tokenizer directory not found")
         if not any(os.path.isfile(os.path.join(self.path, name)) for name in HF_TOKENIZER_FILES):
-            raise ValueError(
-                f"{self.path}: not a Hugging Face tokenizer directory (none of {', '.join(HF_TOKENIZER_FILES)})"
+            raise TokenizerError(
+                self.path, f"not a Hugging Face tokenizer directory: it holds none of {', '.join(HF_TOKENIZER_FILES)}"
             )
         try:
             self._tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{self.path}: not a Hugging Face tokenizer directory ({exc})") from exc
+            raise TokenizerError(self.path, f"not a Hugging Face tokenizer directory: its files do not load "
+                                            f"({_one_line(exc)})") from exc
         if self._tok.eos_token_id is None:
-            raise ValueError(f"{self.path}: tokenizer defines no eos token; responses need one")
+            raise TokenizerError(self.path, "tokenizer defines no eos token; responses need one")
         if self._tok.pad_token_id is None:
             logger.info("%s: no pad token, padding with eos id %d", self.path, self._tok.eos_token_id)
 
@@ -235,8 +248,23 @@ class HFTokenizer(Tokenizer):
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
+def _not_a_model(path: str, exc: Exception) -> str:
+    """Why a file is no SentencePiece model; an HF tokenizer file points to its directory."""
+    if os.path.basename(path) in HF_TOKENIZER_FILES:
+        directory = os.path.dirname(path) or "."
+        return f"a Hugging Face tokenizer file, not a SentencePiece model: pass its directory {directory}"
+    return f"not a SentencePiece model ({_one_line(exc)})"
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def load_tokenizer(path_or_name: str | os.PathLike) -> Tokenizer:
-    """A bundled tokenizer by name (``"tiny"``), a SentencePiece ``.model`` file or an HF directory."""
+    """A bundled tokenizer by name (``"tiny"``), a SentencePiece ``.model`` file or an HF directory.
+
+    FileNotFoundError when ``path_or_name`` is none of them, :class:`TokenizerError` when it
+    exists but holds no usable tokenizer."""
     spec = os.fspath(path_or_name)
     if spec in BUNDLED_TOKENIZERS:
         return SentencePieceTokenizer(BUNDLED_TOKENIZERS[spec])
@@ -244,7 +272,4 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> Tokenizer:
         return HFTokenizer(spec)
     if os.path.isfile(spec):
         return SentencePieceTokenizer(spec)
-    raise FileNotFoundError(
-        f"{spec}: tokenizer not found; give a bundled name ({', '.join(BUNDLED_TOKENIZERS)}), "
-        "a SentencePiece .model file or a local Hugging Face tokenizer directory"
-    )
+    raise FileNotFoundError(f"{spec}: tokenizer not found; {EXPECTED_TOKENIZER}")

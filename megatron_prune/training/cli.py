@@ -37,6 +37,7 @@ def run_cli(
     args, configs = parse_configs(prog, groups, description, argv,
                                   unknown_handler=parse_mindspeed_flags if kind == "npu" else None)
     from megatron_prune.data.records import DataError
+    from megatron_prune.data.tokenizer import TokenizerError
     from megatron_prune.training import session
     from megatron_prune.training.parallel import check_rendezvous_env
 
@@ -70,7 +71,7 @@ def run_cli(
         run(configs)
     except DataError as exc:
         session.fail_usage(with_way_out(exc))
-    except (session.UsageError, FileNotFoundError) as exc:
+    except (session.UsageError, FileNotFoundError, TokenizerError) as exc:
         session.fail_usage(exc)
     except NonFiniteError as exc:
         print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)

@@ -232,3 +232,34 @@ def test_unknown_model_preset_fails_validation_in_one_line(monkeypatch, capsys):
     assert err.strip().splitlines() == [
         "megatron-prune-dpo: error: argument --model-preset: invalid choice: 'big' (choose from 'tiny', 'tiny-tied', 'tiny-moe') "
         "(run with --help to see every flag, its choices and default)"]
+
+
+def _gzip_cut(path):
+    import gzip
+
+    data = gzip.compress(open(SAMPLE, "rb").read(), mtime=0)
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+RUN_REFUSES = [
+    pytest.param(lambda tmp: ["--tokenizer", SAMPLE], f"{SAMPLE}: not a SentencePiece model (", id="tokenizer-not-a-model"),
+    pytest.param(lambda tmp: ["--tokenizer", str(tmp)], f"{{tmp}}: not a Hugging Face tokenizer directory: it holds none",
+                 id="tokenizer-empty-dir"),
+    pytest.param(lambda tmp: ["--data-path", str(_gzip_cut(tmp / "cut.jsonl.gz"))],
+                 "{tmp}/cut.jsonl.gz: unreadable gzip: Compressed file ended before the end-of-stream marker was "
+                 "reached", id="truncated-gzip"),
+    pytest.param(lambda tmp: ["--data-path", str(tmp)], "{tmp}: is a directory: expected a data file", id="directory"),
+]
+
+
+@pytest.mark.parametrize("extra, message", RUN_REFUSES)
+def test_unusable_tokenizer_or_data_file_stops_the_run_in_one_line(extra, message, tmp_path, monkeypatch, capsys):
+    """A --tokenizer or data file that exists but cannot be used stops the run before any rank
+    works: one line naming the path and what was expected, exit code 2, no traceback."""
+    code, err = _main([*TINY_DPO, *extra(tmp_path)], monkeypatch, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"megatron-prune: error: {message.format(tmp=tmp_path)}"), err
+    assert "--skip-invalid-records" not in err  # skipping records would not help
+    assert _no_process_group()

@@ -18,6 +18,7 @@ from megatron_prune.data.tokenizer import (
     BUNDLED_TOKENIZERS,
     HFTokenizer,
     SentencePieceTokenizer,
+    TokenizerError,
     load_tokenizer,
     render_plain_template,
 )
@@ -176,23 +177,43 @@ def test_hf_directory_without_chat_template_uses_plain_template(tmp_path):
     assert tokenizer.render_response("4") == " 4"
 
 
+EXPECTED = ("; a tokenizer is a bundled name (tiny), a SentencePiece .model file or a local Hugging Face tokenizer "
+            "directory (as written by save_pretrained)")
+
+
 def test_missing_or_bad_tokenizer_errors_name_the_path(tmp_path):
+    """Each error names the path, what is wrong and what a tokenizer may be, on one line; a path
+    that exists is a TokenizerError (the CLI prints it as a one-line usage error)."""
     missing = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match=str(missing)):
+    with pytest.raises(FileNotFoundError) as info:
         load_tokenizer(missing)
+    assert str(info.value) == f"{missing}: tokenizer not found{EXPECTED}"
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match=f"{empty}: not a Hugging Face tokenizer"):
+    with pytest.raises(TokenizerError) as info:
         load_tokenizer(empty)
+    assert str(info.value) == (f"{empty}: not a Hugging Face tokenizer directory: it holds none of tokenizer.json, "
+                               f"tokenizer_config.json, tokenizer.model, vocab.json{EXPECTED}")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match=f"{broken}: not a Hugging Face tokenizer"):
+    with pytest.raises(TokenizerError) as info:
         load_tokenizer(broken)
-    garbage = tmp_path / "garbage.model"
-    garbage.write_bytes(b"not a model")
-    with pytest.raises(ValueError, match=f"{garbage}: not a SentencePiece model"):
-        load_tokenizer(garbage)
+    assert str(info.value).startswith(f"{broken}: not a Hugging Face tokenizer directory: its files do not load (")
+    assert str(info.value).endswith(EXPECTED) and "\n" not in str(info.value)
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "x", "chosen": "a", "rejected": "b"}])
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(data)
+    assert re.fullmatch(rf"{re.escape(data)}: not a SentencePiece model \(.+\){re.escape(EXPECTED)}", str(info.value))
+
+
+def test_hf_tokenizer_file_instead_of_its_directory_points_to_the_directory(tmp_path):
+    directory = _save_hf_tokenizer(tmp_path / "tok", chat_template=None)
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(os.path.join(directory, "tokenizer.json"))
+    assert str(info.value) == (f"{directory}/tokenizer.json: a Hugging Face tokenizer file, not a SentencePiece "
+                               f"model: pass its directory {directory}{EXPECTED}")
+    assert isinstance(load_tokenizer(directory), HFTokenizer)  # the way out works
 
 
 def test_preference_pairs_through_a_chat_template(tmp_path):
