@@ -180,8 +180,9 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     dataset = PreferenceDataset(dpo.data_path, tokenizer=tokenizer, config=data_cfg)
     eval_dataset = PreferenceDataset(dpo.eval_data_path, tokenizer=tokenizer, config=data_cfg) if dpo.eval_data_path else None
     for name, ds in (("training", dataset), ("held-out", eval_dataset)):
-        if ds is not None and sum(ds.skipped.values()) and int(os.environ.get("RANK", "0")) == 0:
-            print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
+        if ds is not None and (ds.skipped or ds.truncated) and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}, "
+                  f"truncated {dict(ds.truncated)}", flush=True)
 
     eval_pairs = 0
     if eval_dataset is not None:

@@ -124,10 +124,15 @@ def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:
 
 
 def check_data_files(flag: str, paths) -> None:
-    """Every file ``flag`` names exists (checked before any rank works, also under ``--dry-run``)."""
+    """Every file ``flag`` names is a data file the readers take (checked before any rank works,
+    also under ``--dry-run``)."""
+    from megatron_prune.data.records import DataError, check_data_file
+
     for path in paths or []:
-        if not os.path.exists(path):
-            raise UsageError(f"{flag} {path}: data file not found")
+        try:
+            check_data_file(path)
+        except (FileNotFoundError, DataError) as exc:
+            raise UsageError(f"{flag} {exc}") from None
 
 
 def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:

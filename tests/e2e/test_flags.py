@@ -152,6 +152,7 @@ DRY_RUN_REFUSES = [
                  "--data-path missing.jsonl: data file not found", id="missing-data"),
     pytest.param([*TINY_DPO, "--eval-data-path", "missing.jsonl"],
                  "--eval-data-path missing.jsonl: data file not found", id="missing-eval-data"),
+    pytest.param([*TINY_DPO, "--eval-data-path", "."], "--eval-data-path .: is a directory", id="directory-data"),
     pytest.param([*TINY_DPO, "--dpo-layout", "shared", "--no-selective-head"],
                  "--dpo-layout shared needs the selective head", id="shared-without-selective-head"),
     pytest.param([*TINY_DPO, "--ref-mode", "adapter-off"], "--ref-mode adapter-off needs LoRA adapters",
@@ -249,7 +250,7 @@ RUN_REFUSES = [
     pytest.param(lambda tmp: ["--data-path", str(_gzip_cut(tmp / "cut.jsonl.gz"))],
                  "{tmp}/cut.jsonl.gz: unreadable gzip: Compressed file ended before the end-of-stream marker was "
                  "reached", id="truncated-gzip"),
-    pytest.param(lambda tmp: ["--data-path", str(tmp)], "{tmp}: is a directory: expected a data file", id="directory"),
+    pytest.param(lambda tmp: ["--data-path", str(tmp)], "--data-path {tmp}: is a directory: expected a data file", id="directory"),
 ]
 
 
