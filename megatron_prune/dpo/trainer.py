@@ -158,6 +158,7 @@ def check_dpo_flags(configs: dict[str, Any]) -> tuple[str, ModelArch, dict | Non
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
     arch, lora_base = session.resolve_model_and_base(configs)
+    session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
     return ref_mode, arch, lora_base
 
 

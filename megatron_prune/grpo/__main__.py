@@ -63,6 +63,8 @@ def _checks(configs) -> None:
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
                          "to sample with full recompute")
     session.resolve_model_and_base(configs)  # the architecture and, under LoRA, the base
+    if grpo.task not in TOY_TASKS:
+        session.check_tokenizer(model, configs["CheckpointConfig"])
 
 
 def _run(configs):

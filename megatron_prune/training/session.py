@@ -135,6 +135,18 @@ def check_data_files(flag: str, paths) -> None:
             raise UsageError(f"{flag} {exc}") from None
 
 
+def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
+    """The tokenizer the run resolves, loaded once to check it (also under ``--dry-run``)."""
+    from megatron_prune.data.tokenizer import TokenizerError, load_tokenizer
+
+    name = resolve_tokenizer(model, ckpt)
+    try:
+        load_tokenizer(name)
+    except (TokenizerError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    return name
+
+
 def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
     """The architecture to build and, under LoRA, where its frozen base comes from: what both
     trainers check before any rank starts (and ``--dry-run`` too). Reads only checkpoint and HF

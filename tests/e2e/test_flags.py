@@ -153,6 +153,7 @@ DRY_RUN_REFUSES = [
     pytest.param([*TINY_DPO, "--eval-data-path", "missing.jsonl"],
                  "--eval-data-path missing.jsonl: data file not found", id="missing-eval-data"),
     pytest.param([*TINY_DPO, "--eval-data-path", "."], "--eval-data-path .: is a directory", id="directory-data"),
+    pytest.param([*TINY_DPO, "--tokenizer", "README.md"], "README.md: not a SentencePiece model", id="bad-tokenizer"),
     pytest.param([*TINY_DPO, "--dpo-layout", "shared", "--no-selective-head"],
                  "--dpo-layout shared needs the selective head", id="shared-without-selective-head"),
     pytest.param([*TINY_DPO, "--ref-mode", "adapter-off"], "--ref-mode adapter-off needs LoRA adapters",
