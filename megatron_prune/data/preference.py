@@ -336,7 +336,8 @@ def truncate_pair(
     if budget < 1:
         raise RecordError(
             "prompt too long",
-            f"prompt is {len(prompt)} tokens, leaving no room for a response in max_seq_length={max_seq_length}",
+            f"prompt is {len(prompt)} tokens, leaving no room for a response in --seq-length {max_seq_length} "
+            "(--max-prompt-length below it keeps each prompt's last tokens)",
         )
     chosen, rejected = list(chosen_ids[:budget]), list(rejected_ids[:budget])
     if chosen == rejected:

@@ -57,7 +57,8 @@ class GRPOConfig:
     """Sequences per generation microbatch (default: all of a rank's sequences in one)."""
     kv_cache: bool = field(default=False, metadata=_flag("--kv-cache"))
     """KV-cached generation on Megatron's inference path (StaticInferenceContext), prompts of different
-    lengths in one batch; one pipeline stage only (refused with --pipeline-model-parallel-size > 1)."""
+    lengths in one batch; one pipeline stage only (refused with --pipeline-model-parallel-size > 1), and
+    not with --sequence-parallel."""
     clip_eps_low: float = field(default=0.2, metadata=_flag("--clip-eps-low"))
     """Lower clip of the PPO ratio: 1 - eps_low."""
     clip_eps_high: float = field(default=0.2, metadata=_flag("--clip-eps-high"))
@@ -114,7 +115,10 @@ class GRPOConfig:
         try:
             return GRPOLossConfig(clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high, kl_beta=self.kl_beta)
         except ValueError as exc:
-            raise ValueError(f"--clip-eps-low/--clip-eps-high/--kl-beta: {exc}") from None
+            message = str(exc)
+            for name in ("clip_eps_low", "clip_eps_high", "kl_beta"):  # the flags, not the fields
+                message = message.replace(name, "--" + name.replace("_", "-"))
+            raise ValueError(message) from None
 
     def advantage_config(self) -> AdvantageConfig:
         if self.advantage_std not in ADVANTAGE_STDS:

@@ -213,6 +213,11 @@ def check_output_paths(configs: dict) -> None:
         _check_writable("--metrics-jsonl", os.path.dirname(os.path.abspath(log.metrics_jsonl)), file=log.metrics_jsonl)
     if log is not None and log.tensorboard_dir:
         _check_writable("--tensorboard-dir", log.tensorboard_dir)
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--tensorboard-dir {log.tensorboard_dir} needs the tensorboard package "
+                             "(pip install tensorboard), or leave out --tensorboard-dir") from None
 
 
 def _check_writable(flag: str, path: str, *, file: str | None = None) -> None:
