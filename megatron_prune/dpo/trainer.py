@@ -108,7 +108,11 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
     """
     path = os.path.join(cache_dir, f"ref_logps_{fingerprint}.pt")
     if os.path.isfile(path):
-        table = torch.load(path)
+        try:
+            table = torch.load(path)
+        except Exception as exc:  # torch raises several types for a truncated or foreign file
+            raise session.UsageError(f"reference log-probs cache {path} cannot be read ({exc}); delete it to "
+                                     "recompute, or point --ref-cache elsewhere") from None
         if is_logging_rank():
             print(f"[megatron-prune] reusing reference log-probs {path}", flush=True)
         return table

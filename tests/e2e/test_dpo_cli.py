@@ -120,3 +120,10 @@ def test_precomputed_reference_matches_online(tmp_path):
     for a, b in zip(online, pre, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert b["ref_tokens"] == 0 and a["ref_tokens"] > 0
+    # A cache file that cannot be read stops the run in one line naming it.
+    (stored,) = cache.glob("ref_logps_*.pt")
+    stored.write_bytes(stored.read_bytes()[:100])
+    with pytest.raises(AssertionError, match=r"CLI failed \(2\)") as failed:
+        run_cli(tmp_path / "b", *common, "--ref-mode", "precomputed", "--ref-cache", str(cache))
+    assert f"reference log-probs cache {stored} cannot be read" in str(failed.value)
+    assert "delete it to recompute" in str(failed.value) and "Traceback" not in str(failed.value)
