@@ -684,10 +684,14 @@ def compare_hf_and_megatron(
     loaded in fp32, so both compute with identical weights.
     """
     from megatron_prune.model.provider import build_model_chunks
-    from megatron_prune.training.checkpoint import load_checkpoint, read_arch
+    from megatron_prune.training.checkpoint import load_checkpoint, read_arch, read_meta
     from megatron_prune.training.parallel import broadcast_object, model_parallel
     import torch.distributed as dist
 
+    if read_meta(load_dir).get("lora"):
+        raise ValueError(f"--load {load_dir} holds LoRA adapters, not a whole model; export it with "
+                         "tools/convert_megatron_to_hf.py --load CKPT --hf-out DIR --merge-lora and compare DIR, or "
+                         "compare its base checkpoint")
     arch = read_arch(load_dir)
     hf_arch = read_hf_arch(hf_dir)
     if hf_arch != arch:

@@ -229,3 +229,16 @@ def test_base_load_refused_for_an_hf_or_preset_base(hf_dir, tmp_path):
     _lora_checkpoint(tmp_path / "preset_lora", preset_base("tiny", seed=0).to_dict())
     with pytest.raises(ValueError, match="not on a Megatron checkpoint; drop --base-load$"):
         check_load(str(tmp_path / "preset_lora"), LoRAConfig(rank=4, base_load=str(tmp_path)))
+
+
+def test_compare_tool_refuses_a_lora_checkpoint_with_the_way_to_compare_it(tmp_path):
+    """tools/compare_hf_megatron.py compares whole models: a LoRA checkpoint (adapters only) is
+    refused with the export that makes it comparable, not with flags the tool does not have."""
+    from megatron_prune.model.hf_convert import compare_hf_and_megatron
+    from megatron_prune.model.provider import ParallelConfig
+
+    _lora_checkpoint(tmp_path / "lora", preset_base("tiny", seed=0).to_dict())
+    with pytest.raises(ValueError, match="holds LoRA adapters, not a whole model; export it with "
+                                         "tools/convert_megatron_to_hf.py --load CKPT --hf-out DIR --merge-lora"):
+        compare_hf_and_megatron(hf_dir=str(tmp_path / "hf"), load_dir=str(tmp_path / "lora"),
+                                parallel=ParallelConfig(), seq_length=8, batch_size=1, seed=0, hf_device="cpu")
