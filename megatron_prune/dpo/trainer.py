@@ -189,6 +189,9 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}, "
                   f"truncated {dict(ds.truncated)}", flush=True)
 
+    if len(dataset) < train_cfg.global_batch_size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-prune] training data: {len(dataset)} pairs, fewer than --global-batch-size "
+              f"{train_cfg.global_batch_size}: every step holds some pairs more than once", flush=True)
     eval_pairs = 0
     if eval_dataset is not None:
         from megatron_prune.training.parallel import validate_layout
