@@ -264,7 +264,7 @@ class DPOConfig:
     """The DPO objective and its data."""
 
     data_path: list[str] = field(default_factory=list, metadata=_flag("--data-path", nargs="+"))
-    """Preference files (JSONL/Parquet): prompt/chosen/rejected, HH-RLHF or HelpSteer3 records (required to train)."""
+    """Preference files (.jsonl, .json as JSON Lines or one array, optionally .gz; .parquet): prompt/chosen/rejected, HH-RLHF or HelpSteer3 records (required to train)."""
     eval_data_path: list[str] = field(default_factory=list, metadata=_flag("--eval-data-path", nargs="+"))
     """Held-out preference files; reward accuracy is measured on them at --eval-interval."""
     eval_interval: int | None = field(default=None, metadata=_flag("--eval-interval"))
