@@ -10,9 +10,12 @@ Layout of a save directory::
                                               records where the frozen base comes from)
         trainer_state.pt                      data position, sampler/DPPO state, per-rank RNG
 
+meta.json also records which trainer wrote the checkpoint (``trainer_kind``: dpo or grpo).
+
 A checkpoint is written into ``iter_XXXXXXX.tmp`` and renamed into place only when complete, so
 a kill during a save leaves the previous checkpoint loadable. ``--load`` picks the newest
-complete one and says which.
+complete one (holding every file of :data:`REQUIRED`) and says which; a newer directory that is
+not complete is named in a warning.
 """
 
 from __future__ import annotations
@@ -52,32 +55,135 @@ def _barrier() -> None:
         dist.barrier()
 
 
+REQUIRED = (META, "trainer_state.pt", os.path.join("dist", ".metadata"))
+"""What a complete checkpoint directory holds (``save_checkpoint`` writes ``meta.json`` last, so a
+save always has them all; a directory without one of them is a partial copy or a damaged save)."""
+
+_warned: set[str] = set()
+
+
+def _speaks() -> bool:
+    """This process is the one that warns: rank 0 (before the process group starts, by torchrun's RANK)."""
+    return dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` once per process from rank 0 (a load reads the checkpoint's metadata several times)."""
+    if message not in _warned and _speaks():
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
+def _missing(path: str) -> list[str]:
+    """The entries of :data:`REQUIRED` that ``path`` lacks."""
+    return [name for name in REQUIRED if not os.path.isfile(os.path.join(path, name))]
+
+
 def _is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, META)) and os.path.isdir(os.path.join(path, "dist"))
+    return not _missing(path)
+
+
+def _lacks(path: str) -> str:
+    return f"missing {', '.join(_missing(path))}"
+
+
+def _partial_saves(root: str) -> list[str]:
+    """``iter_*`` directories under ``root`` that are not complete checkpoints (``.tmp`` ones included)."""
+    return sorted(d for d in os.listdir(root) if d.startswith("iter_") and os.path.isdir(os.path.join(root, d))
+                  and not _is_complete(os.path.join(root, d)))
+
+
+def _describe_partial(root: str, names: list[str]) -> str:
+    return ", ".join(f"{name} (a save that did not finish)" if name.endswith(".tmp")
+                     else f"{name} ({_lacks(os.path.join(root, name))})" for name in names)
+
+
+def _newest_complete(root: str) -> tuple[str | None, str | None]:
+    """The newest complete checkpoint under the save directory ``root`` (None if there is none), and a
+    warning to give when it is not the one the tracker or the newest ``iter_*`` directory names."""
+    tracker = os.path.join(root, TRACKER)
+    named = None
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        named = iteration_dir(root, int(text)) if text.isdigit() else os.path.join(root, text)
+        if _is_complete(named):
+            return named, None
+    complete = sorted(
+        d for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit() and _is_complete(os.path.join(root, d))
+    )
+    chosen = os.path.join(root, complete[-1]) if complete else None
+    if named is not None:
+        what = f"which is incomplete ({_lacks(named)})" if os.path.isdir(named) else "which does not exist"
+        return chosen, f"{tracker} names {named}, {what}"
+    newer = [d for d in _partial_saves(root) if d[5:].isdigit() and (not complete or d > complete[-1])]
+    if newer and chosen is not None:
+        return chosen, "; ".join(f"{os.path.join(root, d)} is incomplete ({_lacks(os.path.join(root, d))})"
+                                 for d in newer)
+    return chosen, None
 
 
 def find_latest(root: str, *, flag: str = "--load") -> str:
-    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one); errors name ``flag``."""
+    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one); errors name ``flag``.
+
+    A directory the tracker names, or a newer ``iter_*`` one, that lacks a file of :data:`REQUIRED`
+    is passed over with a warning (once) naming it and what it misses.
+    """
     if _is_complete(root):
         return root
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"{flag} {root}: not a directory")
     if not os.path.isdir(root):
         raise CheckpointError(f"{flag} {root}: directory does not exist")
-    tracker = os.path.join(root, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        candidate = iteration_dir(root, int(text)) if text.isdigit() else os.path.join(root, text)
-        if _is_complete(candidate):
-            return candidate
-        logger.warning("%s names %s, which is incomplete; scanning for another", tracker, candidate)
-    complete = sorted(
-        d for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit() and _is_complete(os.path.join(root, d))
-    )
-    if not complete:
-        raise CheckpointError(f"{flag} {root}: no complete checkpoint found (expected iter_*/{META})")
-    return os.path.join(root, complete[-1])
+    if os.path.isfile(os.path.join(root, META)) or os.path.isdir(os.path.join(root, "dist")):
+        # One checkpoint directory, named on its own.
+        raise CheckpointError(f"{flag} {root}: incomplete checkpoint ({_lacks(root)}); "
+                              f"give its save directory to load the newest complete one")
+    chosen, warning = _newest_complete(root)
+    if chosen is None:
+        partial = _partial_saves(root)
+        found = f"; found only {_describe_partial(root, partial)}" if partial else ""
+        raise CheckpointError(f"{flag} {root}: no complete checkpoint found (expected iter_*/ holding "
+                              f"{', '.join(REQUIRED)}){found}")
+    if warning:
+        _warn_once(f"{warning}; using {chosen}")
+    return chosen
+
+
+def holds_checkpoint(root: str) -> bool:
+    """Whether ``root`` (a save directory or one checkpoint) holds a complete checkpoint."""
+    return os.path.isdir(root) and (_is_complete(root) or _newest_complete(root)[0] is not None)
+
+
+def resume_source(save: str | None, load: str | None, *, can_start_fresh: bool) -> str | None:
+    """The ``--load`` a run resumes from, or None when it starts fresh. Checked before any rank works.
+
+    ``--save X --load X`` (the same directory) is how a launch script resumes whatever is there:
+    while ``X`` holds no complete checkpoint yet (it does not exist, is empty, or only a killed
+    first save left a ``.tmp``) the run starts fresh, with a notice; without a model of its own
+    (``can_start_fresh``: a ``--model-preset`` or ``--hf-model``) there is nothing to start from.
+    A ``--save`` that already holds checkpoints is refused without ``--load``: the run would start
+    again at iteration 0 and overwrite them. Errors are :class:`CheckpointError`.
+    """
+    if load is not None and save is not None and os.path.realpath(load) == os.path.realpath(save) \
+            and not holds_checkpoint(load):
+        if not can_start_fresh:
+            try:
+                find_latest(load)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{exc}; a first run into --save {save} needs --model-preset or --hf-model "
+                                      "to start from") from None
+        if _speaks():
+            partial = _partial_saves(load) if os.path.isdir(load) else []
+            left = f"; found only {_describe_partial(load, partial)}" if partial else ""
+            print(f"[megatron-prune] --load {load} holds no complete checkpoint yet{left}: starting a new run "
+                  f"at iteration 0 that saves into --save {save}", flush=True)
+        return None
+    if load is None and save is not None and holds_checkpoint(save):
+        raise CheckpointError(f"--save {save} already holds checkpoints (newest: {find_latest(save, flag='--save')}) "
+                              f"that a new run would overwrite; pass --load {save} to resume from it, or choose "
+                              "another --save")
+    return load
 
 
 def read_meta(path: str) -> dict[str, Any]:
@@ -419,15 +525,13 @@ def load_checkpoint(
             _load_distributed_optimizer(optimizer, loaded_optimizer)
         else:
             optimizer.load_state_dict(loaded_optimizer)
-    extra_path = os.path.join(ckpt, "trainer_state.pt")
-    if os.path.isfile(extra_path):
-        extra = torch.load(extra_path, weights_only=False)
-        meta["trainer"] = extra.get("trainer", {})
-        meta["scheduler"] = extra.get("scheduler", {})
-        per_rank = extra.get("rng_per_rank") or []
-        if restore_rng and len(per_rank) == (dist.get_world_size() if dist.is_initialized() else 1):
-            torch.set_rng_state(per_rank[_rank()]["torch"])
-            _set_rng_tracker_states(per_rank[_rank()]["tracker"])
+    extra = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)  # in REQUIRED
+    meta["trainer"] = extra.get("trainer", {})
+    meta["scheduler"] = extra.get("scheduler", {})
+    per_rank = extra.get("rng_per_rank") or []
+    if restore_rng and len(per_rank) == (dist.get_world_size() if dist.is_initialized() else 1):
+        torch.set_rng_state(per_rank[_rank()]["torch"])
+        _set_rng_tracker_states(per_rank[_rank()]["tracker"])
     if _rank() == 0:
         logger.info("loaded checkpoint %s (iteration %s)", ckpt, meta["iteration"])
     return meta

@@ -38,6 +38,16 @@ def _no_process_group():
     return not dist.is_initialized()
 
 
+def _fake_checkpoint(root, iteration: int, arch) -> None:
+    """A save directory with one checkpoint: its meta.json and empty stand-ins for the other files a save writes."""
+    ckpt = root / f"iter_{iteration:07d}"
+    (ckpt / "dist").mkdir(parents=True)
+    (ckpt / "dist" / ".metadata").write_bytes(b"")
+    (ckpt / "trainer_state.pt").write_bytes(b"")
+    (ckpt / "meta.json").write_text(json.dumps(
+        {"format": "megatron-prune/1", "iteration": iteration, "arch": arch.to_dict(), "has_optimizer": True}))
+
+
 BAD = [
     pytest.param(["--prune-position-ratio", "0"], 1, "--prune-position-ratio must be in (0, 1], got 0.0", id="alpha=0"),
     pytest.param(["--prune-position-ratio", "1.5"], 1, "--prune-position-ratio", id="alpha>1"),
@@ -69,6 +79,8 @@ BAD = [
     pytest.param(["--save", "README.md"], 1, "--save README.md: exists and is not a directory", id="save-is-a-file"),
     pytest.param(["--ref-load", "no-such-ckpt"], 1, "--ref-load no-such-ckpt: directory does not exist",
                  id="ref-load-missing"),
+    pytest.param(["--load", "no-such-ckpt", "--save", "other-dir"], 1, "--load no-such-ckpt: directory does not exist",
+                 id="load-missing"),
     pytest.param(["--expert-model-parallel-size", "2", "--global-batch-size", "4"], 2,
                  "--expert-model-parallel-size 2 needs a mixture-of-experts model; qwen3 is dense", id="ep-on-dense"),
     # The layout against the architecture (tiny: 4 heads, 2 key-value heads, 4 layers).
@@ -137,10 +149,7 @@ def test_valid_flags_pass_validation(monkeypatch, capsys):
 def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, capsys, dry_run):
     other = get_preset("tiny-tied")
     assert other != get_preset("tiny")
-    ckpt = tmp_path / "ckpt" / "iter_0000002"
-    (ckpt / "dist").mkdir(parents=True)
-    (ckpt / "meta.json").write_text(json.dumps(
-        {"format": "megatron-prune/1", "iteration": 2, "arch": other.to_dict(), "has_optimizer": True}))
+    _fake_checkpoint(tmp_path / "ckpt", 2, other)
     code, err = _main([*TINY_DPO, "--load", str(tmp_path / "ckpt"), *(["--dry-run"] if dry_run else [])],
                       monkeypatch, capsys)
     assert code == 2
@@ -180,10 +189,7 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    ckpt = tmp_path / "ckpt" / "iter_0000001"
-    (ckpt / "dist").mkdir(parents=True)
-    (ckpt / "meta.json").write_text(json.dumps(
-        {"format": "megatron-prune/1", "iteration": 1, "arch": get_preset("tiny-tied").to_dict(), "has_optimizer": True}))
+    _fake_checkpoint(tmp_path / "ckpt", 1, get_preset("tiny-tied"))
     cases = [(["--task", "gsm8k", "--data-path", "missing.jsonl"], "--data-path missing.jsonl: data file not found"),
              (["--task", "toy", "--load", str(tmp_path / "ckpt")], "holds a different architecture"),
              (["--task", "toy", "--group-size", "1"], "--group-size must be >= 2, got 1"),

@@ -31,8 +31,9 @@ def stub_io(monkeypatch):
     from megatron.core import dist_checkpointing
 
     def fake_save(state, path):
-        with open(os.path.join(path, "shard_0.distcp"), "w") as f:
-            f.write("x")
+        for name in ("shard_0.distcp", ".metadata"):
+            with open(os.path.join(path, name), "w") as f:
+                f.write("x")
 
     monkeypatch.setattr(dist_checkpointing, "save", fake_save)
     monkeypatch.setattr(ckpt, "_rng_tracker_states", lambda: {})
@@ -111,17 +112,48 @@ def test_kill_between_rename_and_tracker_keeps_a_complete_one(tmp_path, stub_io)
     assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000002")
 
 
-def test_tracker_naming_incomplete_dir_falls_back_and_says_so(tmp_path, stub_io, caplog):
-    """E.g. a checkpoint copied or deleted by hand: the tracker names a directory without
-    meta.json. The newest complete one is used, with a warning naming the incomplete one."""
+@pytest.mark.parametrize("removed", [ckpt.META, "trainer_state.pt", os.path.join("dist", ".metadata")])
+def test_tracker_naming_incomplete_dir_falls_back_and_says_so(tmp_path, stub_io, caplog, removed):
+    """E.g. a checkpoint copied or deleted by hand (a partial rsync): the tracker names a directory
+    without one of the files a save writes. The newest complete one is used, with one warning
+    naming the incomplete one and what it lacks, however often the checkpoint is read."""
     _save(tmp_path, 2)
     _save(tmp_path, 4)
-    os.remove(tmp_path / "iter_0000004" / ckpt.META)
+    os.remove(tmp_path / "iter_0000004" / removed)
     (tmp_path / "iter_0000006.tmp" / "dist").mkdir(parents=True)  # a save killed mid-way
     with caplog.at_level(logging.WARNING, logger=ckpt.__name__):
-        meta = ckpt.read_meta(str(tmp_path))
+        for _ in range(6):  # a run reads the metadata several times (architecture, tokenizer, reference, load)
+            meta = ckpt.read_meta(str(tmp_path))
     assert meta["path"] == str(tmp_path / "iter_0000002") and meta["iteration"] == 2
-    assert "iter_0000004" in caplog.text and "incomplete" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / ckpt.TRACKER} names {tmp_path / 'iter_0000004'}, which is incomplete (missing {removed}); "
+        f"using {tmp_path / 'iter_0000002'}"]
+
+
+def test_newest_dir_incomplete_without_tracker_is_named(tmp_path, stub_io, caplog):
+    _save(tmp_path, 2)
+    _save(tmp_path, 4)
+    os.remove(tmp_path / ckpt.TRACKER)
+    os.remove(tmp_path / "iter_0000004" / "trainer_state.pt")
+    with caplog.at_level(logging.WARNING, logger=ckpt.__name__):
+        assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000002")
+    assert f"{tmp_path / 'iter_0000004'} is incomplete (missing trainer_state.pt)" in caplog.text
+
+
+def test_only_a_killed_first_save_is_named(tmp_path, stub_io):
+    """A kill during the first save leaves only a .tmp: the error says so (and a partial copy says what it lacks)."""
+    (tmp_path / "iter_0000002.tmp" / "dist").mkdir(parents=True)
+    with pytest.raises(ckpt.CheckpointError) as exc:
+        ckpt.find_latest(str(tmp_path))
+    assert str(exc.value) == (f"--load {tmp_path}: no complete checkpoint found (expected iter_*/ holding meta.json, "
+                              "trainer_state.pt, dist/.metadata); found only iter_0000002.tmp (a save that did not "
+                              "finish)")
+    _save(tmp_path / "copy", 4)
+    os.remove(tmp_path / "copy" / "iter_0000004" / "trainer_state.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"found only iter_0000004 \(missing trainer_state.pt\)"):
+        ckpt.find_latest(str(tmp_path / "copy"))
+    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000004: incomplete checkpoint \(missing trainer_state.pt\)"):
+        ckpt.find_latest(str(tmp_path / "copy" / "iter_0000004"))
 
 
 def test_no_tracker_scans_for_newest_complete(tmp_path, stub_io):
@@ -151,3 +183,59 @@ def test_retry_after_a_killed_save_replaces_the_leftover(tmp_path, stub_io):
     assert not (tmp_path / "iter_0000004.tmp").exists()
     assert not (tmp_path / "iter_0000004" / "dist" / "stale").exists()
     assert ckpt.read_meta(str(tmp_path))["iteration"] == 4
+
+
+# --------------------------------------------------------------------------- --save / --load of one launch
+
+
+def test_save_and_load_of_one_directory_start_fresh_until_it_holds_a_checkpoint(tmp_path, stub_io, capsys):
+    """``--save X --load X`` on the first launch (X missing, empty, or only a killed first save in it)
+    starts fresh with a notice; once X holds a checkpoint, it resumes it."""
+    x = str(tmp_path / "x")
+    assert ckpt.resume_source(x, x, can_start_fresh=True) is None
+    assert capsys.readouterr().out == (f"[megatron-prune] --load {x} holds no complete checkpoint yet: starting a new "
+                                       f"run at iteration 0 that saves into --save {x}\n")
+    (tmp_path / "x" / "iter_0000002.tmp" / "dist").mkdir(parents=True)
+    assert ckpt.resume_source(x, x, can_start_fresh=True) is None
+    assert "found only iter_0000002.tmp (a save that did not finish)" in capsys.readouterr().out
+    _save(x, 2)
+    assert ckpt.resume_source(x, x, can_start_fresh=True) == x
+    assert capsys.readouterr().out == ""
+
+
+def test_load_that_is_not_the_save_directory_must_exist(tmp_path, stub_io):
+    """Only the --save directory itself may be empty: another --load is what the run starts from."""
+    x, y = str(tmp_path / "x"), str(tmp_path / "y")
+    assert ckpt.resume_source(x, y, can_start_fresh=True) == y  # find_latest then says "does not exist"
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.find_latest(y)
+    with pytest.raises(ckpt.CheckpointError) as exc:  # no model to start from but the checkpoint
+        ckpt.resume_source(x, x, can_start_fresh=False)
+    assert str(exc.value) == (f"--load {x}: directory does not exist; a first run into --save {x} needs "
+                              "--model-preset or --hf-model to start from")
+
+
+def test_save_holding_checkpoints_without_load_is_refused(tmp_path, stub_io):
+    """Rerunning a killed run's command without --load would start at iteration 0 and overwrite its checkpoints."""
+    x = str(tmp_path / "x")
+    assert ckpt.resume_source(x, None, can_start_fresh=True) is None
+    (tmp_path / "x" / "iter_0000002.tmp" / "dist").mkdir(parents=True)  # nothing complete yet: nothing lost
+    assert ckpt.resume_source(x, None, can_start_fresh=True) is None
+    _save(x, 2)
+    _save(x, 4)
+    with pytest.raises(ckpt.CheckpointError) as exc:
+        ckpt.resume_source(x, None, can_start_fresh=True)
+    assert str(exc.value) == (f"--save {x} already holds checkpoints (newest: {x}/iter_0000004) that a new run "
+                              f"would overwrite; pass --load {x} to resume from it, or choose another --save")
+
+
+def test_only_rank_0_warns_and_gives_notice(tmp_path, stub_io, caplog, capsys, monkeypatch):
+    """Before the process group starts every rank runs the checks: only torchrun's RANK 0 speaks."""
+    monkeypatch.setenv("RANK", "1")
+    _save(tmp_path / "x", 2)
+    _save(tmp_path / "x", 4)
+    os.remove(tmp_path / "x" / "iter_0000004" / "trainer_state.pt")
+    with caplog.at_level(logging.WARNING, logger=ckpt.__name__):
+        assert ckpt.find_latest(str(tmp_path / "x")) == str(tmp_path / "x" / "iter_0000002")
+    assert ckpt.resume_source(str(tmp_path / "y"), str(tmp_path / "y"), can_start_fresh=True) is None
+    assert caplog.text == "" and capsys.readouterr().out == ""

@@ -26,12 +26,15 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 def _lora_checkpoint(root, base: dict | None) -> str:
-    """A save directory whose one checkpoint's meta.json records ``base`` (no tensors needed here)."""
+    """A save directory whose one checkpoint's meta.json records ``base`` (no tensors needed here:
+    the other files a checkpoint holds are empty stand-ins)."""
     from megatron_prune.training.checkpoint import FORMAT, META, TRACKER, iteration_dir
 
     arch = base["arch"] if base else preset_base("tiny", seed=0).arch
     ckpt = iteration_dir(str(root), 3)
     os.makedirs(os.path.join(ckpt, "dist"))
+    for name in ("trainer_state.pt", os.path.join("dist", ".metadata")):
+        open(os.path.join(ckpt, name), "wb").close()
     meta = {"format": FORMAT, "iteration": 3, "arch": arch, "has_optimizer": True, **lora_meta(LORA, base=base)}
     with open(os.path.join(ckpt, META), "w") as f:
         json.dump(meta, f)
@@ -116,11 +119,12 @@ def test_checkpoint_without_a_base_record_is_refused(tmp_path):
 
 
 def _megatron_checkpoint(root, *, data: bytes) -> str:
-    """A save directory of one checkpoint without adapters: meta.json and stand-in dist files."""
+    """A save directory of one checkpoint without adapters: meta.json and stand-in dist and trainer files."""
     from megatron_prune.training.checkpoint import FORMAT, META, iteration_dir
 
     ckpt = iteration_dir(str(root), 0)
     os.makedirs(os.path.join(ckpt, "dist"))
+    open(os.path.join(ckpt, "trainer_state.pt"), "wb").close()
     meta = {"format": FORMAT, "iteration": 0, "arch": preset_base("tiny", seed=0).arch, "has_optimizer": False}
     with open(os.path.join(ckpt, META), "w") as f:
         json.dump(meta, f)
