@@ -154,11 +154,12 @@ def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
     from megatron_prune.lora_config import check_load
     from megatron_prune.training.checkpoint import CheckpointError
 
-    from megatron_prune.training.checkpoint import find_latest
+    from megatron_prune.training.checkpoint import find_latest, resume_source
 
     model, train, ckpt = configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"]
     ref_load = next((cfg.ref_load for cfg in configs.values() if getattr(cfg, "ref_load", None)), None)
     try:
+        ckpt.load = resume_source(ckpt.save, ckpt.load, can_start_fresh=bool(model.model_preset or model.hf_model))
         arch = resolve_arch(model, ckpt)
         lora_base = check_load(ckpt.load, configs.get("LoRAConfig"), hf_model=model.hf_model,
                                model_preset=model.model_preset, seed=train.seed)

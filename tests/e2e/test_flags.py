@@ -158,6 +158,44 @@ def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, caps
     assert _no_process_group()
 
 
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_save_holding_checkpoints_without_load_is_refused(tmp_path, monkeypatch, capsys, dry_run):
+    """Rerunning a run's command without --load would start at iteration 0 and overwrite its checkpoints."""
+    save = tmp_path / "ckpt"
+    _fake_checkpoint(save, 2, get_preset("tiny"))
+    _fake_checkpoint(save, 4, get_preset("tiny"))
+    code, err = _main([*TINY_DPO, "--save", str(save), *(["--dry-run"] if dry_run else [])], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"megatron-prune: error: --save {save} already holds checkpoints (newest: {save / 'iter_0000004'}) that a new "
+        f"run would overwrite; pass --load {save} to resume from it, or choose another --save"]
+    assert _no_process_group()
+
+
+def test_save_and_load_of_a_new_directory_start_a_new_run(tmp_path, monkeypatch, capsys):
+    """A launch script passes --save X --load X every time: on the first launch X holds nothing yet
+    (here only a first save that was killed), so the run starts fresh and says so; without a
+    model of its own there is nothing to start from."""
+    from megatron_prune.dpo.__main__ import main
+
+    save = tmp_path / "ckpt"
+    (save / "iter_0000002.tmp" / "dist").mkdir(parents=True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main([*TINY_DPO, "--save", str(save), "--load", str(save), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("holds no complete checkpoint yet") == 1
+    assert (f"[megatron-prune] --load {save} holds no complete checkpoint yet; found only iter_0000002.tmp (a save "
+            f"that did not finish): starting a new run at iteration 0 that saves into --save {save}") in out, out
+    code, err = _main([*TINY_DPO[2:], "--save", str(save), "--load", str(save), "--dry-run"], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"megatron-prune: error: --load {save}: no complete checkpoint found (expected iter_*/ holding meta.json, "
+        "trainer_state.pt, dist/.metadata); found only iter_0000002.tmp (a save that did not finish); a first run "
+        f"into --save {save} needs --model-preset or --hf-model to start from"]
+    assert _no_process_group()
+
+
 DRY_RUN_REFUSES = [
     pytest.param(["--model-preset", "tiny"], "--data-path is required", id="no-data"),
     pytest.param(["--model-preset", "tiny", "--data-path", "missing.jsonl"],
