@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_prune.accelerator import get_accelerator
+from megatron_prune.arguments import UsageError
 from megatron_prune.config import CheckpointConfig, LoggingConfig, TrainConfig
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import checkpoint as ckpt_io
@@ -141,6 +142,50 @@ class MetricsWriter:
             self.tb.close()
 
 
+TRAINER_KINDS = ("dpo", "grpo")
+
+
+def trainer_kind(objective: Objective) -> str | None:
+    """Which trainer runs ``objective``: the ``megatron_prune`` package defining it, ``"dpo"`` or
+    ``"grpo"`` (recorded in checkpoints as ``trainer_kind``); None for an objective of neither."""
+    package = type(objective).__module__.split(".")
+    return package[1] if len(package) > 1 and package[0] == "megatron_prune" and package[1] in TRAINER_KINDS \
+        else None
+
+
+def _check_same_trainer(meta: dict[str, Any], objective: Objective, load: str) -> None:
+    """A checkpoint resumes only under the trainer that wrote it (one without the record: any)."""
+    saved, mine = meta.get("trainer_kind"), trainer_kind(objective)
+    if saved and mine and saved != mine:
+        raise UsageError(
+            f"--load {load}: {meta['path']} is a {saved.upper()} checkpoint; the {mine.upper()} trainer cannot "
+            f"resume its optimizer, schedule and data position: pass --finetune to start from its weights, or "
+            f"--load a {mine.upper()} checkpoint"
+        )
+
+
+def _check_data_position(saved_state: dict[str, Any], objective: Objective, load: str, *, kind: str | None) -> None:
+    """The saved data position applies to this run's data: same --seed, same number of samples."""
+    saved = (saved_state or {}).get("sampler") or {}
+    mine = objective.state_dict().get("sampler") or {}
+    if not saved or not mine:
+        return
+    finetune = "or --finetune to start a new run from its weights"
+    if saved.get("seed") != mine.get("seed"):
+        raise UsageError(
+            f"--load {load}: the checkpoint was trained with --seed {saved.get('seed')} and this run has --seed "
+            f"{mine.get('seed')}, which would change the data order: pass --seed {saved.get('seed')} to resume it "
+            f"({finetune})"
+        )
+    if saved.get("num_samples") != mine.get("num_samples"):
+        flags = "--data-path or --toy-num-prompts" if kind == "grpo" else "--data-path"
+        raise UsageError(
+            f"--load {load}: the checkpoint's run trained on {saved.get('num_samples')} samples and this run's "
+            f"training data has {mine.get('num_samples')} (another {flags}, or other records skipped), so its "
+            f"data position does not apply: resume with the same training data ({finetune})"
+        )
+
+
 def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -> int:
     """Load ``--load`` if given; return the first step to run."""
     if not ckpt.load:
@@ -157,10 +202,15 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
                   flush=True)
         return 0
     weights_only = ckpt.finetune or not meta.get("has_optimizer")
+    if not weights_only:
+        _check_same_trainer(meta, objective, ckpt.load)
     loaded = ckpt_io.load_checkpoint(
         ckpt.load, model=parts.model, arch=parts.arch,
         optimizer=None if weights_only else parts.optimizer, restore_rng=not weights_only,
     )
+    saved_state = loaded.get("trainer", {}).get("objective", {})
+    if not weights_only:
+        _check_data_position(saved_state, objective, ckpt.load, kind=trainer_kind(objective))
     if is_logging_rank():
         print(f"[megatron-prune] loaded {loaded['path']} (iteration {loaded['iteration']}"
               f"{', weights only' if weights_only else ''})", flush=True)
@@ -168,7 +218,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
         return 0
     if loaded.get("scheduler"):
         parts.scheduler.load_state_dict(loaded["scheduler"])
-    objective.load_state_dict(loaded.get("trainer", {}).get("objective", {}))
+    objective.load_state_dict(saved_state)
     return int(loaded["iteration"])
 
 
@@ -197,10 +247,11 @@ def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
 
 def save(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, step: int) -> None:
     _carry_hf_assets(ckpt, parts.hf_assets)
+    kind = trainer_kind(objective)
     path = ckpt_io.save_checkpoint(
         ckpt.save, iteration=step, model=parts.model, arch=parts.arch, optimizer=parts.optimizer,
         scheduler_state=parts.scheduler.state_dict(), trainer_state={"objective": objective.state_dict()},
-        extra_meta=parts.extra_meta,
+        extra_meta={**parts.extra_meta, **({"trainer_kind": kind} if kind else {})},
     )
     if is_logging_rank():
         print(f"[megatron-prune] saved {path}", flush=True)
@@ -219,8 +270,22 @@ def train(
     acc = get_accelerator()
     with guard_collectives(f"loading --load {ckpt.load}"):
         start = resume(parts, objective, ckpt)
+    total = train_cfg.train_iters
+    if start > total:
+        # A usage error (exit 2): the flags contradict the checkpoint (a lowered --train-iters or another
+        # run's checkpoint); going on would neither train nor reproduce that run.
+        raise UsageError(f"--load {ckpt.load}: the checkpoint is at iteration {start}, past --train-iters {total}: "
+                         f"nothing to train; raise --train-iters above {start} to train further")
+    if start == total:
+        # Exit 0: the same command launched again after its run finished (a requeued job, a script that
+        # always passes --save X --load X) finds the work done; that is success, not an error.
+        if is_logging_rank():
+            print(f"[megatron-prune] nothing to train: the checkpoint is at iteration {start} = --train-iters "
+                  f"{total}; raise --train-iters to train further", flush=True)
+        return []
     writer = MetricsWriter(log_cfg)
     records = []
+    step = start
     try:
         for step in range(start, train_cfg.train_iters):
             acc.synchronize()
@@ -232,8 +297,8 @@ def train(
             metrics = objective.train_step(step)
             finite = math.isfinite(metrics.get("loss", 0.0)) and grads_are_finite(parts.model)
             if not finite and train_cfg.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    f"step {step}: non-finite loss or gradient (loss={metrics.get('loss')}); "
+                raise NonFiniteError(  # numbered as the progress line: metrics.jsonl's "step" + 1
+                    f"step {step + 1}/{total}: non-finite loss or gradient (loss={metrics.get('loss')}); "
                     "rerun with --on-nonfinite skip to skip such steps"
                 )
             grad_norm = None
@@ -243,7 +308,7 @@ def train(
             if finite:
                 parts.scheduler.step(1)
             elif is_logging_rank():
-                logger.warning("step %d skipped: non-finite loss or gradient", step)
+                logger.warning("step %d/%d skipped: non-finite loss or gradient", step + 1, total)
             acc.synchronize()
             record = {
                 "step": step,
@@ -266,7 +331,7 @@ def train(
             if ckpt.save and ((ckpt.save_interval and done % ckpt.save_interval == 0) or done == train_cfg.train_iters):
                 save(parts, objective, ckpt, done)
     except RuntimeError as exc:  # a timed-out collective: say which rank and step
-        failure = collective_failure(exc, during=f"step {step}")
+        failure = collective_failure(exc, during=f"step {step + 1}/{total}")
         if failure is None:
             raise
         raise failure from exc

@@ -60,7 +60,9 @@ def _run_with_nan(tmp_path, mode: str, iters: int):
 def test_nan_on_one_rank_stops_all_ranks_naming_the_step(tmp_path):
     run, records = _run_with_nan(tmp_path, "stop", iters=3)
     assert run.returncode != 0
-    message = f"step {NAN_STEP}: non-finite loss or gradient"
+    # Numbered as the progress line: the step after "step 1/3" (metrics.jsonl's "step": 1).
+    assert f"[megatron-prune] step {NAN_STEP}/3 |" in run.output, run.output[-4000:]
+    message = f"step {NAN_STEP + 1}/3: non-finite loss or gradient"
     # Both ranks stop at the same step (rank 1 made the NaN, rank 0 learnt it from the all-reduce),
     # each with one line naming itself and the step.
     assert len(set(re.findall(rf"megatron-prune: rank (\d+): {message}", run.output))) == 2, run.output[-4000:]

@@ -5,16 +5,23 @@ order and the pruning draws after the resume must be the ones the uninterrupted 
 Launches: one uninterrupted 6-step run (the reference, saving every 2 steps), one run killed
 after its third step, its resume, and (slow) a resume of the reference's step-4 checkpoint at
 another layout.
+
+Then what a resume refuses or passes over, on a 2-step single-rank run launched as a script
+does it (``--save X --load X`` every time): the same command launched again, a checkpoint the
+flags do not fit (fewer --train-iters, another --seed or data file, the other trainer), and a
+checkpoint directory missing a file.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import shutil
+import sys
 
 import pytest
 
-from tests.e2e.conftest import TINY_DPO, last_per_step, read_jsonl, run_dpo, run_dpo_until
+from tests.e2e.conftest import REPO, SAMPLE, TINY_DPO, last_per_step, read_jsonl, run_cmd, run_dpo, run_dpo_until
 
 pytestmark = pytest.mark.e2e
 
@@ -82,3 +89,98 @@ def test_resume_at_another_layout(reference, tmp_path):
         assert r["scored_positions"] == ref["scored_positions"]  # same pruning draws
         assert math.isclose(r["loss"], ref["loss"], rel_tol=1e-5, abs_tol=1e-6), (r["loss"], ref["loss"])
         assert math.isclose(r["grad_norm"], ref["grad_norm"], rel_tol=1e-4), (r["grad_norm"], ref["grad_norm"])
+
+
+# --------------------------------------------------------------------------- the same command launched again
+
+ONE_RANK = ["--model-preset", "tiny", "--device", "cpu", "--data-path", SAMPLE, "--seq-length", "128",
+            "--max-prompt-length", "64", "--global-batch-size", "2", "--micro-batch-size", "2", "--lr", "1e-3"]
+
+
+def _dpo(tmp_path, name: str, *args: str):
+    return run_cmd([sys.executable, "-m", "megatron_prune.dpo", *ONE_RANK, *args], log=tmp_path / f"{name}.txt")
+
+
+def _error(run) -> str:
+    """The run's last line, which a refused resume makes its only message."""
+    return run.output.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def script_run(tmp_path_factory):
+    """The first launch of a script's ``--save X --load X`` (2 steps, a save after each): X does not exist yet."""
+    d = tmp_path_factory.mktemp("script")
+    save = d / "ckpt"
+    run = _dpo(d, "first", "--train-iters", "2", "--save", str(save), "--load", str(save), "--save-interval", "1",
+               "--metrics-jsonl", str(d / "m.jsonl")).check_ok()
+    assert (f"[megatron-prune] --load {save} holds no complete checkpoint yet: starting a new run at iteration 0 "
+            f"that saves into --save {save}") in run.output, run.output[-3000:]
+    assert [r["step"] for r in read_jsonl(d / "m.jsonl")] == [0, 1]
+    return save
+
+
+def test_the_same_command_again_finds_the_work_done(script_run, tmp_path):
+    """Relaunched after it finished: it says there is nothing to train and exits 0; without --load
+    (the command of a run started without it) it refuses to overwrite the checkpoints."""
+    save = script_run
+    again = _dpo(tmp_path, "again", "--train-iters", "2", "--save", str(save), "--load", str(save),
+                 "--metrics-jsonl", str(tmp_path / "m.jsonl")).check_ok()
+    assert (f"[megatron-prune] nothing to train: the checkpoint is at iteration 2 = --train-iters 2; raise "
+            "--train-iters to train further") in again.output, again.output[-3000:]
+    assert not (tmp_path / "m.jsonl").exists() or read_jsonl(tmp_path / "m.jsonl") == []
+    fresh = _dpo(tmp_path, "fresh", "--train-iters", "2", "--save", str(save))
+    assert fresh.returncode == 2
+    assert _error(fresh) == (f"megatron-prune: error: --save {save} already holds checkpoints (newest: "
+                             f"{save / 'iter_0000002'}) that a new run would overwrite; pass --load {save} to resume "
+                             "from it, or choose another --save")
+
+
+RESUME_REFUSALS = [
+    pytest.param(["--train-iters", "1"], "the checkpoint is at iteration 2, past --train-iters 1: nothing to train; "
+                 "raise --train-iters above 2 to train further", id="train-iters-below"),
+    pytest.param(["--train-iters", "3", "--seed", "99"], "the checkpoint was trained with --seed 1234 and this run "
+                 "has --seed 99, which would change the data order: pass --seed 1234 to resume it (or --finetune to "
+                 "start a new run from its weights)", id="other-seed"),
+    pytest.param(["--train-iters", "3", "--data-path", str(REPO / "megatron_prune" / "data" / "samples" /
+                                                            "hh_rlhf_heldout.jsonl")],
+                 "the checkpoint's run trained on 400 samples and this run's training data has 100 (another "
+                 "--data-path, or other records skipped), so its data position does not apply: resume with the same "
+                 "training data (or --finetune to start a new run from its weights)", id="other-data"),
+]
+
+
+@pytest.mark.parametrize("extra, message", RESUME_REFUSALS)
+def test_resume_that_does_not_fit_the_checkpoint_is_refused(script_run, tmp_path, extra, message):
+    run = _dpo(tmp_path, "run", "--load", str(script_run), *extra)
+    assert run.returncode == 2, run.output[-3000:]
+    assert _error(run) == f"megatron-prune: error: --load {script_run}: {message}"
+    assert "Traceback" not in run.output
+    # Refused before the loaded line for a mismatch; a checkpoint past --train-iters did load.
+    assert ("[megatron-prune] loaded" in run.output) == ("past --train-iters" in message)
+
+
+def test_grpo_refuses_a_dpo_checkpoint(script_run, tmp_path):
+    """The checkpoint records the trainer that wrote it; the other one refuses to resume it (even when
+    the sample counts happen to agree: 400 toy prompts, 400 preference pairs)."""
+    run = run_cmd([sys.executable, "-m", "megatron_prune.grpo", "--model-preset", "tiny", "--device", "cpu",
+                   "--task", "toy", "--toy-num-prompts", "400", "--global-batch-size", "2", "--group-size", "2",
+                   "--max-new-tokens", "4", "--seq-length", "64", "--train-iters", "3", "--load", str(script_run)],
+                  log=tmp_path / "grpo.txt")
+    assert run.returncode == 2, run.output[-3000:]
+    assert _error(run) == (f"megatron-prune: error: --load {script_run}: {script_run / 'iter_0000002'} is a DPO "
+                           "checkpoint; the GRPO trainer cannot resume its optimizer, schedule and data position: "
+                           "pass --finetune to start from its weights, or --load a GRPO checkpoint")
+
+
+def test_checkpoint_missing_its_trainer_state_is_passed_over(script_run, tmp_path):
+    """A copy that lost iter_0000002/trainer_state.pt (data position, LR schedule, RNG): the run resumes
+    the newest complete checkpoint instead, saying once which one it passed over and why."""
+    copy = tmp_path / "copy"
+    shutil.copytree(script_run, copy)
+    (copy / "iter_0000002" / "trainer_state.pt").unlink()
+    run = _dpo(tmp_path, "run", "--train-iters", "2", "--load", str(copy)).check_ok()
+    warning = (f"{copy / 'latest_checkpointed_iteration.txt'} names {copy / 'iter_0000002'}, which is incomplete "
+               f"(missing trainer_state.pt); using {copy / 'iter_0000001'}")
+    assert run.output.count(warning) == 1, run.output[-3000:]
+    assert f"[megatron-prune] loaded {copy / 'iter_0000001'} (iteration 1)" in run.output
+    assert "[megatron-prune] step 2/2" in run.output
