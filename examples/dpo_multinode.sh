@@ -53,8 +53,7 @@ PLUGIN=(
   --prune-position-ratio 0.6 --prune-seq-min-ratio 0.5 --prune-branch
 )
 if [ -n "${SAVE:-}" ]; then
-  PLUGIN+=(--save "$SAVE" --save-interval 100)
-  [ -f "$SAVE/latest_checkpointed_iteration.txt" ] && PLUGIN+=(--load "$SAVE")
+  PLUGIN+=(--save "$SAVE" --load "$SAVE" --save-interval 100)  # a first launch starts fresh, a rerun resumes
 fi
 
 CMD=("${LAUNCH[@]}" "${PLUGIN[@]}" "$@")
