@@ -217,9 +217,27 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
     if weights_only:
         return 0
     if loaded.get("scheduler"):
+        _say_schedule_kept(parts.scheduler, loaded["scheduler"])
         parts.scheduler.load_state_dict(loaded["scheduler"])
     objective.load_state_dict(saved_state)
     return int(loaded["iteration"])
+
+
+# Scheduler fields a resumed run takes from its checkpoint (Megatron's rule), and the flags that set them.
+_SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                   "lr_decay_steps": "--train-iters", "lr_decay_style": "--lr-decay-style",
+                   "start_wd": "--weight-decay"}
+
+
+def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict) -> None:
+    """A resumed run continues the checkpoint's learning-rate schedule (as Megatron does): say so,
+    once, for every schedule flag whose value this launch changed, instead of ignoring it silently."""
+    changed = [f"{flag} {getattr(scheduler, key)} (checkpoint: {saved[key]})"
+               for key, flag in _SCHEDULE_FLAGS.items() if key in saved and getattr(scheduler, key) != saved[key]]
+    if changed and is_logging_rank():
+        print("[megatron-prune] resuming continues the checkpoint's learning-rate schedule; ignored: "
+              + ", ".join(changed) + " (the decay runs over the first launch's --train-iters; --finetune starts "
+              "a new schedule from the checkpoint's weights)", flush=True)
 
 
 def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
@@ -302,6 +320,7 @@ def train(
                     "rerun with --on-nonfinite skip to skip such steps"
                 )
             grad_norm = None
+            lr = parts.optimizer.param_groups[0]["lr"]  # what this step's update uses
             if finite:
                 success, grad_norm, _ = parts.optimizer.step()
                 finite = bool(success)
@@ -314,7 +333,7 @@ def train(
                 "step": step,
                 **metrics,
                 "grad_norm": grad_norm,
-                "lr": parts.optimizer.param_groups[0]["lr"],
+                "lr": lr,
                 "skipped": not finite,
                 "step_time_s": time.perf_counter() - t0,
                 "peak_mem_bytes": acc.peak_memory_bytes(),

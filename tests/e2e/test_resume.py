@@ -184,3 +184,17 @@ def test_checkpoint_missing_its_trainer_state_is_passed_over(script_run, tmp_pat
     assert run.output.count(warning) == 1, run.output[-3000:]
     assert f"[megatron-prune] loaded {copy / 'iter_0000001'} (iteration 1)" in run.output
     assert "[megatron-prune] step 2/2" in run.output
+
+
+def test_resume_says_which_schedule_flags_it_ignores_and_records_the_applied_lr(script_run, tmp_path):
+    """A resumed run continues the checkpoint's learning-rate schedule (Megatron's rule) and says
+    which changed flags that ignores; ``lr`` in metrics.jsonl is the rate each step's update used
+    (with warm-up the first update uses 0, as in Megatron)."""
+    run = _dpo(tmp_path, "run", "--load", str(script_run), "--train-iters", "3", "--lr", "5e-2",
+               "--metrics-jsonl", str(tmp_path / "m.jsonl")).check_ok()
+    assert ("resuming continues the checkpoint's learning-rate schedule; ignored: --lr 0.05 (checkpoint: 0.001)"
+            in run.output), run.output[-3000:]
+    assert [r["lr"] for r in read_jsonl(tmp_path / "m.jsonl")] == [1e-3]
+    _dpo(tmp_path, "warm", "--train-iters", "3", "--lr-warmup-iters", "2",
+         "--metrics-jsonl", str(tmp_path / "w.jsonl")).check_ok()
+    assert [r["lr"] for r in read_jsonl(tmp_path / "w.jsonl")] == pytest.approx([0.0, 5e-4, 1e-3])
