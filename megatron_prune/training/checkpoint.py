@@ -162,8 +162,9 @@ def resume_source(save: str | None, load: str | None, *, can_start_fresh: bool) 
     while ``X`` holds no complete checkpoint yet (it does not exist, is empty, or only a killed
     first save left a ``.tmp``) the run starts fresh, with a notice; without a model of its own
     (``can_start_fresh``: a ``--model-preset`` or ``--hf-model``) there is nothing to start from.
-    A ``--save`` that already holds checkpoints is refused without ``--load``: the run would start
-    again at iteration 0 and overwrite them. Errors are :class:`CheckpointError`.
+    A ``--save`` that already holds checkpoints is refused without ``--load`` (the run would start
+    again at iteration 0 and overwrite them) and with another ``--load`` (its checkpoints would
+    land among them). Errors are :class:`CheckpointError`.
     """
     if load is not None and save is not None and os.path.realpath(load) == os.path.realpath(save) \
             and not holds_checkpoint(load):
@@ -183,6 +184,12 @@ def resume_source(save: str | None, load: str | None, *, can_start_fresh: bool) 
         raise CheckpointError(f"--save {save} already holds checkpoints (newest: {find_latest(save, flag='--save')}) "
                               f"that a new run would overwrite; pass --load {save} to resume from it, or choose "
                               "another --save")
+    inside = load is not None and save is not None and \
+        os.path.realpath(load).startswith(os.path.realpath(save) + os.sep)  # --load X/iter_N --save X
+    if load is not None and save is not None and holds_checkpoint(save) and not inside \
+            and os.path.realpath(load) != os.path.realpath(save):
+        raise CheckpointError(f"--save {save} already holds checkpoints (newest: {find_latest(save, flag='--save')}) "
+                              f"that this run from --load {load} would overwrite; choose another --save")
     return load
 
 

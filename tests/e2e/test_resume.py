@@ -133,6 +133,13 @@ def test_the_same_command_again_finds_the_work_done(script_run, tmp_path):
     assert _error(fresh) == (f"megatron-prune: error: --save {save} already holds checkpoints (newest: "
                              f"{save / 'iter_0000002'}) that a new run would overwrite; pass --load {save} to resume "
                              "from it, or choose another --save")
+    # Resuming another run's checkpoints into it is refused too (its checkpoints would land among these).
+    other = tmp_path / "other"
+    shutil.copytree(save, other)
+    into = _dpo(tmp_path, "into", "--train-iters", "3", "--load", str(other), "--save", str(save))
+    assert into.returncode == 2 and _error(into) == (
+        f"megatron-prune: error: --save {save} already holds checkpoints (newest: {save / 'iter_0000002'}) that this "
+        f"run from --load {other} would overwrite; choose another --save"), into.output[-3000:]
 
 
 RESUME_REFUSALS = [
