@@ -131,7 +131,7 @@ class TrainConfig:
     seed: int = field(default=1234, metadata=_flag("--seed"))
     """Seed of weights (presets), data order and every pruning draw."""
     on_nonfinite: str = field(default="stop", metadata=_flag("--on-nonfinite", choices=("stop", "skip")))
-    """A NaN/Inf loss or gradient: stop the run naming the step, or skip the step."""
+    """A NaN/Inf loss or gradient: stop the run naming the step, or skip the step (10 skipped in a row stop the run)."""
     distributed_timeout_minutes: float = field(default=10.0, metadata=_flag("--distributed-timeout-minutes"))
     """Collective timeout; a rank that waits longer ends the run with an error naming itself."""
 

@@ -142,6 +142,9 @@ class MetricsWriter:
             self.tb.close()
 
 
+MAX_SKIPPED_IN_A_ROW = 10
+"""--on-nonfinite skip: this many skipped steps in a row end the run (as --on-nonfinite stop does)."""
+
 TRAINER_KINDS = ("dpo", "grpo")
 
 
@@ -304,6 +307,7 @@ def train(
     writer = MetricsWriter(log_cfg)
     records = []
     step = start
+    skipped_in_a_row = 0
     try:
         for step in range(start, train_cfg.train_iters):
             acc.synchronize()
@@ -326,8 +330,16 @@ def train(
                 finite = bool(success)
             if finite:
                 parts.scheduler.step(1)
-            elif is_logging_rank():
-                logger.warning("step %d/%d skipped: non-finite loss or gradient", step + 1, total)
+                skipped_in_a_row = 0
+            else:
+                skipped_in_a_row += 1
+                if is_logging_rank():
+                    logger.warning("step %d/%d skipped: non-finite loss or gradient", step + 1, total)
+                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    raise NonFiniteError(
+                        f"step {step + 1}/{total}: {skipped_in_a_row} steps in a row had a non-finite loss or "
+                        "gradient; --on-nonfinite skip stops here (the weights or the data are broken, not one "
+                        f"batch: steps {step + 2 - skipped_in_a_row}..{step + 1} were skipped)")
             acc.synchronize()
             record = {
                 "step": step,

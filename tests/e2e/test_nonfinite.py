@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests.e2e.conftest import TINY_DPO, read_jsonl, run_cmd, torchrun_cmd
+from tests.e2e.conftest import TINY_DPO, launch_env, read_jsonl, run_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,9 @@ WRAPPER = textwrap.dedent(
 
     def dpo_pair_losses(*args, **kwargs):
         losses, stats = real_losses(*args, **kwargs)
-        if current["step"] == nan_step and os.environ["RANK"] == "1":
+        every = os.environ.get("NAN_EVERY_STEP") == "1"  # from nan_step on, not only at it
+        hit = current["step"] >= nan_step if every else current["step"] == nan_step
+        if hit and os.environ["RANK"] == "1":
             losses = losses * float("nan")
         return losses, stats
 
@@ -48,12 +50,13 @@ WRAPPER = textwrap.dedent(
 )
 
 
-def _run_with_nan(tmp_path, mode: str, iters: int):
+def _run_with_nan(tmp_path, mode: str, iters: int, *, every: bool = False):
     script = tmp_path / "nan_at_step.py"
     script.write_text(WRAPPER)
     metrics = tmp_path / "m.jsonl"
     args = [*TINY_DPO, "--train-iters", str(iters), "--on-nonfinite", mode, "--metrics-jsonl", str(metrics)]
-    run = run_cmd(torchrun_cmd([str(script), str(NAN_STEP), *args]), log=tmp_path / "log.txt", timeout=300)
+    env = launch_env(NAN_EVERY_STEP="1" if every else "0")
+    run = run_cmd(torchrun_cmd([str(script), str(NAN_STEP), *args]), log=tmp_path / "log.txt", timeout=300, env=env)
     return run, (read_jsonl(metrics) if metrics.exists() else [])
 
 
@@ -79,6 +82,15 @@ def test_nan_on_one_rank_skips_the_step_and_continues(tmp_path):
     assert bad["grad_norm"] is None and bad["loss"] != bad["loss"]  # NaN recorded as such
     assert all(r["loss"] == r["loss"] and r["grad_norm"] is not None for r in (records[0], records[2]))
     assert "SKIPPED" in run.output
+
+
+def test_skipping_stops_after_ten_non_finite_steps_in_a_row(tmp_path):
+    """--on-nonfinite skip does not run on forever when every step is non-finite (broken weights or
+    data): ten skipped steps in a row end the run like --on-nonfinite stop, naming the step."""
+    run, records = _run_with_nan(tmp_path, "skip", iters=14, every=True)
+    assert run.returncode != 0
+    assert "step 11/14: 10 steps in a row had a non-finite loss or gradient" in run.output, run.output[-4000:]
+    assert [r["skipped"] for r in records] == [False] + [True] * 9
 
 
 HANG = textwrap.dedent(
