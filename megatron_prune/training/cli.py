@@ -76,6 +76,12 @@ def run_cli(
     except NonFiniteError as exc:
         print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            save = configs["CheckpointConfig"].save
+            where = f"; --load {save} resumes from its newest complete checkpoint" if save else ""
+            print(f"megatron-prune: interrupted{where}", file=sys.stderr, flush=True)
+        return 130  # the shell's code for a run ended by Ctrl-C
     from megatron_prune.training.parallel import shutdown_distributed
 
     shutdown_distributed()
