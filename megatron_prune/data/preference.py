@@ -422,10 +422,11 @@ def load_preference_pairs(
     for path in _as_list(paths):
         pairs.extend(iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy,
                                            truncated=truncated))
-    if policy.skipped:
+    first_rank = os.environ.get("RANK", "0") == "0"  # every rank loads the data; one says what it found
+    if policy.skipped and first_rank:
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d preference pairs, skipped %d records: %s", len(pairs), skipped, dict(policy.skipped))
-    if truncated:
+    if truncated and first_rank:
         logger.warning("loaded %d preference pairs, truncated to fit max_seq_length=%d, max_prompt_length=%s "
                        "(pairs per cut part): %s", len(pairs), config.max_seq_length, config.max_prompt_length,
                        dict(truncated))

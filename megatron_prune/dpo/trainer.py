@@ -185,9 +185,9 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     dataset = PreferenceDataset(dpo.data_path, tokenizer=tokenizer, config=data_cfg)
     eval_dataset = PreferenceDataset(dpo.eval_data_path, tokenizer=tokenizer, config=data_cfg) if dpo.eval_data_path else None
     for name, ds in (("training", dataset), ("held-out", eval_dataset)):
-        if ds is not None and (ds.skipped or ds.truncated) and int(os.environ.get("RANK", "0")) == 0:
-            print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}, "
-                  f"truncated {dict(ds.truncated)}", flush=True)
+        # (truncation is said by the dataset's own warning, once)
+        if ds is not None and ds.skipped and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
 
     if len(dataset) < train_cfg.global_batch_size and int(os.environ.get("RANK", "0")) == 0:
         print(f"[megatron-prune] training data: {len(dataset)} pairs, fewer than --global-batch-size "
