@@ -169,7 +169,7 @@ def load_math_problems(
     problems: list[MathProblem] = []
     for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
         problems.extend(iter_math_problems(path, config=config, policy=policy))
-    if policy.skipped:
+    if policy.skipped and os.environ.get("RANK", "0") == "0":  # every rank loads the data; one says so
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d math problems, skipped %d records: %s", len(problems), skipped, dict(policy.skipped))
     return problems, policy.skipped

@@ -288,7 +288,7 @@ class GRPOObjective:
         rollout, update = divmod(step, updates)
         fresh = self.buffer is None or self.buffer.index != rollout
         if fresh:
-            if update and self.buffer is None and parallel_state.get_data_parallel_rank() == 0:
+            if update and self.buffer is None and is_logging_rank():
                 logger.warning("resumed inside rollout %d: rolling out again with the current policy", rollout)
             self.buffer = self._rollout(rollout)
         minibatch = update % self.grpo.minibatches
