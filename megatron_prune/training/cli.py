@@ -25,6 +25,9 @@ def run_cli(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Megatron warns at import about Apex/TE fallbacks that are expected on the local spec.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    # Megatron's dist checkpointing calls torch APIs torch has deprecated (ShardedTensor,
+    # load_state_dict): nothing a user can act on, and every rank would print them at each load.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed\.checkpoint)\.")
     # The device comes first: on Ascend, torch_npu and MindSpeed must load before Megatron.
     from megatron_prune.accelerator import AcceleratorError
     from megatron_prune.adapters.mindspeed import bootstrap_device, parse_mindspeed_flags

@@ -234,9 +234,11 @@ _SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "-
 
 def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict) -> None:
     """A resumed run continues the checkpoint's learning-rate schedule (as Megatron does): say so,
-    once, for every schedule flag whose value this launch changed, instead of ignoring it silently."""
-    changed = [f"{flag} {getattr(scheduler, key)} (checkpoint: {saved[key]})"
-               for key, flag in _SCHEDULE_FLAGS.items() if key in saved and getattr(scheduler, key) != saved[key]]
+    once, for every schedule flag whose value this launch changed, instead of ignoring it silently
+    (``--train-iters`` only where it sets a decay horizon: not under a constant schedule)."""
+    keys = [k for k in _SCHEDULE_FLAGS if k != "lr_decay_steps" or saved.get("lr_decay_style") != "constant"]
+    changed = [f"{_SCHEDULE_FLAGS[key]} {getattr(scheduler, key)} (checkpoint: {saved[key]})"
+               for key in keys if key in saved and getattr(scheduler, key) != saved[key]]
     if changed and is_logging_rank():
         print("[megatron-prune] resuming continues the checkpoint's learning-rate schedule; ignored: "
               + ", ".join(changed) + " (the decay runs over the first launch's --train-iters; --finetune starts "
