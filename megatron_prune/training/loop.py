@@ -241,8 +241,7 @@ def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict) -> None:
                for key in keys if key in saved and getattr(scheduler, key) != saved[key]]
     if changed and is_logging_rank():
         print("[megatron-prune] resuming continues the checkpoint's learning-rate schedule; ignored: "
-              + ", ".join(changed) + " (the decay runs over the first launch's --train-iters; --finetune starts "
-              "a new schedule from the checkpoint's weights)", flush=True)
+              + ", ".join(changed) + "; --finetune starts a new schedule from the checkpoint's weights", flush=True)
 
 
 def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
