@@ -205,7 +205,7 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load, lora_base=lora_base)
     parts.extra_meta = {**session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base),
                         **lora_meta(lora, base=lora_base),
-                        **session.tokenizer_meta(tokenizer_spec)}
+                        **session.tokenizer_meta(tokenizer_spec), "flags": session.flag_record(configs)}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
                                pad_id=tokenizer.pad_id)
     off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,

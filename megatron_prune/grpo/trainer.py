@@ -438,6 +438,7 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
             reference = session.build_reference(arch, parallel, model_cfg, train_cfg, ref_source,
                                                 lora_base=lora_base, ckpt=ckpt_cfg)
     parts.extra_meta.update(lora_meta(lora, base=lora_base))
+    parts.extra_meta["flags"] = session.flag_record(configs)
     if tokenizer_name is not None:
         parts.extra_meta.update(session.tokenizer_meta(tokenizer_name))
     objective = build_objective(configs=configs, arch=arch, policy=parts.model, reference=reference, source=source)

@@ -219,6 +219,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
               f"{', weights only' if weights_only else ''})", flush=True)
     if weights_only:
         return 0
+    _say_flags_changed(meta.get("flags"), parts.extra_meta.get("flags"))
     if loaded.get("scheduler"):
         _say_schedule_kept(parts.scheduler, loaded["scheduler"])
         parts.scheduler.load_state_dict(loaded["scheduler"])
@@ -230,6 +231,18 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
 _SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
                    "lr_decay_steps": "--train-iters", "lr_decay_style": "--lr-decay-style",
                    "start_wd": "--weight-decay"}
+
+
+def _say_flags_changed(recorded: dict | None, current: dict | None) -> None:
+    """One line naming each recorded objective or batch flag this resumed launch changed (allowed:
+    a resume may change them on purpose, but never without a word)."""
+    if not recorded or not current:
+        return
+    changed = [f"{flag} {current[flag]} (checkpoint: {recorded[flag]})"
+               for flag in sorted(current) if flag in recorded and current[flag] != recorded[flag]]
+    if changed and is_logging_rank():
+        print("[megatron-prune] resuming with flags that differ from the checkpoint's run: " + ", ".join(changed),
+              flush=True)
 
 
 def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict) -> None:

@@ -135,6 +135,34 @@ def check_data_files(flag: str, paths) -> None:
             raise UsageError(f"{flag} {exc}") from None
 
 
+# Flags a resume may change without a word: paths, layout and logging (resharding and moving
+# files are ordinary), the schedule (said by its own notice), --train-iters (extending a run),
+# --seed (refused when it changes), --finetune / --base-load (how the load happens).
+_UNRECORDED = {"data_path", "eval_data_path", "ref_cache", "ref_load", "base_load", "tokenizer", "save", "load",
+               "save_interval", "finetune", "train_iters", "seed", "lr", "min_lr", "lr_warmup_iters",
+               "lr_decay_style", "weight_decay", "eval_interval", "distributed_timeout_minutes", "skip_invalid"}
+_RECORDED_GROUPS = ("TrainConfig", "PruneConfig", "DPOConfig", "GRPOConfig", "DPPOArgs", "LoRAConfig")
+
+
+def flag_record(configs: dict) -> dict:
+    """The run's objective and batch flags as ``{flag: value}``, recorded in each checkpoint so a
+    resume can say which of them it changed."""
+    import dataclasses
+
+    from megatron_prune.config import flag_of
+
+    record = {}
+    for group in _RECORDED_GROUPS:
+        cfg = configs.get(group)
+        if cfg is None:
+            continue
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if f.name not in _UNRECORDED and (value is None or isinstance(value, (bool, int, float, str))):
+                record[flag_of(f)] = value
+    return record
+
+
 def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
     """The tokenizer the run resolves, loaded once to check it (also under ``--dry-run``)."""
     from megatron_prune.data.tokenizer import TokenizerError, load_tokenizer

@@ -128,6 +128,7 @@ def test_the_same_command_again_finds_the_work_done(script_run, tmp_path):
     assert (f"[megatron-prune] nothing to train: the checkpoint is at iteration 2 = --train-iters 2; raise "
             "--train-iters to train further") in again.output, again.output[-3000:]
     assert not (tmp_path / "m.jsonl").exists() or read_jsonl(tmp_path / "m.jsonl") == []
+    assert "differ from the checkpoint" not in again.output and "ignored:" not in again.output
     fresh = _dpo(tmp_path, "fresh", "--train-iters", "2", "--save", str(save))
     assert fresh.returncode == 2
     assert _error(fresh) == (f"megatron-prune: error: --save {save} already holds checkpoints (newest: "
@@ -193,13 +194,16 @@ def test_checkpoint_missing_its_trainer_state_is_passed_over(script_run, tmp_pat
     assert "[megatron-prune] step 2/2" in run.output
 
 
-def test_resume_says_which_schedule_flags_it_ignores_and_records_the_applied_lr(script_run, tmp_path):
+def test_resume_says_which_flags_it_changes_or_ignores_and_records_the_applied_lr(script_run, tmp_path):
     """A resumed run continues the checkpoint's learning-rate schedule (Megatron's rule) and says
     which changed flags that ignores; ``lr`` in metrics.jsonl is the rate each step's update used
     (with warm-up the first update uses 0, as in Megatron)."""
     run = _dpo(tmp_path, "run", "--load", str(script_run), "--train-iters", "3", "--lr", "5e-2",
-               "--metrics-jsonl", str(tmp_path / "m.jsonl")).check_ok()
+               "--prune-position-ratio", "0.5", "--metrics-jsonl", str(tmp_path / "m.jsonl")).check_ok()
     assert ("resuming continues the checkpoint's learning-rate schedule; ignored: --lr 0.05 (checkpoint: 0.001)"
+            in run.output), run.output[-3000:]
+    # Objective flags may change on resume, but never without a word.
+    assert ("resuming with flags that differ from the checkpoint's run: --prune-position-ratio 0.5 (checkpoint: 1.0)"
             in run.output), run.output[-3000:]
     assert [r["lr"] for r in read_jsonl(tmp_path / "m.jsonl")] == [1e-3]
     _dpo(tmp_path, "warm", "--train-iters", "3", "--lr-warmup-iters", "2",
