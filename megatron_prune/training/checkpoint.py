@@ -193,11 +193,20 @@ def resume_source(save: str | None, load: str | None, *, can_start_fresh: bool) 
     return load
 
 
+def _unreadable(ckpt: str, part: str, exc: BaseException) -> str:
+    return (f"{os.path.join(ckpt, part)} cannot be read ({type(exc).__name__}: {exc}); if the files are damaged, "
+            f"--load an earlier checkpoint directory of the same run ({os.path.dirname(ckpt)}/iter_*) or remove "
+            f"{os.path.basename(ckpt)} so the newest complete one before it is used")
+
+
 def read_meta(path: str) -> dict[str, Any]:
     """Metadata of the newest complete checkpoint at ``path`` (with its resolved ``path``)."""
     ckpt = find_latest(path)
-    with open(os.path.join(ckpt, META), encoding="utf-8") as f:
-        meta = json.load(f)
+    try:
+        with open(os.path.join(ckpt, META), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(_unreadable(ckpt, META, exc)) from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
     meta["path"] = ckpt
@@ -517,7 +526,12 @@ def load_checkpoint(
         across = _expert_split_keys(ckpt, state["optimizer"])
         if across is not None:
             template = _across_split_template(state["optimizer"], across)
-    loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))
+    try:
+        loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # torch's and Megatron's readers raise many types for damaged files
+        raise CheckpointError(_unreadable(ckpt, "dist/", exc)) from exc
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)
     else:
@@ -532,7 +546,10 @@ def load_checkpoint(
             _load_distributed_optimizer(optimizer, loaded_optimizer)
         else:
             optimizer.load_state_dict(loaded_optimizer)
-    extra = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)  # in REQUIRED
+    try:
+        extra = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)  # in REQUIRED
+    except Exception as exc:
+        raise CheckpointError(_unreadable(ckpt, "trainer_state.pt", exc)) from exc
     meta["trainer"] = extra.get("trainer", {})
     meta["scheduler"] = extra.get("scheduler", {})
     per_rank = extra.get("rng_per_rank") or []

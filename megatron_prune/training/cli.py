@@ -63,6 +63,7 @@ def run_cli(
         check_rendezvous_env()
     except ValueError as exc:
         session.fail_usage(exc)
+    from megatron_prune.training.checkpoint import CheckpointError
     from megatron_prune.training.loop import NonFiniteError
 
     if int(os.environ.get("RANK", "0")) == 0:
@@ -74,7 +75,7 @@ def run_cli(
         run(configs)
     except DataError as exc:
         session.fail_usage(with_way_out(exc))
-    except (session.UsageError, FileNotFoundError, TokenizerError) as exc:
+    except (session.UsageError, FileNotFoundError, TokenizerError, CheckpointError) as exc:
         session.fail_usage(exc)
     except NonFiniteError as exc:
         print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)

@@ -209,3 +209,18 @@ def test_resume_says_which_flags_it_changes_or_ignores_and_records_the_applied_l
     _dpo(tmp_path, "warm", "--train-iters", "3", "--lr-warmup-iters", "2",
          "--metrics-jsonl", str(tmp_path / "w.jsonl")).check_ok()
     assert [r["lr"] for r in read_jsonl(tmp_path / "w.jsonl")] == pytest.approx([0.0, 5e-4, 1e-3])
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "meta.json"])
+def test_damaged_checkpoint_file_is_named_with_the_way_out(script_run, tmp_path, damaged):
+    """A checkpoint file cut short (a failed copy, a full disk) stops the resume in one line that
+    names the file and the earlier checkpoints of the same run."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(script_run, copy)
+    target = copy / "iter_0000002" / damaged
+    target.write_bytes(target.read_bytes()[:40])
+    run = _dpo(tmp_path, "run", "--load", str(copy), "--train-iters", "3")
+    assert run.returncode == 2, run.output[-3000:]
+    assert "Traceback" not in run.output
+    assert _error(run).startswith(f"megatron-prune: error: {target} cannot be read"), _error(run)
+    assert f"--load an earlier checkpoint directory of the same run ({copy}/iter_*)" in _error(run)
