@@ -82,8 +82,15 @@ def run_cli(
         return 1
     except KeyboardInterrupt:
         if int(os.environ.get("RANK", "0")) == 0:
+            from megatron_prune.training.checkpoint import holds_checkpoint
+
             save = configs["CheckpointConfig"].save
-            where = f"; --load {save} resumes from its newest complete checkpoint" if save else ""
+            if not save:
+                where = ""
+            elif holds_checkpoint(save):
+                where = f"; --load {save} resumes from its newest complete checkpoint"
+            else:
+                where = f" before the first checkpoint in --save {save} (nothing to resume)"
             print(f"megatron-prune: interrupted{where}", file=sys.stderr, flush=True)
         return 130  # the shell's code for a run ended by Ctrl-C
     from megatron_prune.training.parallel import shutdown_distributed

@@ -239,3 +239,23 @@ def test_only_rank_0_warns_and_gives_notice(tmp_path, stub_io, caplog, capsys, m
         assert ckpt.find_latest(str(tmp_path / "x")) == str(tmp_path / "x" / "iter_0000002")
     assert ckpt.resume_source(str(tmp_path / "y"), str(tmp_path / "y"), can_start_fresh=True) is None
     assert caplog.text == "" and capsys.readouterr().out == ""
+
+
+def test_ctrl_c_after_a_checkpoint_names_the_load_that_resumes(tmp_path, stub_io, capsys, monkeypatch):
+    """The CLI's Ctrl-C line (exit 130): with a complete checkpoint in --save it names the --load
+    that resumes (the run before the first checkpoint is covered end to end in test_user_paths)."""
+    import megatron_prune.dpo.__main__ as dpo_main
+    from tests.e2e.conftest import TINY_DPO
+
+    _save(tmp_path / "ckpt", 2)
+
+    def interrupted(configs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dpo_main, "_run", interrupted)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    code = dpo_main.main([*TINY_DPO, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert f"megatron-prune: interrupted; --load {tmp_path / 'ckpt'} resumes from its newest complete checkpoint" in err
