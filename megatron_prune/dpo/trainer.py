@@ -203,7 +203,8 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load, lora_base=lora_base)
-    parts.extra_meta = {**session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base),
+    ref_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)
+    parts.extra_meta = {**ref_meta,
                         **lora_meta(lora, base=lora_base),
                         **session.tokenizer_meta(tokenizer_spec), "flags": session.flag_record(configs)}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
@@ -230,7 +231,6 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
         reference = make_reference()
         cache_dir = dpo.ref_cache or os.path.join(ckpt_cfg.save or os.path.dirname(os.path.abspath(dpo.data_path[0])),
                                                   "ref_logps")
-        ref_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)
         fp = _fingerprint(dpo.data_path, f"{arch.to_dict()}|{ref_meta}|{train_cfg.seed}|{train_cfg.seq_length}|"
                                          f"{train_cfg.max_prompt_length}")
         precompute_off = DPOStep(settings=off, policy=parts.model, reference=reference)
