@@ -6,7 +6,9 @@ Record shapes, detected per record (or forced with ``format=``):
     ``prompt``, ``chosen``, ``rejected``. The prompt is a string (one user message; a string
     already in HH-RLHF form, ``"\\n\\nHuman: ...\\n\\nAssistant:"``, is parsed as a dialogue) or
     a message list ``[{"role", "content"}]``. A response is a string or a message list: the
-    prompt's messages may be repeated at its start, what remains must be one assistant message.
+    prompt's messages may be repeated at its start, what remains must be one assistant message;
+    string responses that both start with the prompt string (transcripts) lose that copy, and
+    after an HH-RLHF-form prompt also the one space the plain template puts after the marker.
 ``hh``
     HH-RLHF: ``chosen`` and ``rejected`` are full transcripts sharing the dialogue up to the
     last ``"\\n\\nAssistant:"``. The prompt is that shared dialogue, marker included; a
@@ -258,9 +260,22 @@ def _parse_explicit(record: dict[str, Any]) -> PreferenceText:
         messages = parse_hh_dialogue(prompt) if is_hh else [{"role": "user", "content": prompt}]
     else:
         messages = _messages(prompt, "prompt")
-    chosen = _response(_field(record, "chosen", (str, list)), messages, "chosen")
-    rejected = _response(_field(record, "rejected", (str, list)), messages, "rejected")
-    return PreferenceText(messages, chosen, rejected)
+    chosen, rejected = _field(record, "chosen", (str, list)), _field(record, "rejected", (str, list))
+    if isinstance(prompt, str):
+        chosen, rejected = _without_repeated_prompt(prompt, chosen, rejected, is_hh=is_hh)
+    return PreferenceText(messages, _response(chosen, messages, "chosen"), _response(rejected, messages, "rejected"))
+
+
+def _without_repeated_prompt(prompt: str, chosen: Any, rejected: Any, *, is_hh: bool) -> tuple[Any, Any]:
+    """String responses that both start with the prompt string (full transcripts beside their
+    prompt) lose that copy, as message-list responses lose the prompt's messages; otherwise the
+    prompt would be trained twice. Only both together: one response that merely begins with the
+    prompt's words is left as it is."""
+    if not (isinstance(chosen, str) and isinstance(rejected, str)
+            and chosen.startswith(prompt) and rejected.startswith(prompt)):
+        return chosen, rejected
+    cut = (lambda text: _drop_one_space(text[len(prompt):])) if is_hh else (lambda text: text[len(prompt):])
+    return cut(chosen), cut(rejected)
 
 
 def _response(value: str | list, prompt: list[Message], name: str) -> str:

@@ -64,6 +64,23 @@ def test_explicit_message_lists():
     assert parse_preference_record(mixed) == PreferenceText(system, "Hello!", "Go away.")
 
 
+def test_explicit_string_responses_that_repeat_the_prompt_lose_that_copy():
+    """A transcript beside its prompt would train the prompt twice; it parses as the hh record does."""
+    prompt = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Tell me a joke\n\nAssistant:"
+    chosen, rejected = prompt + " Why did the chicken...", prompt + " No."
+    explicit = parse_preference_record({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    assert explicit == parse_preference_record({"chosen": chosen, "rejected": rejected})
+    assert (explicit.chosen, explicit.rejected) == ("Why did the chicken...", "No.")
+    plain = parse_preference_record({"prompt": "Hi there", "chosen": "Hi there Hello!", "rejected": "Hi there Bye."})
+    assert plain == PreferenceText(USER, " Hello!", " Bye.")
+
+
+def test_explicit_string_response_that_only_begins_like_the_prompt_is_kept():
+    record = {"prompt": "Say cheese", "chosen": "Say cheese!", "rejected": "No."}
+    assert parse_preference_record(record) == PreferenceText(
+        [{"role": "user", "content": "Say cheese"}], "Say cheese!", "No.")
+
+
 def test_explicit_response_list_must_be_one_assistant_message():
     record = {"prompt": USER, "chosen": [{"role": "user", "content": "x"}], "rejected": "y"}
     with pytest.raises(RecordError, match="one assistant message"):
