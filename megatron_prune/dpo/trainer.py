@@ -148,6 +148,11 @@ def check_dpo_flags(configs: dict[str, Any]) -> tuple[str, ModelArch, dict | Non
     """The DPO run's flag checks that need no rank and no data (the CLI runs them before
     ``--dry-run`` returns): the reference mode, the architecture and, under LoRA, the base."""
     dpo: DPOConfig = configs["DPOConfig"]
+    model, train = configs["ModelConfig"], configs["TrainConfig"]
+    from megatron_prune.training.parallel import validate_layout
+
+    dp = validate_layout(session.parallel_config(model), int(os.environ.get("WORLD_SIZE", "1")))
+    session.check_interleaved_microbatches(model, train, dp=dp)
     if not dpo.data_path:
         raise session.UsageError("--data-path is required")
     session.check_data_files("--data-path", dpo.data_path)

@@ -54,10 +54,6 @@ def _checks(configs) -> None:
     if grpo.kv_cache and (model.pipeline_model_parallel_size > 1 or model.virtual_pipeline_model_parallel_size):
         raise UsageError("--kv-cache needs one pipeline stage (--pipeline-model-parallel-size 1, no virtual "
                          "pipeline); drop --kv-cache to sample with full recompute under pipeline parallelism")
-    if (model.virtual_pipeline_model_parallel_size or 1) > 1:
-        raise UsageError("--virtual-pipeline-model-parallel-size is not supported by GRPO: the interleaved schedule "
-                         "needs at least --pipeline-model-parallel-size microbatches in every pass, and a rollout "
-                         "step or a packed pass can have one; use --pipeline-model-parallel-size alone")
     if grpo.kv_cache and model.sequence_parallel:
         raise UsageError("--kv-cache cannot run with --sequence-parallel (a cached decoding step feeds one token, "
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "

@@ -2,8 +2,8 @@
 
 A full-recompute sampler: for every new token the active sequences (right-padded, causal)
 run forward-only through Megatron's own schedule, so any TP / PP layout works (the schedule
-does the p2p; the interleaved schedule is refused by the CLI, as a decoding step can be one
-microbatch). On the last pipeline stage the logits at each sequence's last
+does the p2p; under the interleaved schedule a decoding step runs placeholder microbatches up to
+a multiple of the stages). On the last pipeline stage the logits at each sequence's last
 position are gathered over TP, the padded vocabulary columns are dropped, and a token is
 drawn with a per-completion ``torch.Generator`` seeded by ``(seed, step, prompt id,
 completion index)`` (one float64 uniform per token, inverse CDF over float64
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_prune.training.parallel import expert_parallel_max
+from megatron_prune.training.parallel import expert_parallel_max, schedule_microbatches
 from megatron_prune.training.step import run_schedule
 
 __all__ = ["SamplingSettings", "Completion", "generate", "sample_from_logits", "completion_seed"]
@@ -237,7 +237,7 @@ def generate(
         return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
     active = list(range(len(completions)))
     for _ in range(settings.max_new_tokens):
-        num_micro = expert_parallel_max(_num_microbatches(len(active), settings))
+        num_micro = schedule_microbatches(_num_microbatches(len(active), settings))
         if not num_micro:
             break
         logits = next_token_logits(model, [contexts[i] + completions[i].tokens for i in active], settings=settings,

@@ -11,7 +11,8 @@ prompt's end. A pass runs only the rows its items need: as few microbatches as
 ``micro_batch_size``; under pipeline parallelism every microbatch has the shape of the largest),
 packed rows as long as the fullest one; ``Layout.density`` is that of what runs. Under expert
 parallelism (the ranks of an expert-parallel group run each MoE forward together) every
-data-parallel rank runs as many microbatches as the busiest one, the extra ones placeholders
+data-parallel rank runs as many microbatches as the busiest one, and under the interleaved
+pipeline schedule every pass runs a multiple of the stages; the extra ones are placeholders
 without items. Forward-only passes (old policy, reference) run under
 ``no_grad`` through Megatron's forward-only schedule; the update runs forward-backward with
 the GRPO token loss (:func:`megatron_prune.grpo.loss.grpo_loss`) on the last stage.
@@ -40,7 +41,7 @@ from megatron_prune.data.packing import pack_sequences
 from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_prune.model.segments import Segment, SegmentLayout
 from megatron_prune.model.selective_gpt import TokenSelection
-from megatron_prune.training.parallel import expert_parallel_max
+from megatron_prune.training.parallel import schedule_microbatches
 from megatron_prune.training.step import run_schedule
 
 __all__ = ["TrainItem", "GRPOStepSettings", "GRPOMicrobatch", "GRPOStep", "Layout", "layout_items", "microbatch_rows",
@@ -397,11 +398,12 @@ class GRPOStep:
         self.reference = reference
 
     def layout(self, items: list[TrainItem]) -> Layout:
-        """Microbatches of ``items``; under expert parallelism padded with placeholders to the most
-        any data-parallel rank runs (collective over the data-parallel group then)."""
+        """Microbatches of ``items``, padded with placeholders to what the schedule needs: under
+        expert parallelism the most any data-parallel rank runs (collective over the data-parallel
+        group then), under the interleaved schedule a multiple of the pipeline stages."""
         layout = layout_items(items, settings=self.s, tp=parallel_state.get_tensor_model_parallel_world_size(),
                               pp=parallel_state.get_pipeline_model_parallel_world_size())
-        return pad_microbatches(layout, expert_parallel_max(len(layout.batches)), settings=self.s)
+        return pad_microbatches(layout, schedule_microbatches(len(layout.batches)), settings=self.s)
 
     def _run(self, model, layout: Layout, *, forward_only: bool) -> list[dict]:
         iterators = [iter(layout.batches) for _ in model] if len(model) > 1 else iter(layout.batches)

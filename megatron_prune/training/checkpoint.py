@@ -383,9 +383,9 @@ def _init_distributed_optimizer_state(optimizer) -> None:
 
 
 def _optimizer_sharded_state_dict(optimizer, model_state: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for sd in model_state.values():
-        flat.update(sd)
+    # The model chunks of the interleaved schedule share their local key names: keep every chunk's
+    # entries (the optimizer matches its parameters to them by tensor, not by key).
+    flat = {f"{chunk}.{key}": value for chunk, sd in model_state.items() for key, value in sd.items()}
     if optimizer_format(optimizer) == LOCAL_OPTIMIZER:
         return optimizer.sharded_state_dict(flat, is_loading=is_loading)
     if is_loading:

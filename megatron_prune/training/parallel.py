@@ -230,6 +230,21 @@ def expert_parallel_max(value: int) -> int:
     return int(total)
 
 
+def schedule_microbatches(value: int) -> int:
+    """How many microbatches a pass that needs ``value`` runs (0 stays 0): the most any rank of
+    its expert-parallel group needs (:func:`expert_parallel_max`, collective under EP), rounded up
+    to a multiple of the pipeline stages under the interleaved schedule, which runs microbatches
+    in groups of one per stage through each model chunk and refuses fewer, or a remainder. The
+    extra microbatches are the caller's placeholders (rows without items)."""
+    from megatron.core import parallel_state
+
+    value = expert_parallel_max(value)
+    if value and (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        value = -(-value // stages) * stages
+    return value
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -246,6 +261,7 @@ __all__ = [
     "check_rendezvous_env",
     "destroy_model_parallel",
     "expert_parallel_max",
+    "schedule_microbatches",
     "guard_collectives",
     "initialize_distributed",
     "initialize_model_parallel",

@@ -91,6 +91,13 @@ def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, 
         )
     if model.hf_model and not os.path.isdir(model.hf_model):
         raise UsageError(f"--hf-model {model.hf_model}: not a directory")
+    return dp
+
+
+def check_interleaved_microbatches(model: ModelConfig, train: TrainConfig, *, dp: int) -> None:
+    """Under the interleaved schedule a step's global batch gives every pass at least one
+    microbatch per pipeline stage (DPO's passes take their microbatches from the global batch;
+    GRPO pads its passes with placeholders instead)."""
     vpp, pp = model.virtual_pipeline_model_parallel_size or 1, model.pipeline_model_parallel_size
     microbatches = train.global_batch_size // (train.micro_batch_size * dp)
     if vpp > 1 and microbatches < pp:
@@ -98,7 +105,6 @@ def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, 
             f"--virtual-pipeline-model-parallel-size {vpp} needs at least --pipeline-model-parallel-size {pp} "
             f"microbatches per step; --global-batch-size {train.global_batch_size} / (--micro-batch-size "
             f"{train.micro_batch_size} x data-parallel size {dp}) gives {microbatches}")
-    return dp
 
 
 def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:

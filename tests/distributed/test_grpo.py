@@ -1,7 +1,7 @@
 """GRPO step (generation included) is layout independent; DPPO off is plain GRPO; packing changes nothing.
 
-Two launches: one rank for the reference results, four ranks for TP=2 (DP=2), PP=2 (DP=2)
-and TP=2 x PP=2, each compared with the single-rank step of the same seed: sampled tokens,
+Two launches: one rank for the reference results, four ranks for TP=2 (DP=2), PP=2 (DP=2),
+TP=2 x PP=2 and PP=2 x VPP=2 (DP=2), each compared with the single-rank step of the same seed: sampled tokens,
 loss and whole gradients (relative to each tensor's scale, as in dpo_harness.assert_same).
 """
 
@@ -22,6 +22,9 @@ LAYOUTS = {
     "tp2": dict(tensor_model_parallel_size=2),
     "pp2": dict(pipeline_model_parallel_size=2),
     "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    # interleaved schedule: each pass is padded with placeholder microbatches to a multiple of the
+    # stages (a decoding step of a rank's last active sequences, a pruned packed pass: one or three)
+    "pp2vpp2": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
 }
 CASES = {
     "plain": dict(),
