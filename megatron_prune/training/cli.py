@@ -93,6 +93,9 @@ def run_cli(
                 where = f" before the first checkpoint in --save {save} (nothing to resume)"
             print(f"megatron-prune: interrupted{where}", file=sys.stderr, flush=True)
         return 130  # the shell's code for a run ended by Ctrl-C
+    except Exception as exc:
+        _record_failure(exc)
+        raise
     from megatron_prune.training.parallel import shutdown_distributed
 
     shutdown_distributed()
@@ -107,6 +110,15 @@ def with_way_out(exc: Exception) -> str:
     if getattr(exc, "line", None) is None:
         return str(exc)
     return f"{exc}{SKIP_HINT}"
+
+
+def _record_failure(exc: Exception) -> None:
+    """Under torchrun: the exception and its traceback go into this rank's error file, so the
+    launcher's "Root Cause" report shows them instead of a pointer to the elastic docs."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
 
 
 def _fail_early(exc: Exception) -> None:

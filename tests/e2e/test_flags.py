@@ -272,6 +272,28 @@ def test_two_ranks_message_is_the_last_line(tmp_path):
     assert "megatron_prune/" not in out and "[megatron-prune] step" not in out
 
 
+def test_runtime_failure_is_the_root_cause_in_torchrun_report(tmp_path):
+    """An unexpected exception inside the run (here raised by a stand-in for the trainer, set up by
+    the launched script itself) is what torchrun's "Root Cause" entry shows: its type, message and
+    traceback, not only a pointer to the elastic docs."""
+    script = tmp_path / "broken_run.py"
+    script.write_text(
+        "import sys\n"
+        "import megatron_prune.dpo.trainer as trainer\n"
+        "def run_dpo(configs):\n"
+        "    raise RuntimeError('the stand-in trainer failed')\n"
+        "trainer.run_dpo = run_dpo\n"
+        "from megatron_prune.dpo.__main__ import main\n"
+        "sys.exit(main())\n")
+    proc = subprocess.run(torchrun_cmd([str(script), *TINY_DPO]), cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode != 0
+    report = out[out.index("Root Cause"):]
+    assert "RuntimeError: the stand-in trainer failed" in report, out[-4000:]
+    assert "broken_run.py" in report and "To enable traceback" not in report.split("Other Failures")[0], report
+
+
 def test_unknown_model_preset_fails_validation_in_one_line(monkeypatch, capsys):
     """--model-preset big stops at validation, also under --dry-run: one line, no traceback, no usage dump."""
     code, err = _main([*TINY_DPO[2:], "--model-preset", "big", "--dry-run"], monkeypatch, capsys)
