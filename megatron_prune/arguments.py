@@ -20,8 +20,8 @@ from typing import Any
 
 from megatron_prune.config import field_docs, flag_of
 
-__all__ = ["ToolHelpFormatter", "UsageError", "add_dataclass_group", "build_parser", "configs_from_args", "fail_usage",
-           "field_docs", "flag_of", "parse_configs"]
+__all__ = ["GIVEN", "ToolHelpFormatter", "UsageError", "add_dataclass_group", "build_parser", "configs_from_args",
+           "fail_usage", "field_docs", "flag_of", "given_fields", "parse_configs"]
 
 
 class UsageError(ValueError):
@@ -152,12 +152,13 @@ def _metavar(flag: str) -> str:
     return flag.lstrip("-").upper().replace("-", "_")
 
 
-def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str, *, defaults: bool = True) -> None:
     """Add one argument group with a flag per field of ``cls`` (dest = field name).
 
     Help shows each flag's documentation, its allowed values (choices), its default (switches:
     on/off; ``metadata["shown_default"]`` where the field's own default is a "not given" marker)
-    and a metavar named after the flag.
+    and a metavar named after the flag. ``defaults=False``: every default is ``SUPPRESS``, so a
+    parsed namespace holds only the flags given.
     """
     group = parser.add_argument_group(title, (cls.__doc__ or "").strip().splitlines()[0])
     docs = field_docs(cls)
@@ -168,12 +169,15 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str) 
         base, is_list = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         shown = f.metadata.get("shown_default", default)
+        if not defaults:
+            default = argparse.SUPPRESS
         dest = f"{cls.__name__}.{f.name}"
         if base is bool:
             group.add_argument(flag, dest=dest, action="store_true", default=default,
                                help=f"{help_text} (default: {_shown(bool(shown))})")
             if "bool_off" in f.metadata:
                 group.add_argument(f.metadata["bool_off"], dest=dest, action="store_false",
+                                   **({} if defaults else {"default": argparse.SUPPRESS}),
                                    help=f"Turn {flag} off (default: {_shown(bool(shown))}).")
             continue
         suffix = "" if shown is None or shown == [] else f" (default: {_shown(shown)})"
@@ -187,10 +191,11 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str) 
         group.add_argument(flag, **kwargs)
 
 
-def build_parser(prog: str, groups: dict[str, type], description: str) -> argparse.ArgumentParser:
+def build_parser(prog: str, groups: dict[str, type], description: str, *,
+                 defaults: bool = True) -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     for title, cls in groups.items():
-        add_dataclass_group(parser, cls, title)
+        add_dataclass_group(parser, cls, title, defaults=defaults)
     parser.add_argument("--dry-run", action="store_true",
                         help="Validate flags and layout, print the resolved settings, exit (default: off).")
     return parser
@@ -206,6 +211,18 @@ def configs_from_args(args: argparse.Namespace, groups: dict[str, type]) -> dict
     return out
 
 
+GIVEN = "given_fields"
+"""Attribute of the namespace :func:`parse_configs` returns: the ``Class.field`` dests of the flags on the
+command line (:func:`given_fields`)."""
+
+
+def given_fields(prog: str, groups: dict[str, type], description: str, argv: list[str] | None) -> frozenset[str]:
+    """The ``Class.field`` dests of the flags on the command line ``argv``: what a parser whose defaults
+    are all ``SUPPRESS`` sets. A default, or a value a preset fills in after parsing, is not among them."""
+    namespace, _ = build_parser(prog, groups, description, defaults=False).parse_known_args(argv)
+    return frozenset(name for name in vars(namespace) if "." in name)
+
+
 def parse_configs(
     prog: str,
     groups: dict[str, type],
@@ -218,7 +235,8 @@ def parse_configs(
 
     ``unknown_handler(unknown_flags)`` may accept flags we do not define (MindSpeed's, on
     Ascend) by returning normally or reject them by raising ValueError; without it unknown
-    flags are an error.
+    flags are an error. The namespace's ``given_fields`` (:data:`GIVEN`) holds the dests of the flags
+    on the command line.
     """
     parser = build_parser(prog, groups, description)
     args, unknown = parser.parse_known_args(argv)
@@ -229,6 +247,7 @@ def parse_configs(
             unknown_handler(unknown)
         except ValueError as exc:
             parser.error(str(exc))
+    setattr(args, GIVEN, given_fields(prog, groups, description, argv))
     try:
         return args, configs_from_args(args, groups)
     except ValueError as exc:

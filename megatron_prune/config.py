@@ -59,7 +59,8 @@ class ModelConfig:
     hf_model: str | None = field(default=None, metadata=_flag("--hf-model"))
     """Local HF model directory (config.json + safetensors): architecture, weights and tokenizer."""
     tokenizer: str | None = field(default=None, metadata=_flag("--tokenizer"))
-    """Tokenizer: 'tiny', a SentencePiece .model file or an HF tokenizer directory (defaults from the model)."""
+    """Tokenizer: 'tiny', a SentencePiece .model file or an HF tokenizer directory (defaults from the model;
+    GRPO's toy tasks use none)."""
     tensor_model_parallel_size: int = field(default=1, metadata=_flag("--tensor-model-parallel-size"))
     """Tensor-parallel ranks."""
     pipeline_model_parallel_size: int = field(default=1, metadata=_flag("--pipeline-model-parallel-size"))
@@ -107,13 +108,14 @@ class TrainConfig:
     """Maximum tokens of one sequence (prompt + response)."""
     max_prompt_length: int | None = field(default=None, metadata=_flag("--max-prompt-length"))
     """Longer prompts are cut from the left to this many tokens, keeping BOS and the chat template's head
-    (default: DPO, no separate limit; GRPO, --seq-length minus --max-new-tokens)."""
+    (default: DPO, no separate limit; GRPO, --seq-length minus --max-new-tokens; GRPO's toy tasks use
+    --toy-prompt-length instead)."""
     lr: float = field(default=1e-6, metadata=_flag("--lr"))
     """Peak learning rate."""
     min_lr: float = field(default=0.0, metadata=_flag("--min-lr"))
-    """Final learning rate of the decay."""
+    """Final learning rate of the decay (unused by --lr-decay-style constant)."""
     lr_warmup_iters: int = field(default=0, metadata=_flag("--lr-warmup-iters"))
-    """Linear warm-up steps."""
+    """Linear warm-up steps (below --train-iters, or the rate never reaches --lr)."""
     lr_decay_style: str = field(default="constant", metadata=_flag("--lr-decay-style", choices=("constant", "linear", "cosine")))
     """Learning-rate decay after warm-up."""
     optimizer: str = field(default="adam", metadata=_flag("--optimizer", choices=("adam", "sgd")))
@@ -121,9 +123,9 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata=_flag("--weight-decay"))
     """Decoupled weight decay."""
     adam_beta1: float = field(default=0.9, metadata=_flag("--adam-beta1"))
-    """Adam beta1."""
+    """Adam beta1 (--optimizer adam only)."""
     adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2"))
-    """Adam beta2."""
+    """Adam beta2 (--optimizer adam only)."""
     sgd_momentum: float = field(default=0.9, metadata=_flag("--sgd-momentum"))
     """Momentum of --optimizer sgd (Megatron's default 0.9; 0 = plain SGD)."""
     clip_grad: float = field(default=1.0, metadata=_flag("--clip-grad"))

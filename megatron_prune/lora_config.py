@@ -25,7 +25,7 @@ class LoRAConfig:
     dropout: float = field(default=0.0, metadata={"flag": "--lora-dropout"})
     """Dropout probability on the adapters' input (training passes only)."""
     targets: str = field(default=",".join(TARGETS), metadata={"flag": "--lora-targets"})
-    """Comma-separated linears that get adapters: any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    """Comma-separated linears that get adapters (needs --lora-rank > 0): any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
     base_load: str | None = field(default=None, metadata={"flag": "--base-load"})
     """Resuming (--load) a LoRA checkpoint trained on a Megatron checkpoint that has since moved: the
     base checkpoint's new place (a save root or one iter_* directory). It must hold the same weights

@@ -50,9 +50,11 @@ class GRPOConfig:
     max_new_tokens: int = field(default=16, metadata=_flag("--max-new-tokens"))
     """Most tokens generated per completion (EOS ends a completion earlier)."""
     temperature: float = field(default=1.0, metadata=_flag("--temperature"))
-    """Sampling temperature; 0 = greedy. Training log-probs are taken at the same temperature (greedy: 1)."""
+    """Sampling temperature; 0 = greedy (a group's completions are then identical, so their advantages are 0).
+    Training log-probs are taken at the same temperature (greedy: 1)."""
     top_p: float = field(default=1.0, metadata=_flag("--top-p"))
-    """Nucleus sampling: sample from the smallest token set with this much probability; 1 = off."""
+    """Nucleus sampling: sample from the smallest token set with this much probability; 1 = off (unused at
+    --temperature 0)."""
     rollout_micro_batch_size: int | None = field(default=None, metadata=_flag("--rollout-micro-batch-size"))
     """Sequences per generation microbatch (default: all of a rank's sequences in one)."""
     kv_cache: bool = field(default=False, metadata=_flag("--kv-cache"))
@@ -60,9 +62,11 @@ class GRPOConfig:
     lengths in one batch; one pipeline stage only (refused with --pipeline-model-parallel-size > 1), and
     not with --sequence-parallel."""
     clip_eps_low: float = field(default=0.2, metadata=_flag("--clip-eps-low"))
-    """Lower clip of the PPO ratio: 1 - eps_low."""
+    """Lower clip of the PPO ratio: 1 - eps_low (it binds only when a rollout feeds several updates: --ppo-epochs
+    or --minibatches > 1; with one, the ratio is exactly 1)."""
     clip_eps_high: float = field(default=0.2, metadata=_flag("--clip-eps-high"))
-    """Upper clip of the PPO ratio: 1 + eps_high (DAPO's clip-higher uses e.g. 0.28)."""
+    """Upper clip of the PPO ratio: 1 + eps_high (DAPO's clip-higher uses e.g. 0.28); like --clip-eps-low it
+    binds only when a rollout feeds several updates."""
     kl_beta: float = field(default=0.0, metadata=_flag("--kl-beta"))
     """Coefficient of the k3 KL to the reference (a frozen copy of the starting model; under LoRA the policy with
     its adapters switched off); 0 = no KL term and no reference pass."""
@@ -78,7 +82,7 @@ class GRPOConfig:
     minibatches: int = field(default=1, metadata=_flag("--minibatches"))
     """Optimizer steps per pass over a rollout batch (its prompts split into this many parts)."""
     ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))
-    """Checkpoint of the reference model for --kl-beta (default: the starting model, with --finetune the loaded weights; a resumed run uses the one it recorded)."""
+    """Checkpoint of the reference model for --kl-beta > 0 (default: the starting model, with --finetune the loaded weights; a resumed run uses the one it recorded)."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -138,22 +142,24 @@ class DPPOArgs:
     completion_prune_rate: float = field(default=0.0, metadata=_flag("--dppo-completion-prune-rate"))
     """r_o: expected fraction of completions pruned after rewards (no training forward/backward); 0 = off."""
     prompt_floor: float = field(default=0.3, metadata=_flag("--dppo-prompt-floor"))
-    """Smallest prompt keep probability (> 0; the importance weight is at most its inverse). At most 1 - floor of
+    """Smallest prompt keep probability under --dppo-prompt-prune-rate (> 0; the importance weight is at most its inverse). At most 1 - floor of
     the prompts can be pruned. 0.3 (with the completion floor: weights <= 11) learns better per step and per second
     than 0.1 (weights <= 100) on the benchmark tasks: the floor bounds the gradient's variance (docs/dppo.md)."""
     completion_floor: float = field(default=0.3, metadata=_flag("--dppo-completion-floor"))
-    """Smallest completion keep probability (> 0); at most 1 - floor of the completions can be pruned."""
+    """Smallest completion keep probability under --dppo-completion-prune-rate (> 0); at most 1 - floor of the completions can be pruned."""
     history_decay: float = field(default=0.5, metadata=_flag("--dppo-history-decay"))
-    """EMA decay of each prompt's reward-spread history."""
+    """EMA decay of each prompt's reward-spread history (it sets the prompt keep probabilities under
+    --dppo-prompt-prune-rate)."""
     history_score: str = field(default="std", metadata=_flag("--dppo-history-score", choices=("std", "informative")))
-    """Per-group observation feeding the prompt history: reward std, or 1 if the std is nonzero."""
+    """Per-group observation feeding the prompt history (under --dppo-prompt-prune-rate): reward std, or 1 if the
+    std is nonzero."""
     sampling: str = field(default="systematic", metadata=_flag("--dppo-sampling", choices=("systematic", "independent")))
-    """Completion keep draws: systematic (one uniform per group, completions in order of advantage: each group keeps
+    """Completion keep draws under --dppo-completion-prune-rate: systematic (one uniform per group, completions in order of advantage: each group keeps
     a balanced spread of its advantages) or independent (one uniform per completion). Both keep each completion with
     exactly its probability (unbiased); systematic has the lower variance (docs/dppo.md)."""
     prompt_sampling: str = field(default="independent",
                                  metadata=_flag("--dppo-prompt-sampling", choices=("independent", "systematic")))
-    """Prompt keep draws: independent (one uniform per prompt) or systematic (one uniform per batch, prompts in order
+    """Prompt keep draws under --dppo-prompt-prune-rate: independent (one uniform per prompt) or systematic (one uniform per batch, prompts in order
     of keep probability: the number kept is the expected number, rounded)."""
     dense_packing: bool = field(default=False, metadata=_flag("--dense-packing"))
     """Pack the surviving sequences into rows of --seq-length tokens (each sequence attends only to itself)."""
@@ -162,7 +168,7 @@ class DPPOArgs:
     reference passes (each completion attends to the prompt and itself; exact: same loss and gradients, fewer
     tokens); with --dense-packing a row holds several such groups. Rollout is unchanged."""
     pack_window: int = field(default=64, metadata=_flag("--pack-window"))
-    """Sequences sorted together by the window-based first-fit-decreasing packer."""
+    """Sequences sorted together by --dense-packing's window-based first-fit-decreasing packer."""
     skip_zero_advantage: bool = field(default=True, metadata=_flag("--skip-zero-advantage",
                                                                    bool_off="--no-skip-zero-advantage"))
     """Leave completions whose advantage is exactly 0 (every completion of a group with equal rewards) out of

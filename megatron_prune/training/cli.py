@@ -8,7 +8,7 @@ import sys
 import warnings
 from typing import Any, Callable
 
-from megatron_prune.arguments import parse_configs
+from megatron_prune.arguments import GIVEN, parse_configs
 
 
 def run_cli(
@@ -21,7 +21,8 @@ def run_cli(
     extra_checks: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     """Parse flags into configs, validate them against the world size before any rank does work
-    (one message from rank 0, exit code 2), honour ``--dry-run``, then ``run(configs)``."""
+    (one message from rank 0, exit code 2), warn (rank 0) about each given flag the run ignores
+    (:mod:`megatron_prune.training.dead_flags`), honour ``--dry-run``, then ``run(configs)``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Megatron warns at import about Apex/TE fallbacks that are expected on the local spec.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -41,7 +42,7 @@ def run_cli(
                                   unknown_handler=parse_mindspeed_flags if kind == "npu" else None)
     from megatron_prune.data.records import DataError
     from megatron_prune.data.tokenizer import TokenizerError
-    from megatron_prune.training import session
+    from megatron_prune.training import dead_flags, session
     from megatron_prune.training.parallel import check_rendezvous_env
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -51,8 +52,10 @@ def run_cli(
                               world_size=world)
         if extra_checks is not None:
             extra_checks(configs)
+        ignored = dead_flags.check(configs, getattr(args, GIVEN))
     except ValueError as exc:
         session.fail_usage(exc)
+    dead_flags.warn(ignored)
     if args.dry_run:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}, {versions}; configs:")

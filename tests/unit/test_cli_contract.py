@@ -109,3 +109,21 @@ def test_bad_values_name_the_flag(argv, message, capsys):
         parse_configs("megatron-prune-dpo", GROUPS, "", ["--model-preset", "tiny", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_given_fields_are_the_flags_on_the_command_line():
+    """The parse records which flags were given: not the defaults, not what --prune-preset fills in;
+    a switch counts whichever form was typed (--prune-branch / --no-prune-branch)."""
+    from megatron_prune.arguments import GIVEN, parse_configs
+    from megatron_prune.dpo.__main__ import GROUPS
+
+    args, configs = parse_configs("megatron-prune-dpo", GROUPS, "", ["--model-preset", "tiny"])
+    assert getattr(args, GIVEN) == {"ModelConfig.model_preset"}
+    args, configs = parse_configs("megatron-prune-dpo", GROUPS, "",
+                                  ["--model-preset", "tiny", "--prune-preset", "study", "--no-prune-branch",
+                                   "--lr", "1e-6", "--data-path", "a.jsonl", "b.jsonl"])
+    assert getattr(args, GIVEN) == {"ModelConfig.model_preset", "PruneConfig.preset", "PruneConfig.branch",
+                                    "TrainConfig.lr", "DPOConfig.data_path"}
+    prune = configs["PruneConfig"]
+    assert (prune.position_ratio, prune.branch, prune.branch_chosen_prob) == (0.6, False, 0.5)  # the preset's values
+    assert configs["TrainConfig"].lr == 1e-6 and configs["DPOConfig"].data_path == ["a.jsonl", "b.jsonl"]
