@@ -13,18 +13,22 @@ Layout of a save directory::
 meta.json also records which trainer wrote the checkpoint (``trainer_kind``: dpo or grpo).
 
 A checkpoint is written into ``iter_XXXXXXX.tmp`` and renamed into place only when complete, so
-a kill during a save leaves the previous checkpoint loadable. ``--load`` picks the newest
-complete one (holding every file of :data:`REQUIRED`) and says which; a newer directory that is
-not complete is named in a warning.
+a kill during a save leaves the previous checkpoint loadable; a Ctrl-C (SIGINT) during a save
+stops every rank once the save is published (:func:`save_checkpoint`). ``--load`` picks the
+newest complete one (holding every file of :data:`REQUIRED`) and says which; a newer directory
+that is not complete is named in a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
-from typing import Any
+import signal
+import threading
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -432,6 +436,48 @@ def _load_distributed_optimizer(optimizer, state: dict[str, Any]) -> None:
         optimizer._synchronize_steps()
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[list[int]]:
+    """Hold SIGINT for the block; yield the list each held signal is appended to.
+
+    Why not let it raise: Megatron's sharded write forks writer processes into this process's
+    group, so a Ctrl-C reaches them too. KeyboardInterrupt kills a writer before it reports, and
+    the save then waits for that report forever; in this process, a KeyboardInterrupt raised while
+    ``os.fork`` returns (in an at-fork callback) is printed and dropped, so the Ctrl-C is lost, or
+    the save hangs if a writer died. Held, the write completes. A second SIGINT raises at once
+    here (the previous checkpoint stays loadable); the writers ignore every SIGINT.
+    """
+    held: list[int] = []
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler \
+            or threading.current_thread() is not threading.main_thread():
+        yield held  # SIGINT does not raise here (ignored, or handled by the caller): leave it be
+        return
+    owner = os.getpid()
+
+    def hold(signum, frame):
+        if os.getpid() != owner:
+            return  # a writer process forked by the save (it inherits this handler): it finishes its part
+        held.append(signum)
+        if len(held) > 1:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank. Collective."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def save_checkpoint(
     root: str,
     *,
@@ -443,7 +489,23 @@ def save_checkpoint(
     trainer_state: dict | None = None,
     extra_meta: dict | None = None,
 ) -> str:
-    """Save model (and optimizer) shards plus trainer state; publish atomically. Collective."""
+    """Save model (and optimizer) shards plus trainer state; publish atomically. Collective.
+
+    A SIGINT on any rank during the save is held until the checkpoint is published, then raises
+    KeyboardInterrupt on every rank (the ranks agree in one all-reduce, so none is left waiting in
+    a collective for a rank that stopped); a second SIGINT raises at once on the rank it reaches.
+    """
+    with _sigint_held() as held:
+        final = _save(root, iteration=iteration, model=model, arch=arch, optimizer=optimizer,
+                      scheduler_state=scheduler_state, trainer_state=trainer_state, extra_meta=extra_meta)
+        stop = _on_any_rank(bool(held))
+    if stop or held:  # held: a SIGINT after the ranks agreed stops this rank as it would between saves
+        raise KeyboardInterrupt
+    return final
+
+
+def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: ModelArch, optimizer,
+          scheduler_state: dict | None, trainer_state: dict | None, extra_meta: dict | None) -> str:
     from megatron.core import dist_checkpointing
 
     final = iteration_dir(root, iteration)

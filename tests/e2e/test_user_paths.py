@@ -335,7 +335,8 @@ def test_grpo_example_runs(tmp_path):
 
 def test_ctrl_c_ends_in_one_line_that_says_how_to_resume(tmp_path):
     """SIGINT (Ctrl-C) mid-run: exit code 130 and one line saying what there is to resume, no
-    traceback. (No save runs during the steps, so the signal cannot land inside one.)"""
+    traceback. (No save runs during the steps, so the signal cannot land inside one: that case is
+    test_interrupt_during_save.py.)"""
     import signal
     import time
 

@@ -241,6 +241,72 @@ def test_only_rank_0_warns_and_gives_notice(tmp_path, stub_io, caplog, capsys, m
     assert caplog.text == "" and capsys.readouterr().out == ""
 
 
+def _write_with(stub_io, before_write):
+    """The stubbed sharded write, after ``before_write()`` (it runs where Megatron's writers would)."""
+    from megatron.core import dist_checkpointing
+
+    write = dist_checkpointing.save
+
+    def save(state, path):
+        before_write()
+        write(state, path)
+
+    stub_io.setattr(dist_checkpointing, "save", save)
+
+
+def test_ctrl_c_during_a_save_is_held_until_it_is_published(tmp_path, stub_io):
+    """A SIGINT inside the save: the save completes and is published, then KeyboardInterrupt."""
+    import signal
+
+    _save(tmp_path, 2)
+    _write_with(stub_io, lambda: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 4)
+    assert _tracker(tmp_path) == "4" and not list(tmp_path.glob("*.tmp"))
+    assert ckpt.read_meta(str(tmp_path))["iteration"] == 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_second_ctrl_c_during_a_save_aborts_it(tmp_path, stub_io):
+    import signal
+
+    _save(tmp_path, 2)
+
+    def twice():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second SIGINT did not abort the save")
+
+    _write_with(stub_io, twice)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 4)
+    assert (tmp_path / "iter_0000004.tmp").is_dir() and _tracker(tmp_path) == "2"
+    assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000002")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_writer_process_forked_by_a_save_ignores_ctrl_c(tmp_path, stub_io):
+    """Megatron's writers are forked from the saving process and share its process group: a
+    Ctrl-C reaches them too, and each must still finish its part (a dead writer hangs the save)."""
+    import signal
+
+    done = tmp_path / "writer_done"
+
+    def fork_a_writer():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                done.write_text("x")
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+
+    _write_with(stub_io, fork_a_writer)
+    _save(tmp_path, 2)
+    assert done.exists() and _tracker(tmp_path) == "2"
+
+
 def test_ctrl_c_after_a_checkpoint_names_the_load_that_resumes(tmp_path, stub_io, capsys, monkeypatch):
     """The CLI's Ctrl-C line (exit 130): with a complete checkpoint in --save it names the --load
     that resumes (the run before the first checkpoint is covered end to end in test_user_paths)."""
