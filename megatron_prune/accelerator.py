@@ -199,6 +199,13 @@ class Accelerator:
         return _BACKENDS[self.kind]
 
     @property
+    def process_group_backend(self) -> str:
+        """What the world process group is started with: the device's backend for device tensors
+        and gloo for host tensors (the trainers reduce metrics, counts and flags as CPU tensors,
+        which an nccl- or hccl-only group refuses); plain gloo on CPU."""
+        return "gloo" if self.kind == "cpu" else f"cpu:gloo,{self.kind}:{self.backend}"
+
+    @property
     def device(self) -> torch.device:
         if self.kind == "cpu":
             return torch.device("cpu")

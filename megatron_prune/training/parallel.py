@@ -82,11 +82,11 @@ def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
     if "MASTER_PORT" not in os.environ:
         # One process without a rendezvous: an in-process store, so no TCP port is probed and then
         # bound later (another job on the machine could take it in between and fail this one's start).
-        dist.init_process_group(backend=acc.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend=acc.process_group_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(
-        backend=acc.backend,
+        backend=acc.process_group_backend,
         rank=int(os.environ.get("RANK", "0")),
         world_size=int(world_size),
         timeout=timeout,

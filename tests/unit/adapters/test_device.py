@@ -43,6 +43,8 @@ def _hardware(monkeypatch, *, npu: bool, cuda: bool) -> None:
 @pytest.mark.parametrize(("kind", "backend"), [("cuda", "nccl"), ("npu", "hccl"), ("cpu", "gloo")])
 def test_backend_of_each_kind(kind, backend):
     assert Accelerator(kind).backend == backend
+    # host tensors (metrics, counts, flags) are reduced over gloo beside the device backend
+    assert Accelerator(kind).process_group_backend == ("gloo" if kind == "cpu" else f"cpu:gloo,{kind}:{backend}")
 
 
 def test_cpu_device_and_no_device_module():
