@@ -175,4 +175,13 @@ MUTANTS: list[dict] = [
         "new": "    zero = zero | zero.any(dim=-1, keepdim=True)\n    probs = torch.zeros(scores.shape, dtype=torch.float64)\n    n, zeros",
         "tests": [SKIP_UNIT, SKIP_ZERO],
     },
+    {
+        "name": "grpo-placeholders-left-out-of-the-loss-scale",
+        "why": "the update scales its loss by the microbatches that hold items, not by all the schedule runs "
+               "(placeholders under the interleaved schedule or expert parallelism divide it too)",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "        scale = len(layout.batches) * dp\n",
+        "new": "        scale = sum(1 for b in layout.batches if b.items) * dp\n",
+        "tests": ["tests/distributed/test_grpo.py::test_layouts_equal_single_rank"],
+    },
 ]
