@@ -164,9 +164,13 @@ RULES: list[Rule] = [
 ]
 
 
+def _field(config: Any, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(config) if f.name == name)
+
+
 def shown(config: Any, name: str) -> str:
     """A flag as the command line gave it: ``--flag value``, or the switch alone (``--no-...`` when off)."""
-    field = next(f for f in dataclasses.fields(config) if f.name == name)
+    field = _field(config, name)
     value = getattr(config, name)
     if isinstance(value, bool):
         return flag_of(field) if value else field.metadata.get("bool_off", flag_of(field))
@@ -189,7 +193,7 @@ def check(configs: dict[str, Any], given: frozenset[str]) -> list[str]:
             if config is None or name not in given or name in seen or not rule.when(setting):
                 continue
             seen.add(name)
-            flag = flag_of(next(f for f in dataclasses.fields(config) if f.name == field))
+            flag = flag_of(_field(config, field))
             line = f"{shown(config, field)} {rule.why.format(s=setting, flag=flag)}"
             if rule.error:
                 raise UsageError(line)
