@@ -7,8 +7,9 @@ of iteration ``SAVE_AT``, the first writer process sends the SIGINT itself: to t
 the launch, as a terminal's Ctrl-C does (one process: the CLI and its writers; torchrun: the agent,
 which forwards it to every rank's process group), or to rank 0's process group alone. Under a
 terminal's Ctrl-C to torchrun each first writer then waits until the forwarded signal has reached
-its own process group, so every rank is inside the save when it arrives. The writer goes on
-writing afterwards, as an unpatched one would.
+its own process group, and rank 0's sends it only once every rank's first writer holds it back
+(a file per rank in tmp_path): every rank is inside the save when it arrives, however slowly the
+ranks reach it. The writer goes on writing afterwards, as an unpatched one would.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SAVE_AT = 2
 
 WRAPPER = textwrap.dedent(
     """
-    import functools, os, signal, sys
+    import functools, os, signal, sys, time
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     save_at = f"iter_{int(sys.argv[1]):07d}.tmp" if __name__ == "__main__" else None
@@ -44,7 +45,13 @@ WRAPPER = textwrap.dedent(
                     os.killpg(os.getpgid(0), signal.SIGINT)
             else:
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                if os.environ["RANK"] == "0":
+                ready = os.path.join(os.environ["CTRL_C_DIR"], "ready{}")
+                open(ready.format(os.environ["RANK"]), "w").close()
+                if os.environ["RANK"] == "0":  # once every rank's writer holds the signal back
+                    deadline = time.monotonic() + 120
+                    while not all(os.path.exists(ready.format(r)) for r in range(int(os.environ["WORLD_SIZE"]))):
+                        assert time.monotonic() < deadline, "a rank's writer never reached the save"
+                        time.sleep(0.05)
                     os.killpg(launch, signal.SIGINT)  # the agent's group, as a terminal's Ctrl-C
                 signal.sigtimedwait({signal.SIGINT}, 120)  # forwarded to this rank's group
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -75,7 +82,7 @@ def _interrupt_inside_save(tmp_path, *, nproc: int, extra: list[str], to: str = 
         return [sys.executable, *target] if nproc == 1 else torchrun_cmd(target, nproc=nproc)
 
     interrupted = run_cmd(launch([str(script), str(SAVE_AT), *args]), log=tmp_path / "interrupted.txt",
-                          timeout=600, env=launch_env(CTRL_C_TO=to))
+                          timeout=600, env=launch_env(CTRL_C_TO=to, CTRL_C_DIR=str(tmp_path)))
     out = interrupted.output
     line = f"megatron-prune: interrupted; --load {save} resumes from its newest complete checkpoint"
     assert out.count(line) == 1, out[-6000:]
