@@ -166,7 +166,7 @@ def check_dpo_flags(configs: dict[str, Any]) -> tuple[str, ModelArch, dict | Non
         ref_mode = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
-    arch, lora_base = session.resolve_model_and_base(configs)
+    arch, lora_base = session.resolve_model_and_base(configs, kind="dpo")
     session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
     return ref_mode, arch, lora_base
 

@@ -58,7 +58,7 @@ def _checks(configs) -> None:
         raise UsageError("--kv-cache cannot run with --sequence-parallel (a cached decoding step feeds one token, "
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
                          "to sample with full recompute")
-    session.resolve_model_and_base(configs)  # the architecture and, under LoRA, the base
+    session.resolve_model_and_base(configs, kind="grpo")  # the architecture and, under LoRA, the base
     if grpo.task not in TOY_TASKS:
         session.check_tokenizer(model, configs["CheckpointConfig"])
 

@@ -418,7 +418,7 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     grpo: GRPOConfig = configs["GRPOConfig"]
     from megatron_prune.lora_config import lora_meta
 
-    arch, lora_base = session.resolve_model_and_base(configs)
+    arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")
     toy = grpo.task in ("toy", "toy-binary")  # the toy tasks use token ids, no tokenizer
     tokenizer_name = None if toy or not grpo.data_path else session.resolve_tokenizer(model_cfg, ckpt_cfg)
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,

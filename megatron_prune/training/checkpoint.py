@@ -217,6 +217,15 @@ def read_meta(path: str) -> dict[str, Any]:
     return meta
 
 
+def read_trainer_state(ckpt: str) -> dict[str, Any]:
+    """The ``trainer_state.pt`` of the checkpoint directory ``ckpt`` (an ``iter_*`` folder): trainer,
+    scheduler and per-rank RNG states."""
+    try:
+        return torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)  # in REQUIRED
+    except Exception as exc:
+        raise CheckpointError(_unreadable(ckpt, "trainer_state.pt", exc)) from exc
+
+
 def read_arch(path: str) -> ModelArch:
     return ModelArch.from_dict(read_meta(path)["arch"])
 
@@ -608,10 +617,7 @@ def load_checkpoint(
             _load_distributed_optimizer(optimizer, loaded_optimizer)
         else:
             optimizer.load_state_dict(loaded_optimizer)
-    try:
-        extra = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)  # in REQUIRED
-    except Exception as exc:
-        raise CheckpointError(_unreadable(ckpt, "trainer_state.pt", exc)) from exc
+    extra = read_trainer_state(ckpt)
     meta["trainer"] = extra.get("trainer", {})
     meta["scheduler"] = extra.get("scheduler", {})
     per_rank = extra.get("rng_per_rank") or []

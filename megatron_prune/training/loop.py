@@ -156,9 +156,9 @@ def trainer_kind(objective: Objective) -> str | None:
         else None
 
 
-def _check_same_trainer(meta: dict[str, Any], objective: Objective, load: str) -> None:
+def _check_same_trainer(meta: dict[str, Any], mine: str | None, load: str) -> None:
     """A checkpoint resumes only under the trainer that wrote it (one without the record: any)."""
-    saved, mine = meta.get("trainer_kind"), trainer_kind(objective)
+    saved = meta.get("trainer_kind")
     if saved and mine and saved != mine:
         raise UsageError(
             f"--load {load}: {meta['path']} is a {saved.upper()} checkpoint; the {mine.upper()} trainer cannot "
@@ -167,25 +167,57 @@ def _check_same_trainer(meta: dict[str, Any], objective: Objective, load: str) -
         )
 
 
+_FINETUNE_HINT = "or --finetune to start a new run from its weights"
+
+
+def _check_seed(saved: dict[str, Any], seed: int | None, load: str) -> None:
+    """The saved data order applies to this run: same --seed."""
+    if saved and seed is not None and saved.get("seed") != seed:
+        raise UsageError(
+            f"--load {load}: the checkpoint was trained with --seed {saved.get('seed')} and this run has --seed "
+            f"{seed}, which would change the data order: pass --seed {saved.get('seed')} to resume it "
+            f"({_FINETUNE_HINT})"
+        )
+
+
+def _check_iteration(iteration: int, train_iters: int, load: str) -> None:
+    if iteration > train_iters:
+        # A usage error (exit 2): the flags contradict the checkpoint (a lowered --train-iters or another
+        # run's checkpoint); going on would neither train nor reproduce that run.
+        raise UsageError(f"--load {load}: the checkpoint is at iteration {iteration}, past --train-iters "
+                         f"{train_iters}: nothing to train; raise --train-iters above {iteration} to train further")
+
+
+def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters: int, lora: bool) -> None:
+    """What :func:`resume` refuses that the checkpoint's own files tell — another trainer's
+    checkpoint, another ``--seed``, an iteration past ``--train-iters`` — checked before any rank
+    starts (also under ``--dry-run``). Only the data size needs the loaded data: :func:`resume`
+    checks it. A weights-only start (``--finetune``, a checkpoint without optimizer, a LoRA base)
+    resumes nothing and is not checked."""
+    if not ckpt.load or ckpt.finetune:
+        return
+    meta = ckpt_io.read_meta(ckpt.load)
+    if not meta.get("has_optimizer") or (lora and not meta.get("lora")):
+        return
+    _check_same_trainer(meta, kind, ckpt.load)
+    saved = ckpt_io.read_trainer_state(meta["path"]).get("trainer", {}).get("objective", {})
+    _check_seed(saved.get("sampler") or {}, seed, ckpt.load)
+    _check_iteration(int(meta["iteration"]), train_iters, ckpt.load)
+
+
 def _check_data_position(saved_state: dict[str, Any], objective: Objective, load: str, *, kind: str | None) -> None:
     """The saved data position applies to this run's data: same --seed, same number of samples."""
     saved = (saved_state or {}).get("sampler") or {}
     mine = objective.state_dict().get("sampler") or {}
     if not saved or not mine:
         return
-    finetune = "or --finetune to start a new run from its weights"
-    if saved.get("seed") != mine.get("seed"):
-        raise UsageError(
-            f"--load {load}: the checkpoint was trained with --seed {saved.get('seed')} and this run has --seed "
-            f"{mine.get('seed')}, which would change the data order: pass --seed {saved.get('seed')} to resume it "
-            f"({finetune})"
-        )
+    _check_seed(saved, mine.get("seed"), load)
     if saved.get("num_samples") != mine.get("num_samples"):
         flags = "--data-path or --toy-num-prompts" if kind == "grpo" else "--data-path"
         raise UsageError(
             f"--load {load}: the checkpoint's run trained on {saved.get('num_samples')} samples and this run's "
             f"training data has {mine.get('num_samples')} (another {flags}, or other records skipped), so its "
-            f"data position does not apply: resume with the same training data ({finetune})"
+            f"data position does not apply: resume with the same training data ({_FINETUNE_HINT})"
         )
 
 
@@ -206,7 +238,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
         return 0
     weights_only = ckpt.finetune or not meta.get("has_optimizer")
     if not weights_only:
-        _check_same_trainer(meta, objective, ckpt.load)
+        _check_same_trainer(meta, trainer_kind(objective), ckpt.load)
     loaded = ckpt_io.load_checkpoint(
         ckpt.load, model=parts.model, arch=parts.arch,
         optimizer=None if weights_only else parts.optimizer, restore_rng=not weights_only,
@@ -306,11 +338,7 @@ def train(
     with guard_collectives(f"loading --load {ckpt.load}"):
         start = resume(parts, objective, ckpt)
     total = train_cfg.train_iters
-    if start > total:
-        # A usage error (exit 2): the flags contradict the checkpoint (a lowered --train-iters or another
-        # run's checkpoint); going on would neither train nor reproduce that run.
-        raise UsageError(f"--load {ckpt.load}: the checkpoint is at iteration {start}, past --train-iters {total}: "
-                         f"nothing to train; raise --train-iters above {start} to train further")
+    _check_iteration(start, total, ckpt.load)
     if start == total:
         # Exit 0: the same command launched again after its run finished (a requeued job, a script that
         # always passes --save X --load X) finds the work done; that is success, not an error.

@@ -181,10 +181,11 @@ def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
     return name
 
 
-def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
+def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict | None]:
     """The architecture to build and, under LoRA, where its frozen base comes from: what both
-    trainers check before any rank starts (and ``--dry-run`` too). Reads only checkpoint and HF
-    metadata; a mismatch or a missing checkpoint is a :class:`UsageError`."""
+    trainers check before any rank starts (and ``--dry-run`` too), with whether a ``--load`` this
+    ``kind`` of trainer (``"dpo"`` or ``"grpo"``) would resume fits the run. Reads only checkpoint
+    and HF metadata; a mismatch or a missing checkpoint is a :class:`UsageError`."""
     from megatron_prune.lora_config import check_load
     from megatron_prune.training.checkpoint import CheckpointError
 
@@ -199,6 +200,11 @@ def resolve_model_and_base(configs: dict) -> tuple[ModelArch, dict | None]:
                                model_preset=model.model_preset, seed=train.seed)
         if ref_load is not None:
             find_latest(ref_load, flag="--ref-load")
+        from megatron_prune.training.loop import check_resumable
+
+        lora = configs.get("LoRAConfig")
+        check_resumable(ckpt, kind=kind, seed=train.seed, train_iters=train.train_iters,
+                        lora=bool(lora is not None and lora.enabled))
     except UsageError:
         raise
     except (ValueError, FileNotFoundError, CheckpointError) as exc:

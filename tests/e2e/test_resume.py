@@ -163,21 +163,29 @@ def test_resume_that_does_not_fit_the_checkpoint_is_refused(script_run, tmp_path
     assert run.returncode == 2, run.output[-3000:]
     assert _error(run) == f"megatron-prune: error: --load {script_run}: {message}"
     assert "Traceback" not in run.output
-    # Refused before the loaded line for a mismatch; a checkpoint past --train-iters did load.
-    assert ("[megatron-prune] loaded" in run.output) == ("past --train-iters" in message)
+    # Refused from the checkpoint's files before any rank builds a model; only the data size needs the data.
+    assert "[megatron-prune] loaded" not in run.output
+    assert ("[megatron-prune] megatron-prune-dpo: world" in run.output) == ("samples" in message), run.output[-3000:]
+    dry = _dpo(tmp_path, "dry", "--load", str(script_run), *extra, "--dry-run")
+    if "samples" in message:  # the dry run reads no data
+        dry.check_ok()
+    else:
+        assert dry.returncode == 2 and _error(dry) == f"megatron-prune: error: --load {script_run}: {message}"
 
 
 def test_grpo_refuses_a_dpo_checkpoint(script_run, tmp_path):
     """The checkpoint records the trainer that wrote it; the other one refuses to resume it (even when
     the sample counts happen to agree: 400 toy prompts, 400 preference pairs)."""
-    run = run_cmd([sys.executable, "-m", "megatron_prune.grpo", "--model-preset", "tiny", "--device", "cpu",
-                   "--task", "toy", "--toy-num-prompts", "400", "--global-batch-size", "2", "--group-size", "2",
-                   "--max-new-tokens", "4", "--seq-length", "64", "--train-iters", "3", "--load", str(script_run)],
-                  log=tmp_path / "grpo.txt")
-    assert run.returncode == 2, run.output[-3000:]
-    assert _error(run) == (f"megatron-prune: error: --load {script_run}: {script_run / 'iter_0000002'} is a DPO "
-                           "checkpoint; the GRPO trainer cannot resume its optimizer, schedule and data position: "
-                           "pass --finetune to start from its weights, or --load a GRPO checkpoint")
+    message = (f"megatron-prune: error: --load {script_run}: {script_run / 'iter_0000002'} is a DPO checkpoint; the "
+               "GRPO trainer cannot resume its optimizer, schedule and data position: pass --finetune to start from "
+               "its weights, or --load a GRPO checkpoint")
+    for dry in ([], ["--dry-run"]):  # the checkpoint's meta.json tells, so the dry run refuses it too
+        run = run_cmd([sys.executable, "-m", "megatron_prune.grpo", "--model-preset", "tiny", "--device", "cpu",
+                       "--task", "toy", "--toy-num-prompts", "400", "--global-batch-size", "2", "--group-size", "2",
+                       "--max-new-tokens", "4", "--seq-length", "64", "--train-iters", "3", "--load", str(script_run),
+                       *dry], log=tmp_path / f"grpo{len(dry)}.txt")
+        assert run.returncode == 2, run.output[-3000:]
+        assert _error(run) == message
 
 
 def test_checkpoint_missing_its_trainer_state_is_passed_over(script_run, tmp_path):
