@@ -25,16 +25,16 @@ GROUPS = {
 }
 
 
-def _checks(configs) -> None:
+def _checks(configs):
     from megatron_prune.dpo.trainer import check_dpo_flags
 
-    check_dpo_flags(configs)
+    return check_dpo_flags(configs)
 
 
-def _run(configs):
+def _run(configs, checked):
     from megatron_prune.dpo.trainer import run_dpo
 
-    return run_dpo(configs)
+    return run_dpo(configs, checked)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,10 +15,8 @@ from megatron.core import parallel_state
 from megatron_prune.config import CheckpointConfig, DPOConfig, LoggingConfig, ModelConfig, PruneConfig, TrainConfig
 from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset
 from megatron_prune.data.sampler import EpochSampler, dp_shard
-from megatron_prune.data.tokenizer import load_tokenizer
 from megatron_prune.dpo.batch import CHOSEN, REJECTED
 from megatron_prune.dpo.step import DPOStep, DPOStepSettings
-from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import session
 from megatron_prune.training.loop import train
 from megatron_prune.training.parallel import is_logging_rank
@@ -144,9 +142,10 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
     return table
 
 
-def check_dpo_flags(configs: dict[str, Any]) -> tuple[str, ModelArch, dict | None]:
+def check_dpo_flags(configs: dict[str, Any]) -> session.LaunchChecks:
     """The DPO run's flag checks that need no rank and no data (the CLI runs them before
-    ``--dry-run`` returns): the reference mode, the architecture and, under LoRA, the base."""
+    ``--dry-run`` returns): the reference mode, the architecture, under LoRA the base, and the
+    tokenizer (loaded)."""
     dpo: DPOConfig = configs["DPOConfig"]
     model, train = configs["ModelConfig"], configs["TrainConfig"]
     from megatron_prune.training.parallel import validate_layout
@@ -167,11 +166,13 @@ def check_dpo_flags(configs: dict[str, Any]) -> tuple[str, ModelArch, dict | Non
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
     arch, lora_base = session.resolve_model_and_base(configs, kind="dpo")
-    session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
-    return ref_mode, arch, lora_base
+    tokenizer = session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
+    return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, ref_mode=ref_mode)
 
 
-def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
+def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None) -> list[dict[str, Any]]:
+    """Train DPO as the flags say; ``checked`` is what :func:`check_dpo_flags` returned for these
+    configs (the CLI has run it before ``--dry-run``), run here when None."""
     model_cfg: ModelConfig = configs["ModelConfig"]
     train_cfg: TrainConfig = configs["TrainConfig"]
     ckpt_cfg: CheckpointConfig = configs["CheckpointConfig"]
@@ -180,9 +181,9 @@ def run_dpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     dpo: DPOConfig = configs["DPOConfig"]
     from megatron_prune.lora_config import lora_meta
 
-    ref_mode, arch, lora_base = check_dpo_flags(configs)
+    checked = checked or check_dpo_flags(configs)
+    ref_mode, arch, lora_base, tokenizer = checked.ref_mode, checked.arch, checked.lora_base, checked.tokenizer
     tokenizer_spec = session.resolve_tokenizer(model_cfg, ckpt_cfg)
-    tokenizer = load_tokenizer(tokenizer_spec)
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
     data_cfg = PreferenceDataConfig(max_seq_length=train_cfg.seq_length, max_prompt_length=train_cfg.max_prompt_length,

@@ -26,7 +26,7 @@ GROUPS = {
 }
 
 
-def _checks(configs) -> None:
+def _checks(configs):
     from megatron_prune.arguments import UsageError
 
     grpo: GRPOConfig = configs["GRPOConfig"]
@@ -58,15 +58,15 @@ def _checks(configs) -> None:
         raise UsageError("--kv-cache cannot run with --sequence-parallel (a cached decoding step feeds one token, "
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
                          "to sample with full recompute")
-    session.resolve_model_and_base(configs, kind="grpo")  # the architecture and, under LoRA, the base
-    if grpo.task not in TOY_TASKS:
-        session.check_tokenizer(model, configs["CheckpointConfig"])
+    arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
+    tokenizer = None if grpo.task in TOY_TASKS else session.check_tokenizer(model, configs["CheckpointConfig"])
+    return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer)
 
 
-def _run(configs):
+def _run(configs, checked):
     from megatron_prune.grpo.trainer import run_grpo
 
-    return run_grpo(configs)
+    return run_grpo(configs, checked)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -372,8 +372,9 @@ class GRPOObjective:
 
 
 def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: CheckpointConfig,
-                 train_cfg: TrainConfig, tokenizer_name: str | None = None) -> PromptSource:
-    """The task's prompts; ``tokenizer_name`` is the resolved tokenizer (resolved here when None)."""
+                 train_cfg: TrainConfig, tokenizer_name: str | None = None, tokenizer=None) -> PromptSource:
+    """The task's prompts; ``tokenizer`` is the loaded tokenizer, else ``tokenizer_name`` the
+    resolved one (resolved here when None too)."""
     if grpo.task in ("toy", "toy-binary"):
         return toy_source(vocab_size=arch.vocab_size, num_prompts=grpo.toy_num_prompts, seed=train_cfg.seed,
                           num_digits=grpo.toy_num_digits, prompt_length=grpo.toy_prompt_length,
@@ -382,7 +383,8 @@ def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: Ch
         raise session.UsageError(f"--task {grpo.task} needs --data-path")
     from megatron_prune.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_name or session.resolve_tokenizer(model_cfg, ckpt_cfg))
+    if tokenizer is None:
+        tokenizer = load_tokenizer(tokenizer_name or session.resolve_tokenizer(model_cfg, ckpt_cfg))
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
     # Without --max-prompt-length a prompt may use whatever the completion leaves of --seq-length.
@@ -410,7 +412,9 @@ def build_objective(*, configs: dict[str, Any], arch, policy, reference, source:
     return GRPOObjective(source=source, runner=runner, grpo=grpo, dppo=dppo, sampling=sampling, train_cfg=train_cfg)
 
 
-def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
+def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None) -> list[dict[str, Any]]:
+    """Train GRPO as the flags say; ``checked`` is what the CLI's launch checks returned for these
+    configs, looked up here when None."""
     model_cfg: ModelConfig = configs["ModelConfig"]
     train_cfg: TrainConfig = configs["TrainConfig"]
     ckpt_cfg: CheckpointConfig = configs["CheckpointConfig"]
@@ -418,11 +422,15 @@ def run_grpo(configs: dict[str, Any]) -> list[dict[str, Any]]:
     grpo: GRPOConfig = configs["GRPOConfig"]
     from megatron_prune.lora_config import lora_meta
 
-    arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")
+    if checked is None:
+        arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")
+        tokenizer = None
+    else:
+        arch, lora_base, tokenizer = checked.arch, checked.lora_base, checked.tokenizer
     toy = grpo.task in ("toy", "toy-binary")  # the toy tasks use token ids, no tokenizer
     tokenizer_name = None if toy or not grpo.data_path else session.resolve_tokenizer(model_cfg, ckpt_cfg)
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,
-                          tokenizer_name=tokenizer_name)
+                          tokenizer_name=tokenizer_name, tokenizer=tokenizer)
     parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)

@@ -16,13 +16,14 @@ def run_cli(
     prog: str,
     description: str,
     groups: dict[str, type],
-    run: Callable[[dict[str, Any]], Any],
+    run: Callable[[dict[str, Any], Any], Any],
     argv: list[str] | None = None,
-    extra_checks: Callable[[dict[str, Any]], None] | None = None,
+    extra_checks: Callable[[dict[str, Any]], Any] | None = None,
 ) -> int:
     """Parse flags into configs, validate them against the world size before any rank does work
     (one message from rank 0, exit code 2), warn (rank 0) about each given flag the run ignores
-    (:mod:`megatron_prune.training.dead_flags`), honour ``--dry-run``, then ``run(configs)``."""
+    (:mod:`megatron_prune.training.dead_flags`), honour ``--dry-run``, then ``run(configs, checked)``
+    with what ``extra_checks(configs)`` returned, so the run need not check again."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Megatron warns at import about Apex/TE fallbacks that are expected on the local spec.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -50,8 +51,7 @@ def run_cli(
         versions = session.check_versions(kind)
         dp = session.validate(configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"],
                               world_size=world)
-        if extra_checks is not None:
-            extra_checks(configs)
+        checked = extra_checks(configs) if extra_checks is not None else None
         ignored = dead_flags.check(configs, getattr(args, GIVEN))
     except ValueError as exc:
         session.fail_usage(exc)
@@ -75,7 +75,7 @@ def run_cli(
         print(f"[megatron-prune] {prog}: world {world}, data-parallel {dp}, {versions}, torch {torch.__version__}",
               flush=True)
     try:
-        run(configs)
+        run(configs, checked)
     except DataError as exc:
         session.fail_usage(with_way_out(exc))
     except (session.UsageError, FileNotFoundError, TokenizerError, CheckpointError) as exc:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from typing import Any
 
 from megatron_prune.accelerator import set_accelerator
 from megatron_prune.arguments import UsageError, fail_usage
@@ -153,8 +155,6 @@ _RECORDED_GROUPS = ("TrainConfig", "PruneConfig", "DPOConfig", "GRPOConfig", "DP
 def flag_record(configs: dict) -> dict:
     """The run's objective and batch flags as ``{flag: value}``, recorded in each checkpoint so a
     resume can say which of them it changed."""
-    import dataclasses
-
     from megatron_prune.config import flag_of
 
     record = {}
@@ -169,16 +169,31 @@ def flag_record(configs: dict) -> dict:
     return record
 
 
-def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
-    """The tokenizer the run resolves, loaded once to check it (also under ``--dry-run``)."""
+def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig):
+    """The tokenizer the run resolves, loaded to check it (also under ``--dry-run``) and returned
+    so the run uses this one instead of loading it again."""
     from megatron_prune.data.tokenizer import TokenizerError, load_tokenizer
 
     name = resolve_tokenizer(model, ckpt)
     try:
-        load_tokenizer(name)
+        return load_tokenizer(name)
     except (TokenizerError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
-    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchChecks:
+    """What a trainer's launch checks found (before any rank works, also under ``--dry-run``),
+    handed on to the run so it neither looks again nor loads the tokenizer a second time."""
+
+    arch: ModelArch
+    """The architecture to build."""
+    lora_base: dict | None
+    """Under LoRA, where the frozen base comes from (None without LoRA)."""
+    tokenizer: Any = None
+    """The loaded tokenizer (None where the run needs none: GRPO's toy tasks)."""
+    ref_mode: str | None = None
+    """DPO's resolved ``--ref-mode`` (None for GRPO)."""
 
 
 def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict | None]:

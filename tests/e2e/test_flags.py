@@ -280,7 +280,7 @@ def test_runtime_failure_is_the_root_cause_in_torchrun_report(tmp_path):
     script.write_text(
         "import sys\n"
         "import megatron_prune.dpo.trainer as trainer\n"
-        "def run_dpo(configs):\n"
+        "def run_dpo(configs, checked=None):\n"
         "    raise RuntimeError('the stand-in trainer failed')\n"
         "trainer.run_dpo = run_dpo\n"
         "from megatron_prune.dpo.__main__ import main\n"
