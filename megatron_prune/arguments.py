@@ -39,6 +39,18 @@ def refuse_plot_without_matplotlib(parser: argparse.ArgumentParser, plot: str | 
         parser.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
 
 
+def refuse_bad_data_files(parser: argparse.ArgumentParser, flag: str, paths) -> None:
+    """The benchmark tools' data flags: a missing file, a directory or an unknown suffix is refused
+    while parsing flags (one line naming the flag, exit 2), not in a worker's traceback."""
+    from megatron_prune.data.records import DataError, check_data_file
+
+    for path in paths or []:
+        try:
+            check_data_file(path)
+        except (FileNotFoundError, DataError) as exc:
+            parser.error(f"{flag} {exc}")
+
+
 class ToolHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Help of the tools' hand-written parsers: the description as written, and each flag's
     default after its help unless the help already says it (or there is none to show)."""

@@ -162,7 +162,7 @@ def _preset_help() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter, refuse_plot_without_matplotlib
+    from megatron_prune.arguments import ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small",
@@ -197,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=tuple(MODES), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    refuse_bad_data_files(p, "--data-path", args.data_path)
     preset = PRESETS[args.preset]
     for key in ("pairs", "micro_batch_size", "max_seq_length", "warmup", "steps", "device"):
         if getattr(args, key) is None:

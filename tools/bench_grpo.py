@@ -79,7 +79,7 @@ PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_ti
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter, refuse_plot_without_matplotlib
+    from megatron_prune.arguments import ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--task", choices=TASKS, default="toy", help="the task trained and evaluated")
@@ -145,7 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per (round, seed) process")
     p.add_argument("--from-json", metavar="PATH", nargs="+",
                    help="summarise and plot the records of earlier runs' JSON files (e.g. two batches of seeds) "
-                        "instead of running; the first file's config is kept")
+                        "instead of running; the files must hold the same experiment (config and modes; only seeds, "
+                        "rounds, host and times may differ) and no (seed, round) run twice")
     p.add_argument("--seeds-per-process", type=int, default=1,
                    help="seeds trained one after another in one worker process (saves start-up time)")
     p.add_argument("--worker-seeds", help=argparse.SUPPRESS)
@@ -174,7 +175,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"mode {mode} (--prompt-rate, --completion-rate, --prompt-floor, --completion-floor): {exc}")
     refuse_plot_without_matplotlib(p, args.plot)
+    refuse_bad_data_files(p, "--data-path", args.data_path)
+    if args.from_json:
+        try:
+            args.earlier = load_earlier(args.from_json)
+        except ValueError as exc:
+            p.error(f"--from-json {exc}")
     return args
+
+
+MAY_DIFFER = {"seed", "seeds", "seeds_per_process", "rounds", "timeout", "json", "plot", "from_json", "date",
+              "loadavg_start", "loadavg_end", "command", "host", "cpus", "python", "device_name", "batches"}
+"""Config keys in which the batches ``--from-json`` merges may differ: which seeds and rounds each
+ran, and where and when. Every other key shapes the experiment and must agree."""
+
+
+def load_earlier(paths: list[str]) -> tuple[dict, dict[str, list[dict]]]:
+    """The merged config and records of earlier runs' JSON files: ValueError (naming the file)
+    for a file that is not such a result, or for batches that do not belong together (another
+    experiment's config, other modes, or a (seed, round) run that two files hold)."""
+    earlier = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            raw["config"], raw["modes"]  # noqa: B018 (a result's two parts)
+        except OSError as exc:
+            raise ValueError(f"{path}: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
+            raise ValueError(f"{path}: not a JSON result of tools/bench_grpo.py") from None
+        earlier.append((path, raw))
+    first_path, first = earlier[0]
+    seen: dict[tuple[str, int, int], str] = {}
+    for path, raw in earlier:
+        differ = sorted(k for k in set(first["config"]) | set(raw["config"])
+                        if k not in MAY_DIFFER and first["config"].get(k) != raw["config"].get(k))
+        if differ:
+            shown = ", ".join(f"{k} {raw['config'].get(k)!r} (in {first_path}: {first['config'].get(k)!r})"
+                              for k in differ[:4])
+            raise ValueError(f"{path}: another experiment than {first_path}: {shown}")
+        if set(raw["modes"]) != set(first["modes"]):
+            raise ValueError(f"{path}: modes {sorted(raw['modes'])}, {first_path}: {sorted(first['modes'])}")
+        for mode, summary in raw["modes"].items():
+            for key in {(r["seed"], r.get("round", 0)) for r in summary["records"]}:
+                if (mode, *key) in seen:
+                    raise ValueError(f"{path}: mode {mode} seed {key[0]} round {key[1]} is also in "
+                                     f"{seen[(mode, *key)]}: each (seed, round) run may come from one file only")
+                seen[(mode, *key)] = path
+    config = dict(first["config"])
+    config["seeds"] = len({seed for _, seed, _ in seen})
+    config["batches"] = [{k: raw["config"].get(k) for k in ("seed", "seeds", "date", "loadavg_start", "loadavg_end",
+                                                             "command")} for _, raw in earlier]
+    records = {m: [r for _, raw in earlier for r in raw["modes"][m]["records"]] for m in first["modes"]}
+    return config, records
 
 
 # --------------------------------------------------------------------------------------- keep rules
@@ -208,20 +261,29 @@ class _KeepAll:
 
 class ZeroVarianceFilter(_KeepAll):
     """Biased (DAPO-style dynamic sampling without refill): after rollout, drop every group whose
-    rewards are all equal; no importance weights."""
+    rewards are all equal; no importance weights. With ``skip_zero`` (what every mode does at
+    ``--kl-beta 0``, where it is exact) any other zero-advantage completion is left out too."""
+
+    def __init__(self, *, skip_zero: bool) -> None:
+        self.skip_zero = skip_zero
 
     def select_completions(self, *, step, prompt_ids, advantages):
         decision = super().select_completions(step=step, prompt_ids=prompt_ids, advantages=advantages)
-        informative = (advantages != 0).any(dim=1, keepdim=True).expand_as(advantages)
-        return type(decision)(probs=decision.probs, keep=informative.clone(), target_rate=0.0)
+        keep = (advantages != 0).any(dim=1, keepdim=True).expand_as(advantages).clone()
+        if self.skip_zero:
+            keep &= advantages != 0
+        return type(decision)(probs=decision.probs, keep=keep, target_rate=0.0)
 
 
 class SmallestAdvantageDrop(_KeepAll):
     """Biased (CPPO-style): in each group drop the ``round(rate * G)`` completions with the smallest
-    |A| (ties: the lower index is dropped first); no importance weights."""
+    |A| (ties: the lower index is dropped first); no importance weights. With ``skip_zero`` every
+    zero-advantage completion is left out too (a zero-variance group keeps none), as in every
+    other mode at ``--kl-beta 0``."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, *, skip_zero: bool) -> None:
         self.rate = rate
+        self.skip_zero = skip_zero
 
     def select_completions(self, *, step, prompt_ids, advantages):
         import torch
@@ -232,6 +294,8 @@ class SmallestAdvantageDrop(_KeepAll):
         if drop:
             order = torch.sort(advantages.abs(), dim=1, stable=True).indices[:, :drop]
             keep.scatter_(1, order, False)
+        if self.skip_zero:
+            keep &= advantages != 0
         return type(decision)(probs=decision.probs, keep=keep, target_rate=self.rate)
 
 
@@ -401,10 +465,11 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
         source = _source(args, arch=arch, seed=seed, heldout=False)
         heldout = _source(args, arch=arch, seed=seed, heldout=True)
         objective = build_objective(configs=configs, arch=arch, policy=policy, reference=reference, source=source)
+        skip_zero = args.skip_zero_advantage and args.kl_beta == 0
         if mode == "filter":
-            objective.pruner = ZeroVarianceFilter()
+            objective.pruner = ZeroVarianceFilter(skip_zero=skip_zero)
         elif mode == "cppo":
-            objective.pruner = SmallestAdvantageDrop(args.completion_rate)
+            objective.pruner = SmallestAdvantageDrop(args.completion_rate, skip_zero=skip_zero)
         max_steps = args.steps if budget_s is None else max(args.steps, int(args.steps * args.max_step_factor))
         if warmup:
             max_steps = 1
@@ -678,23 +743,16 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [args.seed + k for k in range(args.seeds)]
     chunks = [seeds[k : k + args.seeds_per_process] for k in range(0, len(seeds), args.seeds_per_process)]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    config = {k: v for k, v in vars(args).items() if not k.startswith("worker")}
+    config = {k: v for k, v in vars(args).items() if not k.startswith("worker") and k != "earlier"}
     config.update(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), loadavg_start=load,
                   command=" ".join(["python", "tools/bench_grpo.py", *argv]))
     result: dict = {"config": config, "modes": {}}
     records: dict[str, list[dict]] = {m: [] for m in args.modes}
     if args.from_json:
-        earlier = []
-        for path in args.from_json:
-            with open(path) as f:
-                earlier.append(json.load(f))
-        result["config"] = config = earlier[0]["config"]
-        config["seeds"] = sum(e["config"]["seeds"] for e in earlier)
-        config["batches"] = [{k: e["config"].get(k) for k in ("seed", "seeds", "date", "loadavg_start", "loadavg_end",
-                                                               "command")} for e in earlier]
+        config, records = args.earlier
+        result["config"] = config
         args.steps = config["steps"]
-        records = {m: [r for e in earlier for r in e["modes"][m]["records"]] for m in earlier[0]["modes"]}
         result["modes"] = summarise(records, args)
         chunks = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -125,3 +125,94 @@ def test_gradient_variance_of_an_identical_rule_is_zero_after_optimizer_steps():
 
     for step, got in enumerate(run_distributed(_keep_all_variance_after_updates, 1)[0]):
         assert got["grad_rel_mse"] < 1e-12 and got["grad_rel_bias"] < 1e-12, (step, got)
+
+
+def _tool(*args, timeout=300):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "bench_grpo.py"), *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_baselines_train_no_zero_advantage_completion(tmp_path):
+    """At --kl-beta 0 every mode leaves zero-advantage completions out (exact there), the biased
+    baselines too: a step whose groups all tie trains no token in grpo, filter or cppo alike."""
+    out = tmp_path / "tb.json"
+    _tool("--task", "toy-binary", "--modes", "grpo", "filter", "cppo", "--seeds", "1", "--steps", "2", "--prompts", "4",
+          "--num-prompts", "8", "--group-size", "4", "--eval-prompts", "4", "--eval-samples", "1", "--no-match-time",
+          "--json", str(out)).check_returncode()
+    modes = json.loads(out.read_text())["modes"]
+    steps = {m: [r for r in s["records"] if r["step"] >= 0] for m, s in modes.items()}
+    tied = [k for k, r in enumerate(steps["grpo"]) if r["zero_variance_groups"] == 1.0]
+    assert tied, "no step of this seed has only tied groups: the case is not exercised"
+    for mode in ("filter", "cppo"):
+        for k in tied:
+            assert steps[mode][k]["zero_variance_groups"] == 1.0  # the same rollout as grpo's
+            assert steps[mode][k]["train_tokens"] == 0, (mode, steps[mode][k])
+
+
+def test_rules_leave_zero_advantages_out_unless_told():
+    import torch
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_grpo
+
+    adv = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, -1.0, 0.0, 0.5]])
+    cppo = bench_grpo.SmallestAdvantageDrop(0.25, skip_zero=True).select_completions(step=0, prompt_ids=[0, 1],
+                                                                                    advantages=adv)
+    assert cppo.keep.tolist() == [[False] * 4, [True, True, False, True]]
+    cppo = bench_grpo.SmallestAdvantageDrop(0.25, skip_zero=False).select_completions(step=0, prompt_ids=[0, 1],
+                                                                                     advantages=adv)
+    assert cppo.keep.tolist() == [[False, True, True, True], [True, True, False, True]]
+    filt = bench_grpo.ZeroVarianceFilter(skip_zero=True).select_completions(step=0, prompt_ids=[0, 1], advantages=adv)
+    assert filt.keep.tolist() == [[False] * 4, [True, True, False, True]]
+    filt = bench_grpo.ZeroVarianceFilter(skip_zero=False).select_completions(step=0, prompt_ids=[0, 1], advantages=adv)
+    assert filt.keep.tolist() == [[False] * 4, [True] * 4]
+
+
+def _result(path, *, task="toy", seed=1234, modes=("grpo", "dppo"), seeds=(1234,), rounds=(0,)):
+    records = [{"step": 0, "seed": s, "round": r, "cum_time_s": 1.0, "time_s": 1.0, "heldout_reward": 0.5}
+               for s in seeds for r in rounds]
+    path.write_text(json.dumps({"config": {"task": task, "seed": seed, "seeds": len(seeds), "steps": 1, "lr": 0.01},
+                                "modes": {m: {"records": records} for m in modes}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "--from-json {a}: No such file or directory"),
+    ("not-json", "--from-json {a}: not a JSON result of tools/bench_grpo.py"),
+    ("other-task", "--from-json {b}: another experiment than {a}: task 'toy-binary' (in {a}: 'toy')"),
+    ("other-modes", "--from-json {b}: modes ['cppo', 'grpo'], {a}: ['dppo', 'grpo']"),
+    ("same-run-twice", "--from-json {b}: mode grpo seed 1234 round 0 is also in {a}"),
+])
+def test_from_json_refuses_files_that_do_not_merge(tmp_path, case, expected):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    if case == "not-json":
+        a.write_text("{")
+    elif case != "missing":
+        _result(a)
+        _result(b, **{"other-task": dict(task="toy-binary", seeds=(1235,)), "other-modes": dict(modes=("grpo", "cppo"),
+                      seeds=(1235,)), "same-run-twice": dict(seed=1234)}[case])
+    done = _tool("--from-json", str(a), *([str(b)] if case not in ("missing", "not-json") else []),
+                 "--json", str(tmp_path / "merged.json"))
+    assert done.returncode == 2, done.stderr
+    assert expected.format(a=a, b=b) in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "merged.json").exists()
+
+
+def test_from_json_merges_batches_of_seeds(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_grpo
+
+    a = _result(tmp_path / "a.json", seeds=(1234, 1235))
+    b = _result(tmp_path / "b.json", seed=1236, seeds=(1236,))
+    config, records = bench_grpo.load_earlier([a, b])
+    assert config["seeds"] == 3 and config["task"] == "toy"
+    assert sorted(r["seed"] for r in records["grpo"]) == [1234, 1235, 1236]
+
+
+@pytest.mark.parametrize("tool", ["bench_grpo.py", "bench_dpo.py"])
+def test_missing_data_file_is_one_line_before_any_worker(tmp_path, tool):
+    done = subprocess.run([sys.executable, str(REPO / "tools" / tool), "--data-path", str(tmp_path / "none.jsonl"),
+                           "--json", str(tmp_path / "never.json")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(f"--data-path {tmp_path / 'none.jsonl'}: data file not found")
+    assert not (tmp_path / "never.json").exists()
