@@ -39,6 +39,20 @@ def refuse_plot_without_matplotlib(parser: argparse.ArgumentParser, plot: str | 
         parser.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
 
 
+def tool_logging() -> None:
+    """What the conversion tools print: megatron-prune's own INFO lines (what was converted,
+    written, skipped) and every warning, without Megatron's start-up chatter, the patch
+    registry's line per patch, or the deprecation warnings Megatron's dist checkpointing raises."""
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron_prune").setLevel(logging.INFO)
+    logging.getLogger("megatron_prune.patches").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed\.checkpoint)\.")
+
+
 def refuse_bad_data_files(parser: argparse.ArgumentParser, flag: str, paths) -> None:
     """The benchmark tools' data flags: a missing file, a directory or an unknown suffix is refused
     while parsing flags (one line naming the flag, exit 2), not in a worker's traceback."""

@@ -178,7 +178,7 @@ class CheckpointConfig:
     load: str | None = field(default=None, metadata=_flag("--load"))
     """Resume from the newest complete checkpoint here (a converted model loads weights only)."""
     finetune: bool = field(default=False, metadata=_flag("--finetune"))
-    """Load only the weights from --load (start at step 0 with a fresh optimizer); they are also the reference."""
+    """Load only the weights from --load (start at step 0 with a fresh optimizer); they are also the reference (for a LoRA checkpoint: its base, adapters off)."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
@@ -291,7 +291,7 @@ class DPOConfig:
     adapter-off: the policy itself with its LoRA adapters switched off (no second model). Default: adapter-off
     with --lora-rank > 0, online otherwise."""
     ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))
-    """Checkpoint of the reference model (default: the starting model, with --finetune the loaded weights; a resumed run uses the one it recorded, whatever --model-preset/--hf-model say)."""
+    """Checkpoint of the reference model, full weights (default: the starting model, with --finetune the loaded weights; a resumed run uses the one it recorded, whatever --model-preset/--hf-model say). Under LoRA it makes --ref-mode online the default."""
     ref_cache: str | None = field(default=None, metadata=_flag("--ref-cache"))
     """Directory of the precomputed reference log-probs (default: <save or data dir>/ref_logps)."""
 

@@ -38,8 +38,11 @@ class LoRAConfig:
             raise ValueError(f"--lora-alpha must be a positive number, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
-        if self.rank == 0 and (self.alpha is not None or self.dropout != 0.0):
-            raise ValueError("--lora-alpha and --lora-dropout need --lora-rank > 0 (LoRA is off at rank 0)")
+        given = [flag for flag, on in (("--lora-alpha", self.alpha is not None), ("--lora-dropout", self.dropout != 0.0))
+                 if on]
+        if self.rank == 0 and given:
+            raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --lora-rank > 0 "
+                             "(LoRA is off at rank 0)")
         names = self.target_names
         if not names:
             raise ValueError(f"--lora-targets names no linear; choose from {','.join(TARGETS)}")
@@ -63,10 +66,11 @@ class LoRAConfig:
 
 
 def resolve_ref_mode(ref_mode: str | None, lora: LoRAConfig | None, *, ref_load: str | None = None) -> str:
-    """The DPO reference mode to run: ``--ref-mode`` if given, else adapter-off under LoRA
-    (online otherwise). Raises ValueError for adapter-off without adapters or with --ref-load."""
+    """The DPO reference mode to run: ``--ref-mode`` if given, else adapter-off under LoRA without
+    ``--ref-load`` (online otherwise: a reference checkpoint was named). Raises ValueError for
+    adapter-off without adapters or with --ref-load."""
     lora_on = lora is not None and lora.enabled
-    mode = ref_mode or ("adapter-off" if lora_on else "online")
+    mode = ref_mode or ("adapter-off" if lora_on and not ref_load else "online")
     if mode == "adapter-off" and not lora_on:
         raise ValueError("--ref-mode adapter-off needs LoRA adapters (--lora-rank > 0)")
     if mode == "adapter-off" and ref_load:
@@ -121,9 +125,11 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
     if recorded and not lora_on:
         raise ValueError(f"--load {load} holds LoRA adapters (rank {recorded['rank']}, targets "
                          f"{','.join(recorded['targets'])}); pass the same --lora-rank and --lora-targets to resume it")
-    if recorded and (recorded["rank"] != lora.rank or list(recorded["targets"]) != list(lora.target_names)):
+    if recorded and (recorded["rank"] != lora.rank or set(recorded["targets"]) != set(lora.target_names)):
         raise ValueError(f"--load {load} holds LoRA adapters of rank {recorded['rank']} on "
                          f"{','.join(recorded['targets'])}, but the flags ask for rank {lora.rank} on {lora.targets}")
+    if recorded:
+        _take_recorded_alpha(load, recorded, lora)
     if not recorded and lora_on:
         if base_load:
             raise ValueError(f"--base-load: --load {load} holds no LoRA adapters, so it is itself the base LoRA "
@@ -136,3 +142,16 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
         return None
     return resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=hf_model, flag="--hf-model",
                         preset=model_preset, megatron_override=base_load).to_dict()
+
+
+def _take_recorded_alpha(load: str, recorded: dict, lora: LoRAConfig) -> None:
+    """The trained adapters' alpha / r is part of the model they make: without ``--lora-alpha``
+    the run takes the checkpoint's (the default, alpha = r, would rescale them); another alpha
+    is refused. ``lora`` is updated in place, so the run and its checkpoints use the recorded one."""
+    trained = float(recorded.get("alpha", recorded["rank"]))
+    if lora.alpha is None:
+        lora.alpha = trained
+    elif not math.isclose(lora.alpha, trained, rel_tol=1e-9):
+        raise ValueError(f"--lora-alpha {lora.alpha:g}: --load {load} holds adapters trained at --lora-alpha "
+                         f"{trained:g} (scale {trained / lora.rank:g}), and another alpha would rescale them; "
+                         f"leave --lora-alpha out (the checkpoint's is used) or pass --lora-alpha {trained:g}")

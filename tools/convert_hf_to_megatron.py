@@ -11,9 +11,7 @@ model while converting (for models larger than one process's memory). See docs/c
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,8 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    warnings.filterwarnings("ignore", category=UserWarning)
+    from megatron_prune.arguments import tool_logging
+
+    tool_logging()
     from megatron_prune.model.hf_convert import convert_hf_to_megatron, read_hf_arch
 
     try:

@@ -22,9 +22,7 @@ the hf_assets/ kept next to it).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    warnings.filterwarnings("ignore", category=UserWarning)
+    from megatron_prune.arguments import tool_logging
+
+    tool_logging()
     from megatron_prune.model.hf_convert import export_megatron_to_hf, parse_size
     from megatron_prune.training.checkpoint import CheckpointError
 

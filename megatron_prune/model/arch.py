@@ -282,3 +282,11 @@ def get_preset(name: str) -> ModelArch:
     if name not in PRESETS:
         raise ValueError(f"--model-preset {name!r} is unknown; choose from {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name])
+
+
+def arch_difference(found: dict[str, Any], wanted: dict[str, Any], *, limit: int = 4) -> str:
+    """The fields in which two architectures (``ModelArch.to_dict()``) differ, as
+    ``"hidden_size 64 (not 128), ..."``: what a "different architecture" refusal shows."""
+    keys = [k for k in sorted(set(found) | set(wanted)) if found.get(k) != wanted.get(k)]
+    shown = ", ".join(f"{k} {found.get(k)!r} (not {wanted.get(k)!r})" for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -35,6 +35,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from megatron_prune.model.arch import arch_difference
+
 META_KEY = "lora_base"
 """The ``meta.json`` entry of a LoRA checkpoint that records its base."""
 SAMPLE_BYTES = 256
@@ -186,7 +188,10 @@ def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: 
     if preset is not None and (recorded.kind != "preset" or recorded.name != preset):
         raise ValueError(f"{ckpt}: its adapters were trained on {recorded.describe()}, not on the preset "
                          f"{preset!r}; drop --model-preset to use the recorded base")
-    if override is None and recorded.kind == "preset":
+    if recorded.kind == "preset":
+        if override is not None:
+            raise ValueError(f"{flag} {override}: the LoRA adapters of {ckpt} were trained on {recorded.describe()}, "
+                             f"which is rebuilt from its name and seed, not read from a directory; drop {flag}")
         return recorded
     if recorded.kind == "megatron":
         return _find_megatron(recorded, ckpt=ckpt, override=override, flag=flag, moved_to=megatron_override)
@@ -199,9 +204,9 @@ def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: 
     found = hf_base(where)
     source = f"{flag} {override}" if override else f"the recorded base {recorded.path}"
     if found.arch != recorded.arch:
-        raise ValueError(f"{ckpt}: {source} is a different model ({_arch_line(found.arch)}) than the base its "
-                         f"LoRA adapters were trained on ({_arch_line(recorded.arch)}); pass the original base "
-                         f"with {flag} DIR")
+        raise ValueError(f"{ckpt}: {source} is a different model ({_arch_line(found.arch)}: "
+                         f"{arch_difference(found.arch, recorded.arch)}) than the base its LoRA adapters were trained "
+                         f"on; pass the original base with {flag} DIR")
     if recorded.kind != "hf" or found.fingerprint != recorded.fingerprint:
         was = recorded.describe() if recorded.kind != "hf" else f"{recorded.path} (fingerprint {recorded.fingerprint})"
         raise ValueError(f"{ckpt}: {source} holds other weights (fingerprint {found.fingerprint}) than the base "

@@ -123,9 +123,12 @@ def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:
 
         found = read_arch(ckpt.load)
         if found != arch:
+            from megatron_prune.model.arch import arch_difference
+
             raise UsageError(
                 f"--load {ckpt.load} holds a different architecture ({found.model_type}, "
-                f"{found.num_layers} layers, hidden {found.hidden_size}) than the model asked for; "
+                f"{found.num_layers} layers, hidden {found.hidden_size}: "
+                f"{arch_difference(found.to_dict(), arch.to_dict())}) than the model asked for; "
                 "drop --model-preset/--hf-model to use the checkpoint's own"
             )
     return arch
@@ -215,6 +218,7 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
                                model_preset=model.model_preset, seed=train.seed)
         if ref_load is not None:
             find_latest(ref_load, flag="--ref-load")
+            _check_full_weights(ref_load)
         from megatron_prune.training.loop import check_resumable
 
         lora = configs.get("LoRAConfig")
@@ -229,7 +233,42 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
                          f"model; {arch.model_type} is dense")
     check_layout_fits(arch, model)
     check_output_paths(configs)
+    has_reference = kind == "dpo" or configs["GRPOConfig"].kl_beta > 0
+    notice = finetune_notice(ckpt, ref_load) if has_reference else None
+    if notice and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-prune] {notice}", flush=True)
     return arch, lora_base
+
+
+MERGE_HINT = ("merge them into full weights first (python tools/convert_megatron_to_hf.py --load {ckpt} --hf-out "
+              "MERGED --merge-lora, then python tools/convert_hf_to_megatron.py --hf-dir MERGED --save REF) and pass "
+              "--ref-load REF")
+
+
+def _check_full_weights(ref_load: str) -> None:
+    """A reference is a whole frozen model: a LoRA checkpoint (adapters, no base weights) is refused
+    before any rank builds one."""
+    from megatron_prune.training.checkpoint import read_meta
+
+    meta = read_meta(ref_load)
+    if meta.get("lora"):
+        raise UsageError(f"--ref-load {ref_load} holds LoRA adapters (rank {meta['lora']['rank']}), not a whole "
+                         f"model, and a reference loads whole models only; " + MERGE_HINT.format(ckpt=ref_load))
+
+
+def finetune_notice(ckpt: CheckpointConfig, ref_load: str | None) -> str | None:
+    """The line a ``--finetune`` of a LoRA checkpoint says at launch: training goes on from its
+    adapters, but the reference is its base (adapters off), not the adapted model."""
+    if not (ckpt.finetune and ckpt.load) or ref_load:
+        return None
+    from megatron_prune.training.checkpoint import read_meta
+
+    meta = read_meta(ckpt.load)
+    if not meta.get("lora"):
+        return None
+    return (f"--finetune of the LoRA checkpoint {meta['path']}: training starts from its adapters, and the "
+            f"reference is its base with the adapters off (the adapters are not part of it); for the adapted "
+            f"model as the reference, " + MERGE_HINT.format(ckpt=ckpt.load))
 
 
 def check_layout_fits(arch: ModelArch, model: ModelConfig) -> None:
@@ -298,13 +337,16 @@ def _check_writable(flag: str, path: str, *, file: str | None = None) -> None:
 
 
 def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
+    """``--tokenizer``; else the preset's; else, resuming, the one the checkpoint records while it
+    is there (so ``--hf-model`` naming another copy of a LoRA base keeps the run's tokenizer);
+    else ``--hf-model``'s; else what the checkpoint keeps beside it."""
     if model.tokenizer:
         return model.tokenizer
     if model.model_preset:
         return "tiny"
-    if model.hf_model:
-        return model.hf_model
     if not ckpt.load:
+        if model.hf_model:
+            return model.hf_model
         raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
     from megatron_prune.training.checkpoint import read_meta
 
@@ -312,6 +354,8 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
     recorded = meta.get("tokenizer")  # what the run that saved the checkpoint used
     if recorded == "tiny" or (recorded and os.path.exists(recorded)):
         return recorded
+    if model.hf_model:
+        return model.hf_model
     assets = os.path.join(ckpt.load, "hf_assets")  # kept by the converter and by runs from --hf-model
     if os.path.isdir(assets):
         return assets

@@ -74,7 +74,7 @@ BAD = [
     pytest.param(["--eval-interval", "2"], 1, "--eval-interval needs --eval-data-path", id="eval-interval-alone"),
     pytest.param(["--finetune"], 1, "--finetune needs --load", id="finetune-alone"),
     pytest.param(["--ref-cache", "cache"], 1, "--ref-cache needs --ref-mode precomputed", id="ref-cache-alone"),
-    pytest.param(["--lora-alpha", "16"], 1, "--lora-alpha and --lora-dropout need --lora-rank > 0", id="alpha-alone"),
+    pytest.param(["--lora-alpha", "16"], 1, "--lora-alpha needs --lora-rank > 0 (LoRA is off at rank 0)", id="alpha-alone"),
     pytest.param(["--metrics-jsonl", "."], 1, "--metrics-jsonl .: is a directory", id="metrics-is-a-dir"),
     pytest.param(["--save", "README.md"], 1, "--save README.md: exists and is not a directory", id="save-is-a-file"),
     pytest.param(["--ref-load", "no-such-ckpt"], 1, "--ref-load no-such-ckpt: directory does not exist",
@@ -154,6 +154,7 @@ def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, caps
                       monkeypatch, capsys)
     assert code == 2
     assert f"--load {tmp_path / 'ckpt'} holds a different architecture" in err, err
+    assert "tie_word_embeddings True (not False)" in err, err  # what differs, not only the shared summary
     assert "Traceback" not in err
     assert _no_process_group()
 

@@ -25,7 +25,7 @@ def hf_dir(tmp_path_factory) -> str:
     return make_hf_model("qwen2", str(tmp_path_factory.mktemp("base") / "hf"), seed=1)
 
 
-def _lora_checkpoint(root, base: dict | None) -> str:
+def _lora_checkpoint(root, base: dict | None, lora: LoRAConfig = LORA) -> str:
     """A save directory whose one checkpoint's meta.json records ``base`` (no tensors needed here:
     the other files a checkpoint holds are empty stand-ins)."""
     from megatron_prune.training.checkpoint import FORMAT, META, TRACKER, iteration_dir
@@ -35,7 +35,7 @@ def _lora_checkpoint(root, base: dict | None) -> str:
     os.makedirs(os.path.join(ckpt, "dist"))
     for name in ("trainer_state.pt", os.path.join("dist", ".metadata")):
         open(os.path.join(ckpt, name), "wb").close()
-    meta = {"format": FORMAT, "iteration": 3, "arch": arch, "has_optimizer": True, **lora_meta(LORA, base=base)}
+    meta = {"format": FORMAT, "iteration": 3, "arch": arch, "has_optimizer": True, **lora_meta(lora, base=base)}
     with open(os.path.join(ckpt, META), "w") as f:
         json.dump(meta, f)
     with open(os.path.join(str(root), TRACKER), "w") as f:
@@ -93,13 +93,21 @@ def test_base_of_another_architecture_or_with_other_weights_is_refused(hf_dir, t
     ckpt = _lora_checkpoint(tmp_path / "ckpt", hf_base(hf_dir).to_dict())
     record = hf_base(hf_dir).to_dict()
     llama = make_hf_model("llama", str(tmp_path / "llama"), seed=1)
-    with pytest.raises(ValueError, match="is a different model .*llama.* than the base .*qwen2"):
+    with pytest.raises(ValueError, match=r"is a different model \(llama, .*model_type 'llama' \(not 'qwen2'\).* than the base"):
         resolve_base(record, ckpt=ckpt, override=llama, flag="--base-hf")
     retrained = make_hf_model("qwen2", str(tmp_path / "retrained"), seed=5)
     with pytest.raises(ValueError, match="holds other weights"):
         resolve_base(record, ckpt=ckpt, override=retrained, flag="--hf-model")
     with pytest.raises(ValueError, match="not an HF model directory"):
         resolve_base(record, ckpt=ckpt, override=str(tmp_path), flag="--hf-model")
+
+
+def test_preset_base_takes_no_directory(hf_dir, tmp_path):
+    _lora_checkpoint(tmp_path / "ckpt", preset_base("tiny", seed=0).to_dict())
+    with pytest.raises(ValueError, match=r"^--base-hf \S+: the LoRA adapters of \S+ were trained on .*tiny.*, which "
+                                         r"is rebuilt from its name and seed, not read from a directory; drop --base-hf"):
+        resolve_base(preset_base("tiny", seed=0).to_dict(), ckpt=str(tmp_path / "ckpt"), override=hf_dir,
+                     flag="--base-hf")
 
 
 def test_preset_base_is_rebuilt_from_its_name_and_seed(tmp_path):
@@ -246,3 +254,64 @@ def test_compare_tool_refuses_a_lora_checkpoint_with_the_way_to_compare_it(tmp_p
                                          "tools/convert_megatron_to_hf.py --load CKPT --hf-out DIR --merge-lora"):
         compare_hf_and_megatron(hf_dir=str(tmp_path / "hf"), load_dir=str(tmp_path / "lora"),
                                 parallel=ParallelConfig(), seq_length=8, batch_size=1, seed=0, hf_device="cpu")
+
+
+def test_resume_takes_the_trained_alpha_and_refuses_another(tmp_path):
+    """alpha / r scales what the adapters learned: a resume without --lora-alpha runs at the
+    checkpoint's alpha (not the default alpha = r), another alpha is refused, and the same set of
+    targets in another order is the same adapters."""
+    record = preset_base("tiny", seed=0).to_dict()
+    trained = LoRAConfig(rank=4, alpha=8.0, dropout=0.1, targets="linear_qkv,linear_fc2")
+    _lora_checkpoint(tmp_path / "ckpt", record, lora=trained)
+    resumed = LoRAConfig(rank=4, targets="linear_fc2,linear_qkv")
+    assert check_load(str(tmp_path / "ckpt"), resumed) == record
+    assert resumed.alpha == 8.0 and resumed.scale == 2.0
+    assert lora_meta(resumed)["lora"]["alpha"] == 8.0  # what its own checkpoints record
+    assert check_load(str(tmp_path / "ckpt"), LoRAConfig(rank=4, alpha=8.0, targets=trained.targets)) == record
+    with pytest.raises(ValueError, match=r"^--lora-alpha 4: --load \S+ holds adapters trained at --lora-alpha 8 "
+                                         r"\(scale 2\), and another alpha would rescale them; leave --lora-alpha out"):
+        check_load(str(tmp_path / "ckpt"), LoRAConfig(rank=4, alpha=4.0, targets=trained.targets))
+    with pytest.raises(ValueError, match="holds LoRA adapters of rank 4 on linear_qkv,linear_fc2, but the flags ask"):
+        check_load(str(tmp_path / "ckpt"), LoRAConfig(rank=4, targets="linear_qkv"))
+
+
+def test_reference_checkpoint_makes_online_the_lora_default():
+    from megatron_prune.lora_config import resolve_ref_mode
+
+    assert resolve_ref_mode(None, LORA) == "adapter-off"
+    assert resolve_ref_mode(None, LORA, ref_load="ref") == "online"
+    assert resolve_ref_mode("precomputed", LORA, ref_load="ref") == "precomputed"
+    with pytest.raises(ValueError, match="--ref-mode adapter-off uses the policy's own base weights"):
+        resolve_ref_mode("adapter-off", LORA, ref_load="ref")
+
+
+def test_lora_checkpoint_as_reference_is_refused_and_finetune_says_what_the_reference_is(tmp_path):
+    from megatron_prune.config import CheckpointConfig
+    from megatron_prune.training import session
+
+    _lora_checkpoint(tmp_path / "lora", preset_base("tiny", seed=0).to_dict())
+    with pytest.raises(session.UsageError, match=r"^--ref-load \S+ holds LoRA adapters \(rank 4\), not a whole "
+                                                 r"model.*convert_megatron_to_hf.py --load \S+ --hf-out MERGED "
+                                                 r"--merge-lora, then .*convert_hf_to_megatron.py"):
+        session._check_full_weights(str(tmp_path / "lora"))
+    notice = session.finetune_notice(CheckpointConfig(load=str(tmp_path / "lora"), finetune=True), None)
+    assert "the reference is its base with the adapters off" in notice and "--merge-lora" in notice
+    assert session.finetune_notice(CheckpointConfig(load=str(tmp_path / "lora")), None) is None
+    assert session.finetune_notice(CheckpointConfig(load=str(tmp_path / "lora"), finetune=True), "ref") is None
+
+
+def test_resume_with_another_copy_of_the_base_keeps_the_recorded_tokenizer(hf_dir, tmp_path):
+    """--hf-model naming a copy of a LoRA run's base (its weights) does not replace the tokenizer
+    the run recorded; it is the tokenizer only where the recorded one is gone."""
+    from megatron_prune.config import CheckpointConfig, ModelConfig
+    from megatron_prune.training import session
+
+    ckpt = _lora_checkpoint(tmp_path / "ckpt", hf_base(hf_dir).to_dict())
+    meta_path = os.path.join(ckpt, "meta.json")
+    meta = json.load(open(meta_path))
+    copy = str(shutil.copytree(hf_dir, tmp_path / "copy"))
+    for recorded, expected in (("tiny", "tiny"), (hf_dir, hf_dir), (str(tmp_path / "gone"), copy)):
+        json.dump({**meta, "tokenizer": recorded}, open(meta_path, "w"))
+        got = session.resolve_tokenizer(ModelConfig(hf_model=copy), CheckpointConfig(load=str(tmp_path / "ckpt")))
+        assert got == expected, (recorded, got)
+    assert session.resolve_tokenizer(ModelConfig(hf_model=copy), CheckpointConfig()) == copy
