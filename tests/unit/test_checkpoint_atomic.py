@@ -315,7 +315,7 @@ def test_ctrl_c_after_a_checkpoint_names_the_load_that_resumes(tmp_path, stub_io
 
     _save(tmp_path / "ckpt", 2)
 
-    def interrupted(configs):
+    def interrupted(configs, checked):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(dpo_main, "_run", interrupted)

@@ -216,11 +216,19 @@ def test_prompt_limit_follows_a_short_max_seq_length_and_is_checked(capsys):
 
 
 def test_a_failed_mode_fails_the_run(tmp_path, capsys):
-    missing = tmp_path / "no-such-file.jsonl"
+    broken = tmp_path / "broken.jsonl"  # a data file the flags accept and the worker cannot read
+    broken.write_text("not a JSON record\n")
     with pytest.raises(SystemExit, match="failed.*concat"):
-        bench_dpo.main(["--modes", "concat", "--data-path", str(missing), "--steps", "1", "--warmup", "0",
+        bench_dpo.main(["--modes", "concat", "--data-path", str(broken), "--steps", "1", "--warmup", "0",
                         "--json", str(tmp_path / "out.json")])
     assert "concat: FAILED" in capsys.readouterr().out
+
+
+def test_a_missing_data_file_is_refused_before_any_mode_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_dpo.parse_args(["--data-path", str(tmp_path / "no-such-file.jsonl")])
+    assert exc.value.code == 2
+    assert f"--data-path {tmp_path / 'no-such-file.jsonl'}: data file not found" in capsys.readouterr().err
 
 
 # --- LoRA ---------------------------------------------------------------------------------------
