@@ -46,9 +46,10 @@ def tool_logging() -> None:
     import logging
     import warnings
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("megatron_prune").setLevel(logging.INFO)
-    logging.getLogger("megatron_prune.patches").setLevel(logging.WARNING)
+    if not logging.getLogger().handlers:  # as logging.basicConfig: a host that set up logging (pytest) keeps its own
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("megatron_prune").setLevel(logging.INFO)
+        logging.getLogger("megatron_prune.patches").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed\.checkpoint)\.")
 
