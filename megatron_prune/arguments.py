@@ -39,6 +39,16 @@ def refuse_plot_without_matplotlib(parser: argparse.ArgumentParser, plot: str | 
         parser.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
 
 
+def ignore_expected_warnings() -> None:
+    """Warnings no user can act on: Megatron's import-time notes about Apex/TE fallbacks, which the
+    local spec expects, and the torch deprecations its dist checkpointing triggers (ShardedTensor,
+    load_state_dict), which every rank would print at each load."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed\.checkpoint)\.")
+
+
 def tool_logging() -> None:
     """What the conversion tools print: megatron-prune's own INFO lines (what was converted,
     written, skipped) and every warning, without Megatron's start-up chatter, the patch
@@ -50,20 +60,18 @@ def tool_logging() -> None:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("megatron_prune").setLevel(logging.INFO)
         logging.getLogger("megatron_prune.patches").setLevel(logging.WARNING)
+    ignore_expected_warnings()
     warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed\.checkpoint)\.")
 
 
 def refuse_bad_data_files(parser: argparse.ArgumentParser, flag: str, paths) -> None:
     """The benchmark tools' data flags: a missing file, a directory or an unknown suffix is refused
     while parsing flags (one line naming the flag, exit 2), not in a worker's traceback."""
-    from megatron_prune.data.records import DataError, check_data_file
+    from megatron_prune.data.records import data_files_problem
 
-    for path in paths or []:
-        try:
-            check_data_file(path)
-        except (FileNotFoundError, DataError) as exc:
-            parser.error(f"{flag} {exc}")
+    problem = data_files_problem(flag, paths)
+    if problem:
+        parser.error(problem)
 
 
 class ToolHelpFormatter(argparse.RawDescriptionHelpFormatter):

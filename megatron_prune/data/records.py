@@ -106,6 +106,17 @@ def check_data_file(path: str | os.PathLike) -> None:
         raise DataError(path, None, "unknown file type", f"expected one of {expected}")
 
 
+def data_files_problem(flag: str, paths) -> str | None:
+    """The first reason a file that ``flag`` names is not a data file the readers take, as the
+    line a user sees (``"--data-path x.csv: unknown file type ..."``); None when every one is."""
+    for path in paths or []:
+        try:
+            check_data_file(path)
+        except (FileNotFoundError, DataError) as exc:
+            return f"{flag} {exc}"
+    return None
+
+
 def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
     """Yield ``(record_number, record)`` for every record of a local file; bad ones as DataError.
 

@@ -166,8 +166,9 @@ def check_dpo_flags(configs: dict[str, Any]) -> session.LaunchChecks:
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
     arch, lora_base = session.resolve_model_and_base(configs, kind="dpo")
-    tokenizer = session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
-    return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, ref_mode=ref_mode)
+    spec, tokenizer = session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
+    return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec,
+                                ref_mode=ref_mode)
 
 
 def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None) -> list[dict[str, Any]]:
@@ -182,8 +183,8 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
     from megatron_prune.lora_config import lora_meta
 
     checked = checked or check_dpo_flags(configs)
-    ref_mode, arch, lora_base, tokenizer = checked.ref_mode, checked.arch, checked.lora_base, checked.tokenizer
-    tokenizer_spec = session.resolve_tokenizer(model_cfg, ckpt_cfg)
+    ref_mode, arch, lora_base = checked.ref_mode, checked.arch, checked.lora_base
+    tokenizer, tokenizer_spec = checked.tokenizer, checked.tokenizer_spec
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
     data_cfg = PreferenceDataConfig(max_seq_length=train_cfg.seq_length, max_prompt_length=train_cfg.max_prompt_length,

@@ -59,8 +59,9 @@ def _checks(configs):
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
                          "to sample with full recompute")
     arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
-    tokenizer = None if grpo.task in TOY_TASKS else session.check_tokenizer(model, configs["CheckpointConfig"])
-    return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer)
+    spec, tokenizer = ((None, None) if grpo.task in TOY_TASKS
+                       else session.check_tokenizer(model, configs["CheckpointConfig"]))
+    return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec)
 
 
 def _run(configs, checked):

@@ -422,13 +422,14 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
     grpo: GRPOConfig = configs["GRPOConfig"]
     from megatron_prune.lora_config import lora_meta
 
+    toy = grpo.task in ("toy", "toy-binary")  # the toy tasks use token ids, no tokenizer
     if checked is None:
         arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")
         tokenizer = None
+        tokenizer_name = None if toy or not grpo.data_path else session.resolve_tokenizer(model_cfg, ckpt_cfg)
     else:
-        arch, lora_base, tokenizer = checked.arch, checked.lora_base, checked.tokenizer
-    toy = grpo.task in ("toy", "toy-binary")  # the toy tasks use token ids, no tokenizer
-    tokenizer_name = None if toy or not grpo.data_path else session.resolve_tokenizer(model_cfg, ckpt_cfg)
+        arch, lora_base, tokenizer, tokenizer_name = (checked.arch, checked.lora_base, checked.tokenizer,
+                                                      checked.tokenizer_spec)
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,
                           tokenizer_name=tokenizer_name, tokenizer=tokenizer)
     parallel = session.start(model_cfg, train_cfg)

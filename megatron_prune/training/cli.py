@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 from typing import Any, Callable
 
-from megatron_prune.arguments import GIVEN, parse_configs
+from megatron_prune.arguments import GIVEN, ignore_expected_warnings, parse_configs
 
 
 def run_cli(
@@ -25,11 +24,7 @@ def run_cli(
     (:mod:`megatron_prune.training.dead_flags`), honour ``--dry-run``, then ``run(configs, checked)``
     with what ``extra_checks(configs)`` returned, so the run need not check again."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Megatron warns at import about Apex/TE fallbacks that are expected on the local spec.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    # Megatron's dist checkpointing calls torch APIs torch has deprecated (ShardedTensor,
-    # load_state_dict): nothing a user can act on, and every rank would print them at each load.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed\.checkpoint)\.")
+    ignore_expected_warnings()
     # The device comes first: on Ascend, torch_npu and MindSpeed must load before Megatron.
     from megatron_prune.accelerator import AcceleratorError
     from megatron_prune.adapters.mindspeed import bootstrap_device, parse_mindspeed_flags

@@ -137,13 +137,11 @@ def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:
 def check_data_files(flag: str, paths) -> None:
     """Every file ``flag`` names is a data file the readers take (checked before any rank works,
     also under ``--dry-run``)."""
-    from megatron_prune.data.records import DataError, check_data_file
+    from megatron_prune.data.records import data_files_problem
 
-    for path in paths or []:
-        try:
-            check_data_file(path)
-        except (FileNotFoundError, DataError) as exc:
-            raise UsageError(f"{flag} {exc}") from None
+    problem = data_files_problem(flag, paths)
+    if problem:
+        raise UsageError(problem)
 
 
 # Flags a resume may change without a word: paths, layout and logging (resharding and moving
@@ -172,14 +170,14 @@ def flag_record(configs: dict) -> dict:
     return record
 
 
-def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig):
-    """The tokenizer the run resolves, loaded to check it (also under ``--dry-run``) and returned
-    so the run uses this one instead of loading it again."""
+def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> tuple[str, Any]:
+    """The tokenizer the run resolves, as ``(spec, tokenizer)``: loaded to check it (also under
+    ``--dry-run``) and returned so the run neither resolves nor loads it again."""
     from megatron_prune.data.tokenizer import TokenizerError, load_tokenizer
 
     name = resolve_tokenizer(model, ckpt)
     try:
-        return load_tokenizer(name)
+        return name, load_tokenizer(name)
     except (TokenizerError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
 
@@ -195,6 +193,9 @@ class LaunchChecks:
     """Under LoRA, where the frozen base comes from (None without LoRA)."""
     tokenizer: Any = None
     """The loaded tokenizer (None where the run needs none: GRPO's toy tasks)."""
+    tokenizer_spec: str | None = None
+    """What ``tokenizer`` was loaded from (``"tiny"``, a path or an HF name), as the checkpoint
+    records it."""
     ref_mode: str | None = None
     """DPO's resolved ``--ref-mode`` (None for GRPO)."""
 
