@@ -199,7 +199,7 @@ class LoggingConfig:
     metrics_jsonl: str | None = field(default=None, metadata=_flag("--metrics-jsonl"))
     """Write one JSON object per step here (from one rank)."""
     tensorboard_dir: str | None = field(default=None, metadata=_flag("--tensorboard-dir"))
-    """TensorBoard event directory (when tensorboard is installed)."""
+    """TensorBoard event directory (needs the tensorboard package: pip install tensorboard)."""
     log_interval: int = field(default=1, metadata=_flag("--log-interval"))
     """Console progress line every N steps."""
 
