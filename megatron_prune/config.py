@@ -293,7 +293,8 @@ class DPOConfig:
     ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))
     """Checkpoint of the reference model, full weights (default: the starting model, with --finetune the loaded weights; a resumed run uses the one it recorded, whatever --model-preset/--hf-model say). Under LoRA it makes --ref-mode online the default."""
     ref_cache: str | None = field(default=None, metadata=_flag("--ref-cache"))
-    """Directory of the precomputed reference log-probs (default: <save or data dir>/ref_logps)."""
+    """Directory of the precomputed reference log-probs (default: <save or data dir>/ref_logps); one
+    file per reference model and tokenized data, reused when both are the same."""
 
     def __post_init__(self) -> None:
         if not (self.beta > 0 and math.isfinite(self.beta)):

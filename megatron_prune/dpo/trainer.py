@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
 import os
@@ -89,11 +90,16 @@ def heldout_pairs(total: int, *, micro_batch_size: int, dp: int) -> int:
     return usable
 
 
-def _fingerprint(paths: list[str], extra: str) -> str:
+def _fingerprint(dataset: PreferenceDataset, extra: str) -> str:
+    """Key of a precomputed reference table: the reference model (``extra``) and the token ids of
+    every pair in order. Hashing the tokens, not the files, makes any change that alters what the
+    reference scores (another tokenizer, chat format, ``--seq-length`` or ``--max-prompt-length``,
+    an edited record) a new table, and a moved copy of the same data reuses the old one."""
     h = hashlib.sha256(extra.encode())
-    for p in paths:
-        st = os.stat(p)
-        h.update(f"{os.path.abspath(p)}|{st.st_size}|{int(st.st_mtime)}".encode())
+    for pair in dataset.pairs:
+        for ids in (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids):
+            h.update(len(ids).to_bytes(4, "little"))
+            h.update(array.array("q", ids).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -238,8 +244,7 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         reference = make_reference()
         cache_dir = dpo.ref_cache or os.path.join(ckpt_cfg.save or os.path.dirname(os.path.abspath(dpo.data_path[0])),
                                                   "ref_logps")
-        fp = _fingerprint(dpo.data_path, f"{arch.to_dict()}|{ref_meta}|{train_cfg.seed}|{train_cfg.seq_length}|"
-                                         f"{train_cfg.max_prompt_length}")
+        fp = _fingerprint(dataset, f"{arch.to_dict()}|{ref_meta}|{train_cfg.seed}")
         precompute_off = DPOStep(settings=off, policy=parts.model, reference=reference)
         table = precompute_reference(runner_off=precompute_off, dataset=dataset, cache_dir=cache_dir,
                                      fingerprint=fp, batch=train_cfg.micro_batch_size)

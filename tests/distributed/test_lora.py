@@ -197,6 +197,16 @@ def reference_checks(*, parallel: dict | None = None) -> dict:
             "frozen_copy": runner.reference_logps(plans),
             "adapters_on": DPOStep(settings=settings, policy=lora, reference=lora).reference_logps(plans),
         }
+        # Adapter dropout belongs to passes with a backward: the forward-only passes (the pruned
+        # branch, GRPO's old log-probs) run in train mode and must score without it.
+        from megatron_prune.model.lora import lora_modules
+
+        for module in lora_modules(lora):
+            module.lora_dropout = 0.3
+        assert all(chunk.training for chunk in lora)
+        found["dropout_no_grad"] = DPOStep(settings=settings, policy=lora, reference=lora).reference_logps(plans)
+        for module in lora_modules(lora):
+            module.lora_dropout = 0.0
         # The view switched the adapters back on afterwards.
         after_logits = megatron_logits(lora, tokens)
     return dict(fresh_logits=fresh_logits, base_logits=base_logits, tuned_logits=tuned_logits,
@@ -471,6 +481,9 @@ def test_adapter_off_reference_is_the_frozen_base(single):
         torch.testing.assert_close(off[key], frozen[key], rtol=0, atol=1e-6)
     assert max((on[k] - frozen[k]).abs().max().item() for k in off) > 1e-4, "the adapters changed no log-prob"
     torch.testing.assert_close(ref["after_logits"], ref["tuned_logits"], rtol=0, atol=0)
+    dropped = ref["logps"]["dropout_no_grad"]
+    assert dropped.keys() == on.keys() and all(torch.equal(dropped[k], on[k]) for k in on), \
+        "adapter dropout acted in a forward-only pass"
 
 
 @pytest.mark.distributed

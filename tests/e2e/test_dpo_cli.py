@@ -108,9 +108,10 @@ def test_pruned_dpo_learns_on_bundled_data(tmp_path):
 
 @pytest.mark.e2e
 def test_precomputed_reference_matches_online(tmp_path):
-    """The cached reference log-probs give the same run as the online reference model."""
+    """The cached reference log-probs give the same run as the online reference model, read at the
+    positions position pruning scores; data tokenized otherwise gets a table of its own."""
     common = ("--train-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
-              "--prune-branch")
+              "--prune-branch", "--prune-position-ratio", "0.5")
     online = run_cli(tmp_path / "a" if (tmp_path / "a").mkdir() is None else tmp_path, *common)
     cache = tmp_path / "cache"
     pre = run_cli(tmp_path / "b" if (tmp_path / "b").mkdir() is None else tmp_path, *common,
@@ -120,8 +121,12 @@ def test_precomputed_reference_matches_online(tmp_path):
     for a, b in zip(online, pre, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert b["ref_tokens"] == 0 and a["ref_tokens"] > 0
-    # A cache file that cannot be read stops the run in one line naming it.
     (stored,) = cache.glob("ref_logps_*.pt")
+    # Prompts cut shorter are other tokens: a new table, not the first one read at the wrong ids.
+    run_cli(tmp_path / "c" if (tmp_path / "c").mkdir() is None else tmp_path, *common, "--max-prompt-length", "64",
+            "--ref-mode", "precomputed", "--ref-cache", str(cache))
+    assert len(list(cache.glob("ref_logps_*.pt"))) == 2
+    # A cache file that cannot be read stops the run in one line naming it.
     stored.write_bytes(stored.read_bytes()[:100])
     with pytest.raises(AssertionError, match=r"CLI failed \(2\)") as failed:
         run_cli(tmp_path / "b", *common, "--ref-mode", "precomputed", "--ref-cache", str(cache))

@@ -44,17 +44,18 @@ WRAPPER = textwrap.dedent(
 
     trainer.DPOObjective.train_step = train_step
     dpo_step.dpo_pair_losses = dpo_pair_losses
-    from megatron_prune.dpo.__main__ import main
-    sys.exit(main(sys.argv[2:]))
+    if __name__ == "__main__":  # the checkpoint writer's worker processes import this file again
+        from megatron_prune.dpo.__main__ import main
+        sys.exit(main(sys.argv[2:]))
     """
 )
 
 
-def _run_with_nan(tmp_path, mode: str, iters: int, *, every: bool = False):
+def _run_with_nan(tmp_path, mode: str, iters: int, *, every: bool = False, extra: tuple = ()):
     script = tmp_path / "nan_at_step.py"
     script.write_text(WRAPPER)
     metrics = tmp_path / "m.jsonl"
-    args = [*TINY_DPO, "--train-iters", str(iters), "--on-nonfinite", mode, "--metrics-jsonl", str(metrics)]
+    args = [*TINY_DPO, "--train-iters", str(iters), "--on-nonfinite", mode, "--metrics-jsonl", str(metrics), *extra]
     env = launch_env(NAN_EVERY_STEP="1" if every else "0")
     run = run_cmd(torchrun_cmd([str(script), str(NAN_STEP), *args]), log=tmp_path / "log.txt", timeout=300, env=env)
     return run, (read_jsonl(metrics) if metrics.exists() else [])
@@ -73,8 +74,27 @@ def test_nan_on_one_rank_stops_all_ranks_naming_the_step(tmp_path):
     assert "--on-nonfinite skip" in run.output
 
 
+def _saved_state(path) -> dict:
+    """Everything a checkpoint holds that a training step changes: weights, Adam moments and step
+    count, the learning-rate schedule's position (the data sampler moves on in any case)."""
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(path / "dist"), str(path / "whole.pt"))
+    state = {k: v for k, v in torch.load(path / "whole.pt", weights_only=False).items() if torch.is_tensor(v)}
+    common = torch.load(path / "dist" / "common.pt", weights_only=False)["optimizer"]["state"]
+    trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+    return {**state, "adam_steps": common["common_step"], "lr_steps": trainer["scheduler"]["num_steps"]}
+
+
 def test_nan_on_one_rank_skips_the_step_and_continues(tmp_path):
-    run, records = _run_with_nan(tmp_path, "skip", iters=3)
+    save = tmp_path / "ckpt"
+    run, records = _run_with_nan(tmp_path, "skip", iters=3, extra=("--save", str(save), "--save-interval", "1",
+                                                                     "--lr-warmup-iters", "2"))
     run.check_ok()
     assert [r["step"] for r in records] == [0, 1, 2]
     assert [r["skipped"] for r in records] == [False, True, False]
@@ -82,6 +102,17 @@ def test_nan_on_one_rank_skips_the_step_and_continues(tmp_path):
     assert bad["grad_norm"] is None and bad["loss"] != bad["loss"]  # NaN recorded as such
     assert all(r["loss"] == r["loss"] and r["grad_norm"] is not None for r in (records[0], records[2]))
     assert "SKIPPED" in run.output
+    # Skipped means untouched: no optimizer step (weights, moments, Adam's count) and no step of
+    # the warm-up schedule, on every rank (the checkpoint holds each DP rank's shard).
+    before, skipped, after = (_saved_state(save / f"iter_{i:07d}") for i in (NAN_STEP, NAN_STEP + 1, NAN_STEP + 2))
+    import torch
+
+    assert before.keys() == skipped.keys()
+    changed = [k for k in before if not torch.equal(torch.as_tensor(before[k]), torch.as_tensor(skipped[k]))]
+    assert not changed, f"the skipped step changed {changed[:5]}"
+    assert records[NAN_STEP + 1]["lr"] == records[NAN_STEP]["lr"] > records[0]["lr"]
+    # ... while the step after it trains again.
+    assert [k for k in before if not torch.equal(torch.as_tensor(skipped[k]), torch.as_tensor(after[k]))]
 
 
 def test_skipping_stops_after_ten_non_finite_steps_in_a_row(tmp_path):

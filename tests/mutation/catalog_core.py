@@ -17,6 +17,7 @@ MOE_EP4 = "tests/distributed/test_moe.py::test_expert_parallel_4_ranks_matches_s
 
 RESUME_REFERENCE = ("tests/e2e/test_user_paths.py::"
                     "test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_loaded_weights")
+NONFINITE_SKIP = "tests/e2e/test_nonfinite.py::test_nan_on_one_rank_skips_the_step_and_continues"
 
 MUTANTS: list[dict] = [
     {
@@ -261,5 +262,23 @@ MUTANTS: list[dict] = [
                "                            self._virtual[f\"{base}{e}.up_proj.weight\"] = (name, e, 0)\n",
         "tests": ["tests/distributed/test_moe_conversion.py::"
                   "test_fused_and_per_expert_layouts_map_to_the_same_megatron_state"],
+    },
+    {
+        "name": "skipped-step-advances-the-schedule",
+        "why": "--on-nonfinite skip leaves the weights alone but steps the learning-rate schedule",
+        "file": "megatron_prune/training/loop.py",
+        "old": "                skipped_in_a_row += 1\n",
+        "new": "                skipped_in_a_row += 1\n                parts.scheduler.step(1)\n",
+        "tests": [NONFINITE_SKIP],
+    },
+    {
+        "name": "skipped-step-runs-adam-on-zeroed-grads",
+        "why": "a skipped step zeroes the gradients and steps Adam anyway: its moments still move the weights",
+        "file": "megatron_prune/training/loop.py",
+        "old": "            if finite:\n                success, grad_norm, _ = parts.optimizer.step()\n",
+        "new": "            if not finite:\n                for chunk in parts.model:\n                    chunk.zero_grad_buffer()\n"
+               "                parts.optimizer.zero_grad()\n                parts.optimizer.step()\n"
+               "            if finite:\n                success, grad_norm, _ = parts.optimizer.step()\n",
+        "tests": [NONFINITE_SKIP],
     },
 ]

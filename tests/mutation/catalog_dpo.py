@@ -275,4 +275,31 @@ MUTANTS: list[dict] = [
         "new": "pad_id=self.s.pad_id, prompt_starts=batch.row_starts and batch.row_starts[1:] + batch.row_starts[:1])",
         "tests": [BRANCH_SHARED_KV_PACKED],
     },
+    {
+        "name": "dpo-precomputed-ref-first-positions",
+        "why": "the precomputed reference table is read at the first k positions, not at the k that position "
+               "pruning scores: the log-ratios subtract the wrong tokens' reference log-probs",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "self.ref_lookup(p.sample_id, b)[p.scored[b]]",
+        "new": "self.ref_lookup(p.sample_id, b)[: len(p.scored[b])]",
+        "tests": ["tests/e2e/test_dpo_cli.py::test_precomputed_reference_matches_online"],
+    },
+    {
+        "name": "dpo-ref-cache-key-ignores-tokens",
+        "why": "the reference cache is keyed by the model alone: data tokenized otherwise (another --seq-length, "
+               "--max-prompt-length, tokenizer or record) reuses a table of other tokens",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "    for pair in dataset.pairs:\n",
+        "new": "    for pair in dataset.pairs[:0]:\n",
+        "tests": ["tests/unit/test_ref_cache_key.py",
+                  "tests/e2e/test_dpo_cli.py::test_precomputed_reference_matches_online"],
+    },
+    {
+        "name": "dpo-ref-cache-key-ignores-prompts",
+        "why": "the reference cache key hashes the responses only: prompts cut otherwise reuse the old table",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "for ids in (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids):",
+        "new": "for ids in (pair.chosen_ids, pair.rejected_ids):",
+        "tests": ["tests/unit/test_ref_cache_key.py"],
+    },
 ]

@@ -67,4 +67,13 @@ MUTANTS: list[dict] = [
                "        with attend_to_prefix_kv(store), adapters_disabled([model]):\n",
         "tests": [DPO_LAYOUTS],
     },
+    {
+        "name": "lora-dropout-in-forward-only-passes",
+        "why": "adapter dropout also acts in the no-grad passes (the pruned branch, GRPO's old log-probs), which "
+               "run in train mode: their log-probs turn noisy and the PPO ratio is not 1 at the first update",
+        "file": "megatron_prune/model/lora.py",
+        "old": "if self.lora_dropout and self.training and torch.is_grad_enabled():",
+        "new": "if self.lora_dropout and self.training:",
+        "tests": ["tests/distributed/test_lora.py::test_adapter_off_reference_is_the_frozen_base"],
+    },
 ]

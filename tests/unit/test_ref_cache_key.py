@@ -1,0 +1,29 @@
+"""The key of a precomputed reference table follows every token the reference scores."""
+
+from __future__ import annotations
+
+import types
+
+from megatron_prune.data.preference import PreferencePair
+from megatron_prune.dpo.trainer import _fingerprint
+
+
+def _data(*pairs: tuple[list[int], list[int], list[int]], source: str = "a.jsonl"):
+    return types.SimpleNamespace(pairs=[PreferencePair(p, c, r, source, i) for i, (p, c, r) in enumerate(pairs)])
+
+
+def test_key_changes_with_any_token_and_not_with_the_file():
+    base = _data(([1, 2, 3], [4, 5], [6]), ([7], [8, 9], [10, 11]))
+    key = _fingerprint(base, "model")
+    assert key == _fingerprint(_data(([1, 2, 3], [4, 5], [6]), ([7], [8, 9], [10, 11]), source="moved/a.jsonl"),
+                               "model")
+    changed = [
+        _data(([1, 2, 9], [4, 5], [6]), ([7], [8, 9], [10, 11])),  # a prompt token
+        _data(([1, 2], [3, 4, 5], [6]), ([7], [8, 9], [10, 11])),  # the same ids split otherwise
+        _data(([1, 2, 3], [4, 5], [6]), ([7], [8, 9], [10])),  # a response cut shorter
+        _data(([7], [8, 9], [10, 11]), ([1, 2, 3], [4, 5], [6])),  # the order (table keys are pair indices)
+        _data(([1, 2, 3], [4, 5], [6])),  # a pair fewer
+    ]
+    keys = [_fingerprint(d, "model") for d in changed]
+    assert key not in keys and len(set(keys)) == len(keys)
+    assert _fingerprint(base, "another reference") != key
