@@ -19,6 +19,11 @@
   k3``, summed over tokens and divided by ``prompts x G x max_new_tokens``.
 * ``reward_mean_weighted`` (rewards of the rolled-out prompts weighted by ``1/p``, over all
   prompts) has the unpruned ``reward_mean`` as its expectation.
+* **Several updates per rollout.** ``--minibatches 2`` (``--ppo-epochs`` 1 and 2) and
+  ``--loss-normalization sequence``: every ``train_step`` of one rollout, with an SGD step of the
+  policy in between, equals a plain-PyTorch reference on its minibatch's prompts whose ratio takes
+  the *rollout* policy's log-probs as old ones, divided by ``minibatch prompts x G x max_new_tokens``
+  (sequence: each completion's token mean, divided by ``prompts x G``).
 """
 
 from __future__ import annotations
@@ -506,3 +511,227 @@ def test_state_inside_a_rollout_restores_it_on_every_rank():
         for key in ("loss", "policy_loss", "kl_loss", "clip_fraction", "ratio_mean", "policy_tokens"):
             assert metrics_resumed[key] == metrics[key], (rank, key)
         assert torch.equal(grad_resumed, grad), rank
+
+
+# ---------------------------------------------------------------------------------------
+# several updates per rollout (--minibatches, --ppo-epochs) and --loss-normalization sequence
+# ---------------------------------------------------------------------------------------
+
+MB_PROMPTS = 4
+MB_CLIP = 0.05  # a tight clip, so that one SGD step moves some ratios past it
+MB_LR = 0.02  # SGD step between the updates of a rollout: enough for some ratios to pass the clip (measured)
+MB_REWARDS = {0: [1.0, 1 / 3], 1: [0.0, 1.0], 2: [0.5, 0.0], 3: [1.0, 0.5]}
+"""The rewards of :func:`minibatch_rollout`'s completions, written out (checked against the scorer)."""
+
+
+def minibatch_rollout(source) -> dict[int, list[list[int]]]:
+    """Four prompts, every group with distinct rewards, completions of 1, 2 and 3 tokens."""
+    eos = source.eos_id
+    table = {}
+    for prompt_id in range(MB_PROMPTS):
+        digit = int(source.get(prompt_id).answer)
+        right = functools.partial(_token_of_class, digit)
+        wrong = functools.partial(_token_of_class, (digit + 1) % 10)
+        table[prompt_id] = {
+            0: [[right(1), right(7), eos], [right(2), wrong(3), wrong(5)]],
+            1: [[wrong(4), eos], [right(6)]],
+            2: [[right(3), wrong(2), eos], [wrong(9), wrong(11), wrong(2)]],
+            3: [[right(5), right(8), right(0)], [wrong(1), right(4)]],
+        }[prompt_id]
+        scored = [source.score(source.get(prompt_id), c) for c in table[prompt_id]]
+        assert scored == pytest.approx(MB_REWARDS[prompt_id], abs=1e-12), (prompt_id, scored)
+    lengths = {len(c) for group in table.values() for c in group}
+    assert lengths == {1, 2, 3}
+    return table
+
+
+def _completion_logprobs(model, arch, prompt: list[int], completion: list[int], *, grad: bool) -> torch.Tensor:
+    """Plain PyTorch: full logits, log_softmax, gather at the completion tokens."""
+    tokens = torch.tensor([prompt + completion])
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.enable_grad() if grad else torch.no_grad():
+        logits = model(tokens, positions, None)[0, :, : arch.vocab_size].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        where = torch.arange(len(completion)) + len(prompt) - 1
+        return logp[where, torch.tensor(completion)]
+
+
+def _flat_main_grad(policy) -> torch.Tensor:
+    from megatron_prune.model.global_state import gather_global_state
+
+    grads = gather_global_state(policy, source="main_grad")
+    return torch.cat([grads[k].flatten().double() for k in sorted(grads)])
+
+
+def _weights(policy) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in policy for p in chunk.parameters()]
+
+
+def _load_weights(policy, weights: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, w in zip((p for chunk in policy for p in chunk.parameters()), weights, strict=True):
+            p.copy_(w)
+
+
+def _sgd_step(policy, lr: float) -> None:
+    """``p -= lr * main_grad``: the policy moves between the updates of one rollout."""
+    with torch.no_grad():
+        for chunk in policy:
+            for p in chunk.parameters():
+                if p.requires_grad:
+                    p.add_(p.main_grad.to(p.dtype), alpha=-lr)
+
+
+def reference_minibatch(*, policy, reference, arch, source, prompt_ids: list[int], rollout, old: dict | None,
+                        sequence: bool, kl_beta: float, clip: float) -> tuple[float, torch.Tensor]:
+    """Loss and flat gradient of one GRPO update on the prompts ``prompt_ids`` (a minibatch) at the
+    policy's current weights, in plain PyTorch (no project code but the model).
+
+    ``old[(prompt_id, j)]``: the old log-probs of the ratio (None: the current policy's, detached,
+    i.e. ratio 1). Advantages ``(r - mean) / (std + 1e-6)`` on the full group. Per completion the
+    token sum of ``clipped surrogate + beta * k3`` (``sequence``: divided by its length); summed over
+    the minibatch and divided by ``len(prompt_ids) x G x max_new_tokens`` (``sequence``:
+    ``len(prompt_ids) x G``)."""
+    for chunk in policy:
+        chunk.zero_grad_buffer()
+    normaliser = len(prompt_ids) * GROUP * (1 if sequence else MAX_NEW)
+    total = 0.0
+    for prompt_id in prompt_ids:
+        prompt = list(source.get(prompt_id).tokens)
+        rewards = torch.tensor(MB_REWARDS[prompt_id], dtype=torch.float64)
+        advantages = ((rewards - rewards.mean()) / (rewards.std(correction=0) + 1e-6)).float()
+        for j, (completion, advantage) in enumerate(zip(rollout[prompt_id], advantages)):
+            logp = _completion_logprobs(policy[0], arch, prompt, completion, grad=True)
+            old_logp = logp.detach() if old is None else old[(prompt_id, j)]
+            ratio = torch.exp(logp - old_logp)
+            term = -torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
+            if kl_beta > 0:
+                ref = _completion_logprobs(reference[0], arch, prompt, completion, grad=False)
+                term = term + kl_beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+            per_sequence = term.sum() / (len(completion) if sequence else 1)
+            loss = per_sequence / normaliser
+            loss.backward()  # Megatron's DDP hooks accumulate into main_grad
+            total += float(loss.detach())
+    return total, _flat_main_grad(policy)
+
+
+def _several_updates(*, runs: list[dict], kl_beta: float = KL_BETA) -> list[dict]:
+    """For each run (minibatches, ppo_epochs, normalization): every ``train_step`` of one rollout
+    through ``build_objective`` (fixed rollout, no pruning), an SGD step after each; and at the
+    weights each step started from, the reference gradient with the rollout policy's log-probs as
+    old log-probs, and (negative control) with the current policy as old."""
+    import megatron_prune.grpo.trainer as trainer
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+    from megatron_prune.grpo.rollout import Completion
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    out = []
+    original_generate = trainer.generate
+    with model_parallel(ParallelConfig(), seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, ParallelConfig(), seed=SEED)
+        reference = setup_model(arch, ParallelConfig(), seed=SEED + 1, trainable=False)
+        source = trainer.toy_source(vocab_size=arch.vocab_size, num_prompts=MB_PROMPTS, seed=SEED, prompt_length=4)
+        rollout = minibatch_rollout(source)
+        generated = []
+
+        def generate(*, model, prompts, group_size, settings, step):
+            generated.append(step)
+            return [[Completion(prompt_id=pid, index=j, tokens=list(rollout[pid][j])) for j in range(group_size)]
+                    for pid, _ in prompts]
+
+        start = _weights(policy)
+        old = {}  # the rollout policy's log-probs, computed here in plain PyTorch
+        for prompt_id in range(MB_PROMPTS):
+            prompt = list(source.get(prompt_id).tokens)
+            for j, completion in enumerate(rollout[prompt_id]):
+                old[(prompt_id, j)] = _completion_logprobs(policy[0], arch, prompt, completion, grad=False)
+        trainer.generate = generate
+        try:
+            for run in runs:
+                _load_weights(policy, start)
+                generated.clear()
+                grpo = GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, kl_beta=kl_beta,
+                                  ppo_epochs=run["ppo_epochs"], minibatches=run["minibatches"],
+                                  loss_normalization=run["normalization"], clip_eps_low=MB_CLIP,
+                                  clip_eps_high=MB_CLIP, toy_num_prompts=MB_PROMPTS)
+                configs = {
+                    "TrainConfig": TrainConfig(global_batch_size=MB_PROMPTS, micro_batch_size=2, seq_length=16,
+                                               seed=SEED),
+                    "GRPOConfig": grpo,
+                    "DPPOArgs": DPPOArgs(),
+                }
+                objective = trainer.build_objective(configs=configs, arch=arch, policy=policy, reference=reference,
+                                                    source=source)
+                order = list(objective.sampler.epoch_order(0)[:MB_PROMPTS])
+                per = MB_PROMPTS // run["minibatches"]
+                steps = []
+                for step in range(run["ppo_epochs"] * run["minibatches"]):
+                    before = _weights(policy)
+                    for chunk in policy:
+                        chunk.zero_grad_buffer()
+                    metrics = objective.train_step(step)
+                    steps.append(dict(metrics=metrics, grad=_flat_main_grad(policy), weights=before))
+                    _sgd_step(policy, MB_LR)
+                for step, record in enumerate(steps):
+                    minibatch = step % run["minibatches"]
+                    prompt_ids = order[minibatch * per : (minibatch + 1) * per]
+                    _load_weights(policy, record["weights"])
+                    kwargs = dict(policy=policy, reference=reference, arch=arch, source=source,
+                                  prompt_ids=prompt_ids, rollout=rollout, sequence=run["normalization"] == "sequence",
+                                  kl_beta=kl_beta, clip=MB_CLIP)
+                    record["reference"] = reference_minibatch(old=old, **kwargs)
+                    record["old_is_current"] = reference_minibatch(old=None, **kwargs)
+                    record["moved"] = max(float((w - s).abs().max()) for w, s in zip(record["weights"], start))
+                    del record["weights"]
+                out.append(dict(run=run, steps=steps, rollouts=list(generated)))
+        finally:
+            trainer.generate = original_generate
+    return out
+
+
+def _check_updates(result: dict, *, rtol: float = 1e-4) -> None:
+    """Every update of the rollout equals the reference (old = the rollout policy); from the second
+    on the policy has moved, some ratios clip, and the reference with old = the current policy is
+    far from the trainer (the check is sensitive to which old log-probs are used)."""
+    run, steps = result["run"], result["steps"]
+    assert result["rollouts"] == [0], f"one rollout feeds every update: {result['rollouts']}"
+    assert len(steps) == run["ppo_epochs"] * run["minibatches"] >= 2
+    for step, record in enumerate(steps):
+        metrics, grad = record["metrics"], record["grad"]
+        loss, expected = record["reference"]
+        label = f"{run} update {step}"
+        torch.testing.assert_close(metrics["loss"], loss, rtol=1e-5, atol=1e-7, msg=label)
+        _assert_grad_close(grad, expected, label, rtol=rtol)
+        if step == 0:  # the rollout policy itself: ratio 1
+            assert record["moved"] == 0.0 and metrics["clip_fraction"] == 0.0, label
+            continue
+        assert record["moved"] > 0.0
+        assert metrics["clip_fraction"] > 0.0, f"{label}: no ratio clips, the old log-probs are not tested"
+        assert abs(metrics["ratio_mean"] - 1.0) > 1e-3, label
+        _, control = record["old_is_current"]
+        error = float((grad - control).abs().max())
+        assert error > 100 * rtol * float(expected.abs().max()), (
+            f"{label}: old = current policy gives nearly the same gradient ({error:.3g}): the test is insensitive")
+
+
+def test_minibatch_updates_use_the_rollout_policy_as_old_and_the_minibatch_normaliser():
+    """--minibatches 2 (with --ppo-epochs 1 and 2): every update of one rollout trains its minibatch's
+    prompts with the normaliser minibatch prompts x G x max_new_tokens, and its ratio uses the
+    rollout policy's log-probs as old ones (the policy moves between updates by an SGD step)."""
+    runs = [dict(minibatches=2, ppo_epochs=1, normalization="constant"),
+            dict(minibatches=2, ppo_epochs=2, normalization="constant")]
+    for result in run_distributed(_several_updates, 1, runs=runs)[0]:
+        _check_updates(result)
+
+
+def test_sequence_normalisation_is_the_mean_over_each_completion():
+    """--loss-normalization sequence, completions of 1, 2 and 3 tokens, two updates per rollout
+    (--ppo-epochs 2): each update's loss and gradient are sum_j w_j / len_j sum_t term_jt / (P x G)."""
+    runs = [dict(minibatches=1, ppo_epochs=2, normalization="sequence")]
+    for result in run_distributed(_several_updates, 1, runs=runs)[0]:
+        _check_updates(result)

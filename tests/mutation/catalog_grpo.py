@@ -14,6 +14,15 @@ DPPO_UNIT = "tests/unit/grpo/test_dppo.py"
 SKIP_ZERO = f"{OBJECTIVE}::test_zero_advantage_completions_are_skipped_exactly_without_kl"
 SKIP_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_skipping_zero_advantages_keeps_the_estimate_unbiased"
 UNBIASED_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_dppo_gradient_is_unbiased_by_exact_enumeration"
+MINIBATCHES = f"{OBJECTIVE}::test_minibatch_updates_use_the_rollout_policy_as_old_and_the_minibatch_normaliser"
+SEQUENCE = f"{OBJECTIVE}::test_sequence_normalisation_is_the_mean_over_each_completion"
+TOP_P = "tests/unit/grpo/test_top_p.py"
+TOP_P_NUCLEUS = f"{TOP_P}::test_top_p_samples_the_renormalised_nucleus"
+TOP_P_ABOVE = f"{TOP_P}::test_top_token_above_top_p_is_always_drawn"
+CLIP_FRACTION = "tests/unit/grpo/test_loss.py::test_clip_fraction_uses_eps_low_below_and_eps_high_above"
+MATH_PROMPTS = "tests/unit/grpo/test_math_prompts.py"
+PROMPT_TEMPLATE = f"{MATH_PROMPTS}::test_prompts_are_the_user_turn_with_the_generation_prompt"
+PROMPT_TRUNCATION = f"{MATH_PROMPTS}::test_long_prompts_keep_the_head_and_the_tail"
 
 MUTANTS: list[dict] = [
     {
@@ -183,5 +192,89 @@ MUTANTS: list[dict] = [
         "old": "        scale = len(layout.batches) * dp\n",
         "new": "        scale = sum(1 for b in layout.batches if b.items) * dp\n",
         "tests": ["tests/distributed/test_grpo.py::test_layouts_equal_single_rank"],
+    },
+    {
+        "name": "top-p-sorts-ascending",
+        "why": "the nucleus is built from the least likely tokens (probabilities sorted ascending)",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "probs, order = probs.sort(descending=True, stable=True)",
+        "new": "probs, order = probs.sort(descending=False, stable=True)",
+        "tests": [TOP_P_NUCLEUS],
+    },
+    {
+        "name": "top-p-drops-crossing-token",
+        "why": "the token whose cumulative mass crosses top_p is dropped (empty nucleus when the top token alone "
+               "exceeds top_p)",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "keep = probs.cumsum(0) - probs < top_p",
+        "new": "keep = probs.cumsum(0) < top_p",
+        "tests": [TOP_P_NUCLEUS, TOP_P_ABOVE],
+    },
+    {
+        "name": "top-p-logprob-not-renormalised",
+        "why": "the returned sampling log-prob is the full-softmax one, not renormalised over the nucleus",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "logprobs.append(math.log(probs[pick].item() / cdf[-1].item()))",
+        "new": "logprobs.append(math.log(probs[pick].item()))",
+        "tests": [TOP_P_NUCLEUS, TOP_P_ABOVE],
+    },
+    {
+        "name": "grpo-clip-fraction-low-uses-eps-high",
+        "why": "clip_fraction counts negative-advantage tokens below 1 - clip_eps_high instead of 1 - clip_eps_low",
+        "file": "megatron_prune/grpo/loss.py",
+        "old": "(advantages < 0) & (ratio < 1.0 - config.clip_eps_low)",
+        "new": "(advantages < 0) & (ratio < 1.0 - config.clip_eps_high)",
+        "tests": [CLIP_FRACTION],
+    },
+    {
+        "name": "grpo-math-truncation-drops-head",
+        "why": "long GSM8K/MATH prompts are left-truncated without keeping BOS and the template head",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head)",
+        "new": "kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=0)",
+        "tests": [PROMPT_TRUNCATION],
+    },
+    {
+        "name": "grpo-math-prompt-no-generation-prompt",
+        "why": "GSM8K/MATH prompts lack the assistant header, so the model continues the user turn",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": 'ids = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text}], tokenize=True)',
+        "new": ('ids = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text}],'
+                " add_generation_prompt=False, tokenize=True)"),
+        "tests": [PROMPT_TEMPLATE],
+    },
+    {
+        "name": "grpo-minibatch-normaliser-whole-batch",
+        "why": "each minibatch update is divided by the whole batch's normaliser: a k-times-too-small gradient",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "normalisers = [float(per_minibatch * tokens_per)] * self.grpo.minibatches",
+        "new": "normalisers = [float(len(ids) * tokens_per)] * self.grpo.minibatches",
+        "tests": [MINIBATCHES],
+    },
+    {
+        "name": "grpo-old-logprobs-only-with-ppo-epochs",
+        "why": "old log-probs are scored only for --ppo-epochs > 1: with --minibatches > 1 alone the later "
+               "minibatches take the already-updated policy as old (ratio 1, the clip never binds)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "        if self.grpo.updates_per_rollout > 1:",
+        "new": "        if self.grpo.ppo_epochs > 1:",
+        "tests": [MINIBATCHES],
+    },
+    {
+        "name": "grpo-sequence-normaliser-counts-tokens",
+        "why": "--loss-normalization sequence still divides by prompts x G x max_new_tokens instead of prompts x G",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": 'tokens_per = G * (self.grpo.max_new_tokens if self.grpo.loss_normalization == "constant" else 1)',
+        "new": "tokens_per = G * self.grpo.max_new_tokens",
+        "tests": [SEQUENCE],
+    },
+    {
+        "name": "grpo-sequence-mean-not-per-sequence",
+        "why": "--loss-normalization sequence sums each completion's tokens instead of taking their mean (no 1/len_j)",
+        "file": "megatron_prune/grpo/step.py",
+        "old": 'seq_weights = [it.weight / (len(it.completion) if self.s.normalization == "sequence" else 1.0) '
+               'for it in items]',
+        "new": "seq_weights = [it.weight for it in items]",
+        "tests": [SEQUENCE],
     },
 ]

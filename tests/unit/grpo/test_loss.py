@@ -98,6 +98,35 @@ def test_asymmetric_clip_and_clip_fraction():
     assert torch.all(logp.grad == 0)
 
 
+def _one_token_loss(ratio: float, advantage: float, config: GRPOLossConfig):
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    loss, metrics = grpo_loss(logprobs=logp, old_logprobs=torch.zeros(1, 1, dtype=torch.float64),
+                              advantages=torch.tensor([advantage], dtype=torch.float64),
+                              mask=torch.ones(1, 1, dtype=torch.bool), normaliser=1.0, config=config)
+    loss.backward()
+    return loss, metrics, logp.grad[0, 0].item()
+
+
+def test_clip_fraction_uses_eps_low_below_and_eps_high_above():
+    # 1 - eps_high = 0.72 < 0.75 < 0.8 = 1 - eps_low: with A < 0 the ratio 0.75 is clipped by the
+    # lower bound (the objective is the constant -0.8 * A there, so its gradient is 0), and the
+    # metric must count it; comparing with 1 - eps_high instead would miss it.
+    config = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, metrics, grad = _one_token_loss(0.75, -1.0, config)
+    assert loss.item() == pytest.approx(-min(0.75 * -1.0, 0.8 * -1.0))  # = 0.8: the clipped term
+    assert grad == 0.0
+    assert metrics["clip_fraction"].item() == 1.0
+    # Mirror on the positive side: 1.25 < 1 + eps_high = 1.28, so with A > 0 nothing is clipped
+    # (the gradient of -rho * A in log rho is -rho * A = -1.25), though 1.25 > 1 + eps_low.
+    loss, metrics, grad = _one_token_loss(1.25, 1.0, config)
+    assert loss.item() == pytest.approx(-1.25)
+    assert grad == pytest.approx(-1.25)
+    assert metrics["clip_fraction"].item() == 0.0
+    # and past 1 + eps_high it is clipped
+    loss, metrics, grad = _one_token_loss(1.3, 1.0, config)
+    assert grad == 0.0 and metrics["clip_fraction"].item() == 1.0
+
+
 def test_padding_garbage_does_not_leak():
     logp, old, ref, adv, mask, weights = random_batch(seed=3)
     dirty_logp, dirty_old, dirty_ref = logp.clone(), old.clone(), ref.clone()

@@ -1,0 +1,91 @@
+"""GSM8K prompts of GRPO, built as the trainer builds them, against hand-rendered token ids.
+
+The bundled tiny tokenizer uses the plain (HH-RLHF) template, whose markers are single pieces
+of its vocabulary, so the expected tokens of a prompt are written out here without the chat
+template code: ``[BOS]`` + the tokens of ``"\\n\\nHuman: " + user message + "\\n\\nAssistant:"``
+(the generation prompt, so the model starts the assistant turn rather than continuing the
+user's). A prompt over the limit is left-truncated keeping its head ``[BOS, "\\n\\nHuman:"]``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_prune.config import CheckpointConfig, ModelConfig, TrainConfig
+from megatron_prune.data import GSM8K_SAMPLE
+from megatron_prune.data.tokenizer import load_tokenizer
+from megatron_prune.grpo.config import GRPOConfig
+from megatron_prune.grpo.trainer import build_source
+from megatron_prune.model.arch import get_preset
+
+INSTRUCTION = '\nLet\'s think step by step and output the final answer after "####".'
+"""What ``GSM8K_PROMPT_TEMPLATE`` (megatron_prune/data/math.py) appends to each question, written out."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def questions():
+    with open(GSM8K_SAMPLE, encoding="utf-8") as f:
+        return [json.loads(line)["question"] for line in f if line.strip()]
+
+
+def gsm8k_source(**train):
+    return build_source(GRPOConfig(task="gsm8k", data_path=[GSM8K_SAMPLE]), arch=get_preset("tiny"),
+                        model_cfg=ModelConfig(), ckpt_cfg=CheckpointConfig(), train_cfg=TrainConfig(**train),
+                        tokenizer_name="tiny")
+
+
+def expected_tokens(tokenizer, question: str) -> list[int]:
+    """The plain-template rendering of the one user turn plus the generation prompt, encoded."""
+    return [tokenizer.bos_id] + tokenizer.encode("\n\nHuman: " + question + INSTRUCTION + "\n\nAssistant:")
+
+
+def markers(tokenizer) -> tuple[int, int]:
+    human, assistant = tokenizer.encode("\n\nHuman:"), tokenizer.encode("\n\nAssistant:")
+    assert len(human) == 1 and len(assistant) == 1  # single pieces of the tiny vocabulary
+    return human[0], assistant[0]
+
+
+def test_prompts_are_the_user_turn_with_the_generation_prompt(tokenizer, questions):
+    human, assistant = markers(tokenizer)
+    source = gsm8k_source()  # limit: --seq-length 1024 - --max-new-tokens 16, far above these prompts
+    assert len(source) == len(questions)
+    for i in range(5):
+        prompt = source.get(i)
+        expected = expected_tokens(tokenizer, questions[i])
+        assert len(expected) < 200
+        assert list(prompt.tokens) == expected
+        assert not prompt.truncated
+        assert list(prompt.tokens[:2]) == [tokenizer.bos_id, human]
+        assert prompt.tokens[-1] == assistant  # ends on the assistant header, not inside the user turn
+        assert list(prompt.tokens).count(assistant) == 1
+
+
+@pytest.mark.parametrize("limit", [12, 30])
+def test_long_prompts_keep_the_head_and_the_tail(tokenizer, questions, limit):
+    human, assistant = markers(tokenizer)
+    source = gsm8k_source(max_prompt_length=limit)
+    for i in range(5):
+        prompt = source.get(i)
+        full = expected_tokens(tokenizer, questions[i])
+        assert len(full) > limit
+        head = [tokenizer.bos_id, human]
+        assert list(prompt.tokens) == head + full[len(full) - (limit - len(head)):]
+        assert len(prompt.tokens) == limit
+        assert prompt.truncated
+        assert prompt.tokens[-1] == assistant
+
+
+def test_limit_defaults_to_what_the_completion_leaves(tokenizer, questions):
+    # no --max-prompt-length: a prompt gets --seq-length - --max-new-tokens = 40 - 16 tokens
+    human, _ = markers(tokenizer)
+    prompt = gsm8k_source(seq_length=40).get(0)
+    full = expected_tokens(tokenizer, questions[0])
+    assert len(prompt.tokens) == 24 and prompt.truncated
+    assert list(prompt.tokens) == [tokenizer.bos_id, human] + full[-22:]
