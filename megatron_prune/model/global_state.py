@@ -67,3 +67,28 @@ def gather_global_state(chunks, *, source: str = "param") -> dict[str, torch.Ten
             )
             full[index] = data
     return out
+
+
+def replica_differences(chunks) -> list[str]:
+    """Keys of the tensors whose copies differ between the ranks that hold them: data-parallel
+    replicas, TP-replicated weights (norms) and a tied embedding's last-stage copy must stay
+    bit-identical, which :func:`gather_global_state` (replica 0 only) cannot see. Every rank gets
+    the same sorted list; empty when all copies agree."""
+    pieces = []
+    for chunk in chunks:
+        for sh in iter_sharded_tensors(_unwrap(chunk).sharded_state_dict()):
+            if sh.data is not None and torch.is_floating_point(sh.data):
+                pieces.append((sh.key, tuple(sh.global_offset), sh.data.detach().float().cpu().clone()))
+    everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, pieces)
+    else:
+        everyone = [pieces]
+    first: dict[tuple, torch.Tensor] = {}
+    differ = set()
+    for rank_pieces in everyone:
+        for key, offset, data in rank_pieces:
+            seen = first.setdefault((key, offset), data)
+            if seen is not data and not torch.equal(seen, data):
+                differ.add(key)
+    return sorted(differ)

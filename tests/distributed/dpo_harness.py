@@ -121,10 +121,12 @@ def assert_metrics_and_grads(ref: dict, got: dict, label: str, metrics: tuple[st
 def assert_same_tensors(ref: dict, got: dict, label: str, *, kinds: tuple[str, ...] = ("grads", "params"),
                         rtol: float, atol: float, relative_atol: bool = False) -> None:
     """Whole tensors ``got[kind][key]`` equal ``ref[kind][key]`` (same keys, no NaN left by an
-    unfilled shard); ``relative_atol``: atol grows to rtol x the tensor's largest entry. A kind
-    that ``got`` holds as None (a rank that keeps only a slice) is skipped."""
+    unfilled shard); ``relative_atol``: atol grows to rtol x the tensor's largest entry. Gradients
+    that ``got`` holds as None are skipped only where it says ``grads_sliced`` (the distributed
+    optimizer: each DP rank keeps its reduce-scattered slice); any other missing kind fails."""
     for kind in kinds:
         if got[kind] is None:
+            assert kind == "grads" and got.get("grads_sliced"), f"{label}: no {kind} collected"
             continue
         assert set(got[kind]) == set(ref[kind]), f"{label}: different {kind} keys"
         for key, expected in ref[kind].items():

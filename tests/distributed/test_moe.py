@@ -97,7 +97,7 @@ def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z
             if save_dir is not None and step == steps[0]:
                 save_checkpoint(save_dir, iteration=step + 1, model=policy, arch=arch, optimizer=optimizer)
         params = gather_global_state(policy)
-    return dict(metrics=metrics, grad_norm=grad_norm, grads=grads, params=params)
+    return dict(metrics=metrics, grad_norm=grad_norm, grads=grads, params=params, grads_sliced=distopt)
 
 
 def run_layouts(layouts: dict, *, negative_control: bool = False, resume_root: str | None = None,

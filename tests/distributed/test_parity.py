@@ -59,7 +59,7 @@ def one_step(*, tp=1, pp=1, vpp=None, sp=False, distopt=False, adam=False, prese
     from megatron.core import parallel_state
 
     from megatron_prune.model.arch import get_preset
-    from megatron_prune.model.global_state import gather_global_state
+    from megatron_prune.model.global_state import gather_global_state, replica_differences
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.lm_step import lm_forward_step
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
@@ -100,8 +100,9 @@ def one_step(*, tp=1, pp=1, vpp=None, sp=False, distopt=False, adam=False, prese
         grads = None if distopt else gather_global_state(model, source="main_grad")
         _, grad_norm, _ = optimizer.step()
         params = gather_global_state(model)
+        diverged = replica_differences(model)
     return dict(loss=metrics["lm_loss"], grad_norm=grad_norm, grads=grads, params=params, initial=initial,
-                adam_kernels=adam_kernels)
+                adam_kernels=adam_kernels, diverged=diverged, grads_sliced=distopt)
 
 
 def run_layouts(names: list[str]) -> dict:
@@ -141,6 +142,8 @@ def _registered_cpu() -> list[str]:
 
 
 def assert_same_step(ref: dict, got: dict, label: str) -> None:
+    # Every copy of a weight (DP replicas, TP-replicated norms, the tied head) took the same step.
+    assert got["diverged"] == [], f"{label}: copies on different ranks differ after the step: {got['diverged'][:5]}"
     torch.testing.assert_close(got["loss"], ref["loss"], rtol=RTOL, atol=0, msg=f"{label}: loss")
     torch.testing.assert_close(got["grad_norm"], ref["grad_norm"], rtol=RTOL, atol=0, msg=f"{label}: grad norm")
     assert_same_tensors(ref, got, label, rtol=RTOL, atol=ATOL)
@@ -176,6 +179,31 @@ def test_tied_embeddings_pp2_matches_single_rank():
     ref = run_distributed(one_step, 1, preset="tiny-tied")[0]
     results = run_distributed(one_step, 2, pp=2, preset="tiny-tied")
     assert_same_step(ref, results[0], "tied pp2")
+
+
+def diverged_replica() -> dict:
+    """Negative control: after the step, data-parallel rank 1's copy of the final norm moves."""
+    from megatron.core import parallel_state
+
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.global_state import replica_differences
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    with model_parallel(ParallelConfig(), seed=SEED):
+        model = setup_model(get_preset("tiny"), ParallelConfig(), seed=SEED)
+        agree = replica_differences(model)
+        if parallel_state.get_data_parallel_rank() == 1:
+            with torch.no_grad():
+                model[0].module.decoder.final_layernorm.weight.add_(1e-6)
+        return dict(agree=agree, diverged=replica_differences(model))
+
+
+@pytest.mark.distributed
+def test_a_diverged_replica_is_caught():
+    got = run_distributed(diverged_replica, 2)[0]
+    assert got["agree"] == [] and got["diverged"] == ["decoder.final_layernorm.weight"]
 
 
 @pytest.mark.distributed
