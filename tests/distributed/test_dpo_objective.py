@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
+from tests.distributed import dpo_reference as R
 from tests.distributed.dpo_harness import SEED, sample_pairs
 
 BETA = 0.7
@@ -76,7 +77,7 @@ def _step(runner, policy, samples, *, step=0, forward_only=False) -> dict:
         chunk.zero_grad_buffer()
     outputs, _ = runner.run(step, samples, forward_only=forward_only)
     metrics = reduce_metrics(outputs)
-    return dict(loss=metrics["loss"], grads=None if forward_only else main_grads(policy[0]))
+    return dict(loss=metrics["loss"], grads=None if forward_only else main_grads(policy[0]), metrics=metrics)
 
 
 @contextlib.contextmanager
@@ -185,6 +186,13 @@ def test_pruning_off_equals_independent_reference(reference_results, index):
     assert case == REFERENCE_CASES[index]
     want = reference_results["expected"][case["reduction"]]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), f"{case}: loss"
+    # What the run reports: means over the pairs of the margin, of each response's reward
+    # beta * log-ratio, and of the ranking (a tie counts half).
+    reported = got["metrics"]
+    assert reported["margin"] == pytest.approx(float(want["margins"].mean()), rel=1e-5), f"{case}: margin"
+    assert reported["chosen_reward"] == pytest.approx(BETA * float(want["chosen"].mean()), rel=1e-5), case
+    assert reported["rejected_reward"] == pytest.approx(BETA * float(want["rejected"].mean()), rel=1e-5), case
+    assert reported["reward_accuracy"] == R.reward_accuracy(want["margins"]), f"{case}: reward accuracy"
     from tests.distributed.dpo_reference import assert_grads_close
 
     assert_grads_close(want["grads"], got["grads"], str(case))

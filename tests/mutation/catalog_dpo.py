@@ -302,4 +302,21 @@ MUTANTS: list[dict] = [
         "new": "for ids in (pair.chosen_ids, pair.rejected_ids):",
         "tests": ["tests/unit/test_ref_cache_key.py"],
     },
+    {
+        "name": "dpo-margin-metric-without-beta",
+        "why": "the reported margin is the raw log-ratio difference, not beta times it (the loss is right, the logs "
+               "are not)",
+        "file": "megatron_prune/dpo/loss.py",
+        "old": '"margin": margin.detach(),',
+        "new": '"margin": (chosen - rejected).detach(),',
+        "tests": ["tests/distributed/test_dpo_objective.py::test_pruning_off_equals_independent_reference"],
+    },
+    {
+        "name": "dpo-reward-metrics-swapped",
+        "why": "chosen_reward reports the rejected responses' reward",
+        "file": "megatron_prune/dpo/loss.py",
+        "old": '"chosen_reward": beta * chosen.detach(),',
+        "new": '"chosen_reward": beta * rejected.detach(),',
+        "tests": ["tests/distributed/test_dpo_objective.py::test_pruning_off_equals_independent_reference"],
+    },
 ]
