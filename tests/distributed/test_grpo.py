@@ -114,8 +114,10 @@ STEP_METRICS = ("loss", "policy_loss", "kl_loss", "reward_mean", "kept_completio
 
 def assert_same(ref: dict, got: dict, label: str, *, metrics: tuple[str, ...] = STEP_METRICS, rtol=1e-5,
                 atol=1e-7) -> None:
-    """Same sampled completions, ``metrics`` and every gradient."""
+    """Same sampled completions with the same keep weights and advantages, ``metrics`` and every gradient."""
     assert [i[:3] for i in got["items"]] == [i[:3] for i in ref["items"]], f"{label}: sampled completions differ"
+    for a, b in zip(got["items"], ref["items"]):
+        assert a[3:] == pytest.approx(b[3:], rel=1e-6, abs=1e-7), f"{label}: weight or advantage of {a[:2]}"
     assert_metrics_and_grads(ref, got, label, metrics, rtol=rtol, atol=atol)
 
 

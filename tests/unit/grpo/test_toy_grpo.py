@@ -1,8 +1,10 @@
-"""End to end on CPU: GRPO with DPPO pruning learns the toy task with a tiny random model.
+"""The objective's formula learns the toy task: GRPO with DPPO pruning, in a hand-written loop.
 
 Rewards -> group advantages (full groups) -> prompt and completion pruning ->
-importance-weighted ``grpo_loss`` with a constant normaliser. This shows the toy reward
-is dense enough to rise within a few dozen steps, with pruning on. The policy is a
+importance-weighted ``grpo_loss`` with a constant normaliser, called here directly (not
+through the trainer: its wiring is pinned by tests/distributed/test_grpo_objective.py, and
+the trainer learning the toy task by the slow tests/e2e/test_grpo_cli.py run). This shows
+the toy reward is dense enough to rise within a few dozen steps, with pruning on. The policy is a
 small GRU language model (91k parameters) over the task's 512-token vocabulary; with
 Adam at lr 3e-2 the mean reward goes from ~0.1 to above 0.7 in about 30 steps (at lr
 1e-2 it barely moves in 40: the reward is dense, but each token's logit is learned from
