@@ -17,6 +17,9 @@ MOE_EP4 = "tests/distributed/test_moe.py::test_expert_parallel_4_ranks_matches_s
 
 RESUME_REFERENCE = ("tests/e2e/test_user_paths.py::"
                     "test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_loaded_weights")
+MOE = "megatron_prune/model/moe.py"
+ROUTER_LOSS_VALUES = ("tests/distributed/test_moe_router_losses.py::"
+                      "test_reported_router_losses_equal_megatrons_formulas")
 NONFINITE_SKIP = "tests/e2e/test_nonfinite.py::test_nan_on_one_rank_skips_the_step_and_continues"
 
 MUTANTS: list[dict] = [
@@ -280,5 +283,37 @@ MUTANTS: list[dict] = [
                "                parts.optimizer.zero_grad()\n                parts.optimizer.step()\n"
                "            if finite:\n                success, grad_norm, _ = parts.optimizer.step()\n",
         "tests": [NONFINITE_SKIP],
+    },
+    {
+        "name": "router-loss-coefficient-applied-twice",
+        "why": "the reported router losses are scaled by the coefficient twice (Megatron's tracker stores loss / coeff)",
+        "file": MOE,
+        "old": "out[metric] = coeffs[metric] * float(total) / max(num_microbatches, 1)",
+        "new": "out[metric] = coeffs[metric] ** 2 * float(total) / max(num_microbatches, 1)",
+        "tests": [ROUTER_LOSS_VALUES],
+    },
+    {
+        "name": "router-loss-summed-over-microbatches",
+        "why": "the tracker accumulates over microbatches and the sum is reported, not the mean",
+        "file": MOE,
+        "old": "out[metric] = coeffs[metric] * float(total) / max(num_microbatches, 1)",
+        "new": "out[metric] = coeffs[metric] * float(total)",
+        "tests": [ROUTER_LOSS_VALUES],
+    },
+    {
+        "name": "router-loss-tracker-entries-swapped",
+        "why": "moe_aux_loss reports Megatron's z-loss entry and moe_z_loss the load-balancing one",
+        "file": MOE,
+        "old": 'ROUTER_LOSS_NAMES = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}',
+        "new": 'ROUTER_LOSS_NAMES = {"load_balancing_loss": "moe_z_loss", "z_loss": "moe_aux_loss"}',
+        "tests": [ROUTER_LOSS_VALUES],
+    },
+    {
+        "name": "router-loss-last-layer-only",
+        "why": "only the last layer's tracker slot is read: the other MoE layers' router losses are dropped",
+        "file": MOE,
+        "old": 'total += entry["values"].detach().double().sum().cpu()',
+        "new": 'total += entry["values"].detach().double()[-1:].sum().cpu()',
+        "tests": [ROUTER_LOSS_VALUES],
     },
 ]

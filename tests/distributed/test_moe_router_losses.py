@@ -1,0 +1,152 @@
+"""The router losses a MoE DPO step reports (``moe_aux_loss``, ``moe_z_loss``) have the right value,
+not only a positive one or the same one at every layout (tests/distributed/test_moe.py).
+
+One real DPO training step on tiny-moe (one rank, two microbatches of different lengths, both
+coefficients non-zero and not 1). Forward pre-hooks on every MoE router record its input hidden
+states and weight on each training call; the test then recomputes, in plain PyTorch (float64),
+the losses Megatron-Core 0.16 defines for the preset's router (softmax scores, top-2 of 4
+experts, ``moe_router_load_balancing_type="aux_loss"``, no padding mask, TP = CP = 1):
+
+- load balancing (``switch_load_balancing_loss_func``): per layer and microbatch, with T tokens,
+  ``E / (k T^2) * sum_i (sum_x softmax(logits)[x, i]) * (tokens routed to expert i)``, the
+  routing being the top-k of the softmax over all experts (``compute_routing_scores_for_aux_loss``);
+- z-loss (``z_loss_func``): per layer and microbatch, ``mean_x logsumexp(logits[x])^2``;
+
+Megatron's tracker stores each without its coefficient (``loss / coeff``), so the metric must be
+``coeff * sum over layers and microbatches / number of microbatches`` (one DP rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist import run_distributed
+
+# Neither 1 nor equal: a coefficient applied twice or the other loss's coefficient shows.
+AUX, Z = 0.02, 0.003
+NUM_PAIRS = 2  # one pair per microbatch: two microbatches
+MOE_LAYERS = 3  # tiny-moe: layers 1-3 (layer 0 is dense)
+RTOL = 1e-5
+
+
+def _router_config_facts(router) -> dict:
+    cfg = router.config
+    return dict(
+        num_experts=cfg.num_moe_experts, topk=router.topk, score_function=router.score_function,
+        load_balancing_type=cfg.moe_router_load_balancing_type, aux_coeff=cfg.moe_aux_loss_coeff,
+        z_coeff=cfg.moe_z_loss_coeff, fusion=cfg.moe_router_fusion, jitter=cfg.moe_input_jitter_eps,
+        expert_bias=router.expert_bias is not None, bias=router.bias is not None,
+        group_topk=cfg.moe_router_group_topk, force_balance=cfg.moe_router_force_load_balancing,
+        capacity=cfg.moe_expert_capacity_factor, tp_cp=router.tp_cp_group.size(),
+        per_token=router.calculate_per_token_loss,
+    )
+
+
+def hooked_moe_dpo_step() -> dict:
+    """The step's metrics and, per router call, what the router saw (hidden states, weight)."""
+    from megatron.core import parallel_state
+
+    from megatron_prune.config import DPOConfig, PruneConfig
+    from megatron_prune.data.sampler import dp_shard
+    from megatron_prune.dpo.step import DPOStep, DPOStepSettings
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+    from megatron_prune.training.step import reduce_metrics
+    from tests.distributed.dpo_harness import SEED, sample_pairs
+
+    samples, pad_id = sample_pairs()
+    # The second pair cut shorter: the two microbatches differ in length (160 vs 80 tokens).
+    (i, first), (j, second) = samples[:NUM_PAIRS]
+    second = dataclasses.replace(second, prompt_ids=second.prompt_ids[:20], chosen_ids=second.chosen_ids[:20],
+                                 rejected_ids=second.rejected_ids[:14])
+    samples = [(i, first), (j, second)]
+    par = ParallelConfig(moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z)
+    off = dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False, branch_chosen_prob=0.5, selective_head=True)
+    calls: list[dict] = []
+
+    def record(name):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["input"]
+            mask = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+            calls.append(dict(
+                layer=name, hidden=hidden.detach().clone(), weight=module.weight.detach().clone(),
+                tracked=module.training and torch.is_grad_enabled(), padding_mask=mask,
+            ))
+        return hook
+
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny-moe")
+        policy = setup_model(arch, par, seed=SEED)
+        reference = setup_model(arch, par, seed=SEED + 1, trainable=False)
+        routers = {f"{c}.{n}": m for c, chunk in enumerate(policy) for n, m in chunk.named_modules()
+                   if n.endswith("mlp.router")}
+        handles = [m.register_forward_pre_hook(record(n), with_kwargs=True) for n, m in routers.items()]
+        facts = [_router_config_facts(m) for m in routers.values()]
+        settings = DPOStepSettings(dpo=DPOConfig(layout="concat"), prune=PruneConfig(**off), seed=SEED,
+                                   micro_batch_size=1, pad_id=pad_id)
+        runner = DPOStep(settings=settings, policy=policy, reference=reference)
+        mine = dp_shard(samples, dp_rank=parallel_state.get_data_parallel_rank(),
+                        dp_size=parallel_state.get_data_parallel_world_size())
+        for chunk in policy:
+            chunk.zero_grad_buffer()
+        try:
+            outputs, _ = runner.run(0, mine)
+        finally:
+            for h in handles:
+                h.remove()
+        metrics = reduce_metrics(outputs)
+    return dict(metrics=metrics, calls=calls, routers=sorted(routers), facts=facts,
+                num_microbatches=len(outputs))
+
+
+def expected_router_losses(hidden: torch.Tensor, weight: torch.Tensor, *, topk: int) -> tuple[float, float]:
+    """Megatron 0.16's load-balancing loss and z-loss of one router call, without coefficient."""
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]).double(), weight.double())  # [T, E]
+    tokens, experts = logits.shape
+    scores = torch.softmax(logits, dim=-1)
+    chosen = scores.topk(topk, dim=-1).indices
+    # The top-k must not hinge on float rounding (Megatron picks it from float32 logits).
+    ordered = scores.sort(dim=-1, descending=True).values
+    assert (ordered[:, topk - 1] - ordered[:, topk]).min() > 1e-6, "near-tie in the top-k routing"
+    routed = torch.zeros_like(scores).scatter(1, chosen, 1.0).sum(dim=0)  # tokens per expert
+    load_balancing = experts / (topk * tokens * tokens) * (scores.sum(dim=0) * routed).sum()
+    z = (torch.logsumexp(logits, dim=-1) ** 2).mean()
+    return float(load_balancing), float(z)
+
+
+@pytest.fixture(scope="module")
+def step() -> dict:
+    return run_distributed(hooked_moe_dpo_step, 1)[0]
+
+
+@pytest.mark.distributed
+def test_reported_router_losses_equal_megatrons_formulas(step):
+    # The router configuration the formulas below are written for.
+    assert len(step["routers"]) == MOE_LAYERS
+    for facts in step["facts"]:
+        assert facts == dict(num_experts=4, topk=2, score_function="softmax", load_balancing_type="aux_loss",
+                             aux_coeff=AUX, z_coeff=Z, fusion=False, jitter=None, expert_bias=False, bias=False,
+                             group_topk=None, force_balance=False, capacity=None, tp_cp=1,
+                             per_token=facts["per_token"])
+    num_microbatches = step["num_microbatches"]
+    assert num_microbatches == NUM_PAIRS
+    tracked = [c for c in step["calls"] if c["tracked"]]
+    # Every MoE layer ran once per training microbatch (no recomputation, no extra passes).
+    assert len(tracked) == MOE_LAYERS * num_microbatches
+    assert sorted(c["layer"] for c in tracked) == sorted(step["routers"] * num_microbatches)
+    assert all(c["padding_mask"] is None for c in tracked)  # every token counts, padding included
+    # The microbatches differ in length, so per-microbatch token normalisation matters.
+    assert len({c["hidden"].shape[:2].numel() for c in tracked}) > 1
+
+    losses = [expected_router_losses(c["hidden"], c["weight"], topk=2) for c in tracked]
+    expected_aux = AUX * sum(lb for lb, _ in losses) / num_microbatches
+    expected_z = Z * sum(z for _, z in losses) / num_microbatches
+    metrics = step["metrics"]
+    assert metrics["moe_aux_loss"] == pytest.approx(expected_aux, rel=RTOL, abs=0)
+    assert metrics["moe_z_loss"] == pytest.approx(expected_z, rel=RTOL, abs=0)
