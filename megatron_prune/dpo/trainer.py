@@ -103,6 +103,29 @@ def _fingerprint(dataset: PreferenceDataset, extra: str) -> str:
     return h.hexdigest()[:16]
 
 
+def reference_identity(ref_meta: dict, *, ref_source: str | None, lora_base: dict | None,
+                       adapter_off_base: bool) -> str:
+    """What a precomputed reference table was scored with, by content, not by path: the LoRA
+    base's record (it carries the weights' fingerprint) when the adapter-off policy scores it, else
+    the reference checkpoint's or HF directory's weight fingerprint, or, for a preset's
+    initialisation, nothing beyond the architecture and seed the key adds. Two bases of one
+    architecture, or new weights written where old ones were, then never share a table."""
+    import json
+
+    from megatron_prune.model.lora_base import hf_fingerprint, megatron_fingerprint
+
+    if adapter_off_base:
+        return json.dumps(lora_base, sort_keys=True)
+    if ref_source is not None:
+        from megatron_prune.training.checkpoint import read_meta
+
+        meta = read_meta(ref_source)
+        return "megatron:" + megatron_fingerprint(meta["path"], meta)
+    if ref_meta.get("reference_hf_model"):
+        return "hf:" + hf_fingerprint(ref_meta["reference_hf_model"])
+    return "initialisation"
+
+
 def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cache_dir: str,
                          fingerprint: str, batch: int) -> dict[tuple[int, int], torch.Tensor]:
     """Reference log-probs of every response token of ``dataset``, cached on disk and reused.
@@ -244,7 +267,10 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         reference = make_reference()
         cache_dir = dpo.ref_cache or os.path.join(ckpt_cfg.save or os.path.dirname(os.path.abspath(dpo.data_path[0])),
                                                   "ref_logps")
-        fp = _fingerprint(dataset, f"{arch.to_dict()}|{ref_meta}|{train_cfg.seed}")
+        lora_on = lora is not None and lora.enabled
+        identity = reference_identity(ref_meta, ref_source=ref_source, lora_base=lora_base,
+                                      adapter_off_base=lora_on and not dpo.ref_load)
+        fp = _fingerprint(dataset, f"{arch.to_dict()}|{identity}|{train_cfg.seed}")
         precompute_off = DPOStep(settings=off, policy=parts.model, reference=reference)
         table = precompute_reference(runner_off=precompute_off, dataset=dataset, cache_dir=cache_dir,
                                      fingerprint=fp, batch=train_cfg.micro_batch_size)

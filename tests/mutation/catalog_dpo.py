@@ -319,4 +319,22 @@ MUTANTS: list[dict] = [
         "new": '"chosen_reward": beta * rejected.detach(),',
         "tests": ["tests/distributed/test_dpo_objective.py::test_pruning_off_equals_independent_reference"],
     },
+    {
+        "name": "dpo-ref-cache-key-by-hf-path",
+        "why": "the reference cache names an HF reference by its path: new weights written there reuse the table "
+               "of the old ones, and a copy of the same weights elsewhere recomputes it",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": 'return "hf:" + hf_fingerprint(ref_meta["reference_hf_model"])',
+        "new": 'return "hf:" + ref_meta["reference_hf_model"]',
+        "tests": ["tests/unit/test_ref_cache_key.py"],
+    },
+    {
+        "name": "dpo-ref-cache-key-ignores-the-lora-base",
+        "why": "under LoRA the cache key leaves out the base the adapter-off policy scores with: two bases of one "
+               "architecture share a table",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "        return json.dumps(lora_base, sort_keys=True)\n",
+        "new": '        return "initialisation"\n',
+        "tests": ["tests/unit/test_ref_cache_key.py"],
+    },
 ]

@@ -27,3 +27,26 @@ def test_key_changes_with_any_token_and_not_with_the_file():
     keys = [_fingerprint(d, "model") for d in changed]
     assert key not in keys and len(set(keys)) == len(keys)
     assert _fingerprint(base, "another reference") != key
+
+
+def test_reference_is_identified_by_its_weights_not_its_path(tmp_path):
+    import shutil
+
+    from megatron_prune.dpo.trainer import reference_identity
+    from tests.unit.model.hf_models import make_hf_model
+
+    first = make_hf_model("qwen3", str(tmp_path / "a"), seed=1)
+    other = make_hf_model("qwen3", str(tmp_path / "b"), seed=2)  # the same architecture, other weights
+    copy = shutil.copytree(first, tmp_path / "copy")
+
+    def of(hf_dir, **kw):
+        meta = {"reference_load": None, "reference_hf_model": str(hf_dir)}
+        return reference_identity(meta, ref_source=None, lora_base=None, adapter_off_base=False, **kw)
+
+    assert of(first) == of(copy) != of(other)
+    # Under LoRA the adapter-off policy scores the table: its base's record (with the fingerprint).
+    bases = [{"kind": "hf", "path": str(first), "fingerprint": "sha256:1"},
+             {"kind": "hf", "path": str(first), "fingerprint": "sha256:2"}]
+    keys = {reference_identity({"reference_load": None, "reference_hf_model": None}, ref_source=None, lora_base=b,
+                               adapter_off_base=True) for b in bases}
+    assert len(keys) == 2
