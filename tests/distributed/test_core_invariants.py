@@ -77,3 +77,24 @@ def test_reference_stays_the_starting_policy_while_the_policy_trains():
         f"rewards after one policy update are {second['chosen_reward']}, {second['rejected_reward']}: "
         "the reference moves with the policy"
     )
+
+
+def _reduce_two_microbatches() -> float:
+    import torch
+
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.parallel import model_parallel
+    from megatron_prune.training.step import reduce_metrics
+
+    with model_parallel(ParallelConfig()):
+        out = reduce_metrics([{"m": torch.tensor([1.0, 1.0], dtype=torch.float64)},
+                              {"m": torch.tensor([0.0, 99.0], dtype=torch.float64)}])
+    return out["m"]
+
+
+def test_reduce_metrics_pools_sum_and_count():
+    """A ``[sum, count]`` metric (GRPO's per-token clip fraction, ratio, KL) is pooled over the
+    microbatches, not averaged per microbatch: sums 1 and 0 over 1 and 99 tokens give 1/100."""
+    from tests.dist import run_distributed
+
+    assert run_distributed(_reduce_two_microbatches, 1)[0] == 1.0 / 100

@@ -360,3 +360,10 @@ def test_ctrl_c_ends_in_one_line_that_says_how_to_resume(tmp_path):
     assert f"megatron-prune: interrupted before the first checkpoint in --save {save} (nothing to resume)" in out, \
         out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_eval_runs_after_every_eval_interval_steps(tmp_path):
+    """``--eval-interval 2 --train-iters 3`` evaluates after the 2nd step and at the end (0-based steps 1, 2)."""
+    records, _ = _dpo(tmp_path, "evalint", "--train-iters", "3", "--global-batch-size", "2",
+                      "--eval-data-path", str(_heldout(tmp_path, 2)), "--eval-interval", "2")
+    assert [r["step"] for r in records if "eval_reward_accuracy" in r] == [1, 2]

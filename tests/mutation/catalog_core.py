@@ -316,4 +316,22 @@ MUTANTS: list[dict] = [
         "new": 'total += entry["values"].detach().double()[-1:].sum().cpu()',
         "tests": [ROUTER_LOSS_VALUES],
     },
+    {
+        "name": "reduce-metrics-mean-of-microbatch-means",
+        "why": "[sum, count] metrics (GRPO's per-token clip fraction, ratio, KL) are averaged per microbatch, not "
+               "pooled over their tokens",
+        "file": "megatron_prune/training/step.py",
+        "old": "            totals[i] += v if v.numel() == 2 else torch.stack([v[0], torch.ones((), dtype=torch.float64)])",
+        "new": "            totals[i] += (torch.stack([v[0] / v[1], torch.ones((), dtype=torch.float64)]) if v.numel() == 2\n"
+               "                          else torch.stack([v[0], torch.ones((), dtype=torch.float64)]))",
+        "tests": [f"{INVARIANTS}::test_reduce_metrics_pools_sum_and_count"],
+    },
+    {
+        "name": "eval-interval-off-by-one",
+        "why": "held-out evaluation runs after steps 1, N+1, ... instead of N, 2N, ...",
+        "file": "megatron_prune/training/loop.py",
+        "old": "if eval_interval and ((step + 1) % eval_interval == 0 or",
+        "new": "if eval_interval and (step % eval_interval == 0 or",
+        "tests": ["tests/e2e/test_user_paths.py::test_eval_runs_after_every_eval_interval_steps"],
+    },
 ]

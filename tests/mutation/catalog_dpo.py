@@ -337,4 +337,20 @@ MUTANTS: list[dict] = [
         "new": '        return "initialisation"\n',
         "tests": ["tests/unit/test_ref_cache_key.py"],
     },
+    {
+        "name": "dpo-sequence-pruning-keeps-suffix",
+        "why": "sequence pruning keeps each response's last tokens, scored without the context that was cut",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "        responses.append(list(ids[:kept]))\n",
+        "new": "        responses.append(list(ids[len(ids) - kept:]))\n",
+        "tests": ["tests/unit/test_dpo_microbatches.py::test_sequence_pruning_keeps_a_prefix_of_each_response"],
+    },
+    {
+        "name": "dpo-prefix-rounds-down",
+        "why": "the kept prefix rounds down: under sequence pruning the response's last token (EOS) is never scored",
+        "file": "megatron_prune/sampling.py",
+        "old": "    return max(1, min(length, math.ceil(rho * length)))",
+        "new": "    return max(1, min(length, int(rho * length)))",
+        "tests": ["tests/unit/test_dpo_microbatches.py::test_prefix_length_is_the_ceiling_of_rho_times_length"],
+    },
 ]

@@ -277,4 +277,29 @@ MUTANTS: list[dict] = [
         "new": "seq_weights = [it.weight for it in items]",
         "tests": [SEQUENCE],
     },
+    {
+        "name": "math-frac-sign-dropped",
+        "why": "the MATH reward parses -\\frac{a}{b} as +a/b: a negative fraction matches the positive reference",
+        "file": "megatron_prune/grpo/rewards.py",
+        "old": '    return -value if sign == "-" else value',
+        "new": "    return value",
+        "tests": ["tests/unit/grpo/test_rewards.py::test_math_negative_fraction_keeps_its_sign"],
+    },
+    {
+        "name": "dppo-history-decay-swapped",
+        "why": "the prompt history's moving average weights the old score by 1 - decay (the same only at 0.5)",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "observation = self.decay * self._scores[key] + (1.0 - self.decay) * observation",
+        "new": "observation = (1.0 - self.decay) * self._scores[key] + self.decay * observation",
+        "tests": ["tests/unit/grpo/test_dppo.py::test_history_ema_weights_the_old_score_by_decay"],
+    },
+    {
+        "name": "dppo-informative-always-one",
+        "why": "--dppo-history-score informative scores a zero-variance group 1: prompt pruning stops preferring "
+               "informative prompts",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": 'return std if self.score_kind == "std" else float(std > 0)',
+        "new": 'return std if self.score_kind == "std" else float(std >= 0)',
+        "tests": ["tests/unit/grpo/test_dppo.py::test_informative_score_is_zero_for_a_zero_variance_group"],
+    },
 ]

@@ -205,3 +205,32 @@ def test_packed_rows_keep_every_token_position_segment_and_scored_position():
 def test_packing_the_full_layout_is_refused_by_its_flag():
     with pytest.raises(ValueError, match="--dpo-pack-rows needs --dpo-layout concat or shared"):
         DPOConfig(layout="full", pack_rows=True)
+
+
+def test_prefix_length_is_the_ceiling_of_rho_times_length():
+    """Sequence pruning keeps ceil(rho * L) tokens, rho uniform in [min, 1]: the whole response
+    (its last token, EOS) is sometimes kept."""
+    import math
+
+    from megatron_prune.sampling import prefix_length, uniform
+
+    length, low = 40, 0.5
+    kept = [prefix_length(length, min_ratio=low, seed=3, step=s, sample_id=1, what="p") for s in range(400)]
+    assert kept == [math.ceil((low + (1 - low) * uniform(3, s, 1, "p")) * length) for s in range(400)]
+    assert length in kept
+
+
+def test_sequence_pruning_keeps_a_prefix_of_each_response():
+    from megatron_prune.config import PruneConfig
+    from megatron_prune.data.preference import PreferencePair
+    from megatron_prune.dpo.batch import plan_pair
+    from megatron_prune.sampling import prefix_length
+
+    prune = PruneConfig(position_ratio=1.0, seq_min_ratio=0.5, branch=False)
+    chosen, rejected = list(range(100, 140)), list(range(200, 233))
+    for step in range(5):
+        plan = plan_pair(PreferencePair([1, 2, 3], chosen, rejected, "mem", 7), sample_id=7, step=step, seed=3,
+                         prune=prune)
+        for b, (name, ids) in enumerate((("chosen", chosen), ("rejected", rejected))):
+            n = prefix_length(len(ids), min_ratio=0.5, seed=3, step=step, sample_id=7, what=f"prefix/{name}")
+            assert plan.responses[b] == ids[:n]

@@ -449,3 +449,22 @@ def test_max_weight_bounds_every_combined_weight():
     combined = (1.0 / prompts.probs)[:, None] * (1.0 / completions.probs)
     assert combined.max() <= config.max_weight + 1e-9
     assert combined.max() == pytest.approx(config.max_weight)  # a floored prompt with a zero-advantage completion
+
+
+def test_history_ema_weights_the_old_score_by_decay():
+    """``--dppo-history-decay d``: new score = d * old + (1 - d) * observed (at d != 0.5, where the
+    two weights differ)."""
+    from megatron_prune.grpo.dppo import PromptHistory
+
+    history = PromptHistory(decay=0.9, score="std")
+    history.update("a", torch.tensor([0.0, 1.0]))  # population std 0.5
+    history.update("a", torch.tensor([0.0, 0.0]))  # std 0
+    assert history.score("a") == 0.9 * 0.5 + 0.1 * 0.0
+
+
+def test_informative_score_is_zero_for_a_zero_variance_group():
+    from megatron_prune.grpo.dppo import PromptHistory
+
+    history = PromptHistory(decay=0.0, score="informative")
+    history.update("a", torch.tensor([1.0, 1.0, 1.0]))
+    assert history.score("a") == 0.0

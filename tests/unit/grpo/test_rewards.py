@@ -291,3 +291,12 @@ def test_toy_binary_is_a_grpo_cli_task():
     assert sources["toy-binary"].score(prompt, [right, wrong, wrong]) == 1.0
     assert sources["toy-binary"].score(prompt, [wrong, right, right]) == 0.0
     assert sources["toy"].score(prompt, [wrong, right, right]) == pytest.approx(2 / 3)
+
+
+def test_math_negative_fraction_keeps_its_sign():
+    """Numeric comparison of a negative LaTeX fraction keeps its sign."""
+    from megatron_prune.grpo.rewards import MathReward, math_answers_equal
+
+    assert math_answers_equal("-\\frac{1}{2}", "-0.5")
+    assert not math_answers_equal("-\\frac{1}{2}", "0.5")
+    assert MathReward()("\\boxed{-\\frac{1}{2}}", "0.5") == 0.0
