@@ -248,10 +248,11 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
     off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,
                           micro_batch_size=train_cfg.micro_batch_size, pad_id=tokenizer.pad_id)
 
+    lora_on = lora is not None and lora.enabled
+
     def make_reference():
         # Under LoRA the base weights are the starting model, so the adapter-off policy is the
         # reference (also for precomputing); online keeps a separate frozen copy.
-        lora_on = lora is not None and lora.enabled
         if ref_mode == "adapter-off" or (ref_mode == "precomputed" and lora_on and not dpo.ref_load):
             from megatron_prune.model.lora import adapter_off
 
@@ -267,7 +268,6 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         reference = make_reference()
         cache_dir = dpo.ref_cache or os.path.join(ckpt_cfg.save or os.path.dirname(os.path.abspath(dpo.data_path[0])),
                                                   "ref_logps")
-        lora_on = lora is not None and lora.enabled
         identity = reference_identity(ref_meta, ref_source=ref_source, lora_base=lora_base,
                                       adapter_off_base=lora_on and not dpo.ref_load)
         fp = _fingerprint(dataset, f"{arch.to_dict()}|{identity}|{train_cfg.seed}")

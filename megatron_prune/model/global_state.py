@@ -39,6 +39,15 @@ def _params_hold(chunks, source: str) -> Iterator[None]:
                 p.data.copy_(data)
 
 
+def _from_every_rank(pieces: list) -> list[list]:
+    """Every rank's ``pieces``, in rank order, on every rank (one process: just these)."""
+    if not dist.is_initialized():
+        return [pieces]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    return everyone
+
+
 def gather_global_state(chunks, *, source: str = "param") -> dict[str, torch.Tensor]:
     """Whole tensors (fp32, CPU) on every rank: parameters (``param``) or gradients (``main_grad``)."""
     ctx = contextlib.nullcontext() if source == "param" else _params_hold(chunks, source)
@@ -52,11 +61,7 @@ def gather_global_state(chunks, *, source: str = "param") -> dict[str, torch.Ten
                     continue
                 pieces.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset),
                                sh.data.detach().float().cpu().clone()))
-    everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, pieces)
-    else:
-        everyone = [pieces]
+    everyone = _from_every_rank(pieces)
     out: dict[str, torch.Tensor] = {}
     for rank_pieces in everyone:
         for key, shape, offset, data in rank_pieces:
@@ -79,11 +84,7 @@ def replica_differences(chunks) -> list[str]:
         for sh in iter_sharded_tensors(_unwrap(chunk).sharded_state_dict()):
             if sh.data is not None and torch.is_floating_point(sh.data):
                 pieces.append((sh.key, tuple(sh.global_offset), sh.data.detach().float().cpu().clone()))
-    everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, pieces)
-    else:
-        everyone = [pieces]
+    everyone = _from_every_rank(pieces)
     first: dict[tuple, torch.Tensor] = {}
     differ = set()
     for rank_pieces in everyone:

@@ -62,23 +62,29 @@ FIXED_REWARDS = {0: [1.0, 1 / 3], 1: [0.0, 0.0], 2: [0.5, 0.0]}
 the trainer's scorer must give the same (checked in ``fixed_rollout``)."""
 
 
-def fixed_rollout(source) -> dict[int, list[list[int]]]:
-    """Completions of each prompt, chosen for their rewards (fraction of right-class tokens):
-    prompt 0 (1, 1/3); prompt 1 (0, 0): a zero-variance group; prompt 2 (1/2, 0)."""
-    eos = source.eos_id
+def _rollout_of(source, rewards: dict[int, list[float]], completions) -> dict[int, list[list[int]]]:
+    """``completions(right, wrong, eos)[prompt_id]`` for each prompt of ``rewards``, where
+    ``right(k)``/``wrong(k)`` give a token of the prompt's answer class or not; the trainer's scorer
+    must give each completion its reward in ``rewards``."""
     table = {}
-    for prompt_id in range(NUM_PROMPTS):
+    for prompt_id in rewards:
         digit = int(source.get(prompt_id).answer)
         right = functools.partial(_token_of_class, digit)
         wrong = functools.partial(_token_of_class, (digit + 1) % 10)
-        table[prompt_id] = {
-            0: [[right(1), right(7), eos], [right(2), wrong(3), wrong(5)]],
-            1: [[wrong(4), wrong(8), wrong(1)], [wrong(6), eos]],
-            2: [[right(3), wrong(2), eos], [wrong(9), wrong(11), wrong(2)]],
-        }[prompt_id]
+        table[prompt_id] = completions(right, wrong, source.eos_id)[prompt_id]
         scored = [source.score(source.get(prompt_id), c) for c in table[prompt_id]]
-        assert scored == pytest.approx(FIXED_REWARDS[prompt_id], abs=1e-12), (prompt_id, scored)
+        assert scored == pytest.approx(rewards[prompt_id], abs=1e-12), (prompt_id, scored)
     return table
+
+
+def fixed_rollout(source) -> dict[int, list[list[int]]]:
+    """Completions of each prompt, chosen for their rewards (fraction of right-class tokens):
+    prompt 0 (1, 1/3); prompt 1 (0, 0): a zero-variance group; prompt 2 (1/2, 0)."""
+    return _rollout_of(source, FIXED_REWARDS, lambda right, wrong, eos: {
+        0: [[right(1), right(7), eos], [right(2), wrong(3), wrong(5)]],
+        1: [[wrong(4), wrong(8), wrong(1)], [wrong(6), eos]],
+        2: [[right(3), wrong(2), eos], [wrong(9), wrong(11), wrong(2)]],
+    })
 
 
 class Harness:
@@ -526,20 +532,12 @@ MB_REWARDS = {0: [1.0, 1 / 3], 1: [0.0, 1.0], 2: [0.5, 0.0], 3: [1.0, 0.5]}
 
 def minibatch_rollout(source) -> dict[int, list[list[int]]]:
     """Four prompts, every group with distinct rewards, completions of 1, 2 and 3 tokens."""
-    eos = source.eos_id
-    table = {}
-    for prompt_id in range(MB_PROMPTS):
-        digit = int(source.get(prompt_id).answer)
-        right = functools.partial(_token_of_class, digit)
-        wrong = functools.partial(_token_of_class, (digit + 1) % 10)
-        table[prompt_id] = {
-            0: [[right(1), right(7), eos], [right(2), wrong(3), wrong(5)]],
-            1: [[wrong(4), eos], [right(6)]],
-            2: [[right(3), wrong(2), eos], [wrong(9), wrong(11), wrong(2)]],
-            3: [[right(5), right(8), right(0)], [wrong(1), right(4)]],
-        }[prompt_id]
-        scored = [source.score(source.get(prompt_id), c) for c in table[prompt_id]]
-        assert scored == pytest.approx(MB_REWARDS[prompt_id], abs=1e-12), (prompt_id, scored)
+    table = _rollout_of(source, MB_REWARDS, lambda right, wrong, eos: {
+        0: [[right(1), right(7), eos], [right(2), wrong(3), wrong(5)]],
+        1: [[wrong(4), eos], [right(6)]],
+        2: [[right(3), wrong(2), eos], [wrong(9), wrong(11), wrong(2)]],
+        3: [[right(5), right(8), right(0)], [wrong(1), right(4)]],
+    })
     lengths = {len(c) for group in table.values() for c in group}
     assert lengths == {1, 2, 3}
     return table
