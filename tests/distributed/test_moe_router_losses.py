@@ -13,7 +13,8 @@ experts, ``moe_router_load_balancing_type="aux_loss"``, no padding mask, TP = CP
 - z-loss (``z_loss_func``): per layer and microbatch, ``mean_x logsumexp(logits[x])^2``;
 
 Megatron's tracker stores each without its coefficient (``loss / coeff``), so the metric must be
-``coeff * sum over layers and microbatches / number of microbatches`` (one DP rank).
+``coeff * sum over layers and microbatches / number of microbatches``, the microbatches of every
+data-parallel rank counted (one rank, and DP = 2 with one microbatch per rank).
 """
 
 from __future__ import annotations
@@ -125,22 +126,32 @@ def step() -> dict:
     return run_distributed(hooked_moe_dpo_step, 1)[0]
 
 
-@pytest.mark.distributed
-def test_reported_router_losses_equal_megatrons_formulas(step):
-    # The router configuration the formulas below are written for.
+def _check_router_config(step: dict) -> None:
+    """The router configuration the formulas of :func:`expected_router_losses` are written for."""
     assert len(step["routers"]) == MOE_LAYERS
     for facts in step["facts"]:
         assert facts == dict(num_experts=4, topk=2, score_function="softmax", load_balancing_type="aux_loss",
                              aux_coeff=AUX, z_coeff=Z, fusion=False, jitter=None, expert_bias=False, bias=False,
                              group_topk=None, force_balance=False, capacity=None, tp_cp=1,
                              per_token=facts["per_token"])
+
+
+def _tracked_calls(step: dict) -> list[dict]:
+    """The router calls of the training pass: every MoE layer once per training microbatch (no
+    recomputation, no extra passes), every token counted (no padding mask)."""
+    tracked = [c for c in step["calls"] if c["tracked"]]
+    assert len(tracked) == MOE_LAYERS * step["num_microbatches"]
+    assert sorted(c["layer"] for c in tracked) == sorted(step["routers"] * step["num_microbatches"])
+    assert all(c["padding_mask"] is None for c in tracked)
+    return tracked
+
+
+@pytest.mark.distributed
+def test_reported_router_losses_equal_megatrons_formulas(step):
+    _check_router_config(step)
     num_microbatches = step["num_microbatches"]
     assert num_microbatches == NUM_PAIRS
-    tracked = [c for c in step["calls"] if c["tracked"]]
-    # Every MoE layer ran once per training microbatch (no recomputation, no extra passes).
-    assert len(tracked) == MOE_LAYERS * num_microbatches
-    assert sorted(c["layer"] for c in tracked) == sorted(step["routers"] * num_microbatches)
-    assert all(c["padding_mask"] is None for c in tracked)  # every token counts, padding included
+    tracked = _tracked_calls(step)
     # The microbatches differ in length, so per-microbatch token normalisation matters.
     assert len({c["hidden"].shape[:2].numel() for c in tracked}) > 1
 
@@ -150,3 +161,28 @@ def test_reported_router_losses_equal_megatrons_formulas(step):
     metrics = step["metrics"]
     assert metrics["moe_aux_loss"] == pytest.approx(expected_aux, rel=RTOL, abs=0)
     assert metrics["moe_z_loss"] == pytest.approx(expected_z, rel=RTOL, abs=0)
+
+
+@pytest.mark.distributed
+def test_router_losses_are_averaged_over_data_parallel_ranks():
+    """At DP = 2 each rank trains one of the two microbatches (160 and 80 tokens): the reported
+    losses are the mean over both ranks' microbatches of what each added, on every rank — not one
+    rank's value, not the sum over ranks, not a token-weighted mean."""
+    ranks = run_distributed(hooked_moe_dpo_step, 2)
+    per_rank = []
+    for rank, step in enumerate(ranks):
+        _check_router_config(step)
+        assert step["num_microbatches"] == NUM_PAIRS // 2, f"rank {rank}"
+        tracked = _tracked_calls(step)
+        losses = [expected_router_losses(c["hidden"], c["weight"], topk=2) for c in tracked]
+        per_rank.append((sum(lb for lb, _ in losses), sum(z for _, z in losses),
+                         tracked[0]["hidden"].shape[:2].numel()))
+    assert per_rank[0][2] != per_rank[1][2], "the two ranks' microbatches should differ in length"
+    # Each rank's own value differs from the mean: a metric that skipped the DP reduction shows.
+    assert per_rank[0][0] != pytest.approx(per_rank[1][0], rel=1e-3)
+    microbatches = sum(step["num_microbatches"] for step in ranks)
+    expected_aux = AUX * sum(lb for lb, _, _ in per_rank) / microbatches
+    expected_z = Z * sum(z for _, z, _ in per_rank) / microbatches
+    for rank, step in enumerate(ranks):
+        assert step["metrics"]["moe_aux_loss"] == pytest.approx(expected_aux, rel=RTOL, abs=0), f"rank {rank}"
+        assert step["metrics"]["moe_z_loss"] == pytest.approx(expected_z, rel=RTOL, abs=0), f"rank {rank}"
