@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 
@@ -37,7 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2, help="random sequences compared")
     p.add_argument("--seed", type=int, default=0, help="seed of the random test tokens")
     p.add_argument("--hf-device", default="cpu", help="device of the HF reference model (rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("seq_length", "batch_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,14 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"the model's {arch.num_layers} layers do not split into --pipeline-model-parallel-size x "
                              f"--virtual-pipeline-model-parallel-size = {chunks} equal model chunks")
         from megatron_prune.model.provider import ParallelConfig
-        from megatron_prune.training.parallel import initialize_distributed
+        from megatron_prune.training.parallel import initialize_distributed, validate_layout
+        from megatron_prune.training.session import check_layout_fits
 
-        initialize_distributed()
         parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                   virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
                                   expert_model_parallel_size=args.expert_model_parallel_size,
                                   sequence_parallel=arch.is_moe and args.tensor_model_parallel_size > 1)
+        validate_layout(parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        check_layout_fits(arch, parallel)
+        initialize_distributed()
         result = compare_hf_and_megatron(hf_dir=args.hf_dir, load_dir=args.load, parallel=parallel,
                                          seq_length=args.seq_length, batch_size=args.batch_size,
                                          seed=args.seed, hf_device=args.hf_device)

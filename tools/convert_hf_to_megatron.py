@@ -11,6 +11,7 @@ model while converting (for models larger than one process's memory). See docs/c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -37,18 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_prune.arguments import tool_logging
 
     tool_logging()
-    from megatron_prune.model.hf_convert import convert_hf_to_megatron, read_hf_arch
+    from megatron_prune.model.hf_convert import check_save_dir, convert_hf_to_megatron, read_hf_arch
 
     try:
         arch = read_hf_arch(args.hf_dir)  # refuse an unsupported model before starting anything
+        check_save_dir(args.save)
         from megatron_prune.model.provider import ParallelConfig
-        from megatron_prune.training.parallel import initialize_distributed
+        from megatron_prune.training.parallel import initialize_distributed, validate_layout
+        from megatron_prune.training.session import check_layout_fits
 
-        initialize_distributed()
         parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                   expert_model_parallel_size=args.expert_model_parallel_size,
                                   sequence_parallel=arch.is_moe and args.tensor_model_parallel_size > 1)
+        validate_layout(parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        check_layout_fits(arch, parallel)
+        initialize_distributed()
         path = convert_hf_to_megatron(hf_dir=args.hf_dir, save_dir=args.save, dtype=args.dtype, parallel=parallel)
     except (ValueError, FileNotFoundError) as exc:
         from megatron_prune.training.session import fail_usage

@@ -45,7 +45,9 @@ Kept pairs that lost tokens to rules 1 and 2 are counted per part (``"prompt"``,
 
 Bad records raise :class:`DataError` naming file, 1-based line/record number and reason; with
 ``skip_invalid=True`` each is logged and counted in ``skipped`` instead. Nothing is dropped
-silently: yielded + skipped always equals the number of input records.
+silently: yielded + skipped always equals the number of input records. Pairs that repeat an
+earlier pair token for token are kept (each trains as often as it appears) and counted in one
+warning.
 """
 
 from __future__ import annotations
@@ -441,11 +443,30 @@ def load_preference_pairs(
     if policy.skipped and first_rank:
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d preference pairs, skipped %d records: %s", len(pairs), skipped, dict(policy.skipped))
+    repeats = _repeated_pairs(pairs)
+    if repeats and first_rank:
+        later, earlier = repeats[0]
+        logger.warning("%d preference pairs repeat an earlier pair token for token (first: %s:%d repeats %s:%d); "
+                       "kept, so each trains as often as it appears", len(repeats), later.source, later.line,
+                       earlier.source, earlier.line)
     if truncated and first_rank:
         logger.warning("loaded %d preference pairs, truncated to fit max_seq_length=%d, max_prompt_length=%s "
                        "(pairs per cut part): %s", len(pairs), config.max_seq_length, config.max_prompt_length,
                        dict(truncated))
     return pairs, policy.skipped
+
+
+def _repeated_pairs(pairs: Sequence[PreferencePair]) -> list[tuple[PreferencePair, PreferencePair]]:
+    """``(pair, the first pair with the same token ids)`` for every pair that repeats an earlier one."""
+    first: dict[int, PreferencePair] = {}
+    repeats = []
+    for pair in pairs:
+        key = hash((tuple(pair.prompt_ids), tuple(pair.chosen_ids), tuple(pair.rejected_ids)))
+        earlier = first.setdefault(key, pair)
+        if earlier is not pair and (earlier.prompt_ids, earlier.chosen_ids, earlier.rejected_ids) == (
+                pair.prompt_ids, pair.chosen_ids, pair.rejected_ids):
+            repeats.append((pair, earlier))
+    return repeats
 
 
 def _as_list(paths: PathLike | Sequence[PathLike]) -> list[PathLike]:

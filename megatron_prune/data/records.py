@@ -75,9 +75,11 @@ class SkipPolicy:
         self.skip(error)
 
     def skip(self, error: DataError) -> None:
-        """Count and log a skip that is always allowed (e.g. a preference tie)."""
+        """Count and log a skip that is always allowed (e.g. a preference tie). Every rank reads
+        the same files and counts the same skips; only rank 0 logs them, once each."""
         self.skipped[error.reason] += 1
-        logger.warning("skipping record %s", error)
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning("skipping record %s", error)
 
 
 def check_encodable(texts: Iterable[str]) -> None:

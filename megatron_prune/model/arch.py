@@ -144,13 +144,8 @@ class ModelArch:
                 f"{source}: mixture-of-experts models are supported as model_type qwen3_moe only, got {model_type!r}"
             )
         moe = _moe_fields(config, source) if model_type == "qwen3_moe" else {}
-        if model_type == "mistral" and config.get("sliding_window") not in (None, 0):
-            max_pos = config.get("max_position_embeddings", 0)
-            if config["sliding_window"] < max_pos:
-                raise ValueError(
-                    f"{source}: sliding_window={config['sliding_window']} is not supported; "
-                    "set it to null for full attention"
-                )
+        if model_type == "mistral":
+            _check_mistral_window(config, source)
         if config.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not supported")
         rope = config.get("rope_parameters") or {}
@@ -163,38 +158,81 @@ class ModelArch:
         if rope_scaling is not None:
             _check_rope_scaling(rope_scaling, source)
         qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
-        return cls(
-            model_type=model_type,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            head_dim=config.get("head_dim"),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            **moe,
-        )
+        sizes = {name: _int_field(config, key, source) for name, key in _REQUIRED_SIZES.items()}
+        sizes.update(num_key_value_heads=_int_field(config, "num_key_value_heads", source,
+                                                    default=sizes["num_attention_heads"]),
+                     head_dim=_int_field(config, "head_dim", source, default=None),
+                     max_position_embeddings=_int_field(config, "max_position_embeddings", source, default=4096))
+        try:
+            return cls(
+                model_type=model_type,
+                **sizes,
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                qkv_bias=qkv_bias,
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                **moe,
+            )
+        except (TypeError, ValueError) as exc:  # the dataclass's own checks do not know the file
+            raise ValueError(f"{source}: {exc}") from None
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "ModelArch":
         cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"{cfg_path} not found: --hf-model must be an HF model directory")
-        with open(cfg_path, encoding="utf-8") as f:
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{cfg_path}: not valid JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
-        return cls.from_hf_config(config, source=cfg_path)
+        return cls.from_hf_config(read_hf_config_file(cfg_path, flag="--hf-model"), source=cfg_path)
+
+
+def read_hf_config_file(path: str, *, flag: str) -> dict[str, Any]:
+    """The JSON object of an HF ``config.json``; FileNotFoundError or ValueError naming the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: {flag} must be an HF model directory")
+    with open(path, "rb") as f:
+        try:
+            config = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+# ModelArch field -> the HF config.json field every supported model type must set.
+_REQUIRED_SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                   "num_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads"}
+_MISSING = object()
+
+
+def _int_field(config: dict[str, Any], key: str, source: str, *, default: Any = _MISSING) -> Any:
+    """An integer field of an HF config (``default`` when absent or null; required without one)."""
+    value = config.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ValueError(f"{source}: missing field {key!r} (an integer)")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
+    return value
+
+
+# transformers' defaults for a Mistral config that leaves these fields out.
+_MISTRAL_DEFAULT_WINDOW = 4096
+_MISTRAL_DEFAULT_MAX_POSITIONS = 131072
+
+
+def _check_mistral_window(config: dict[str, Any], source: str) -> None:
+    """Mistral attends within ``sliding_window`` tokens (transformers' default 4096 when the field
+    is absent); Megatron's model here attends to the whole context, which is the same model only
+    when the window covers every position."""
+    window = _int_field(config, "sliding_window", source, default=None if "sliding_window" in config
+                        else _MISTRAL_DEFAULT_WINDOW)
+    if window in (None, 0):
+        return
+    max_pos = _int_field(config, "max_position_embeddings", source, default=_MISTRAL_DEFAULT_MAX_POSITIONS)
+    if window < max_pos:
+        shown = window if "sliding_window" in config else f"{window} (transformers' default when the field is absent)"
+        raise ValueError(f"{source}: sliding_window={shown} is not supported; set it to null for full attention")
 
 
 # Fields of an HF MoE config that change the model and that Megatron's layer here cannot express.

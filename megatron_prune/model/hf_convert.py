@@ -23,13 +23,14 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from megatron_prune.model.arch import ModelArch
+from megatron_prune.model.arch import ModelArch, arch_difference, read_hf_config_file
 from megatron_prune.model.hf_mapping import (
     EMBED,
     HF_EMBED,
@@ -86,11 +87,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: --hf-dir must be an HF model directory")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_hf_config_file(os.path.join(hf_dir, "config.json"), flag="--hf-dir")
 
 
 def read_hf_arch(hf_dir: str) -> ModelArch:
@@ -247,7 +244,38 @@ def fill_model_from_hf(chunks: list[torch.nn.Module], *, hf: Mapping[str, torch.
                 raise RuntimeError(f"parameter {name} was not filled from the HF checkpoint")
 
 
-def _refuse_existing_checkpoints(save_dir: str) -> None:
+def hf_weights(checkpoint: HFCheckpoint, arch: ModelArch) -> Mapping[str, torch.Tensor]:
+    """The tensors of ``checkpoint`` under the per-expert names the mapping reads (a MoE model's
+    fused expert layout is split on access); other models' tensors as they are."""
+    return PerExpertView(checkpoint, arch) if arch.is_moe else checkpoint
+
+
+def check_hf_weights(hf_dir: str, arch: ModelArch) -> None:
+    """``hf_dir``'s safetensors hold every tensor ``arch`` needs, with its shape, and no other,
+    and a tied model's stored ``lm_head.weight`` (if any) equals the embedding: the file headers,
+    plus those two tensors when both are stored; cheap enough to run before any rank starts."""
+    with HFCheckpoint(hf_dir) as checkpoint:
+        hf = hf_weights(checkpoint, arch)
+        check_hf_tensors(hf.shapes(), arch, source=hf_dir)
+        check_tied_lm_head(hf, arch, source=hf_dir)
+
+
+@torch.no_grad()
+def fill_model_from_hf_dir(chunks: list[torch.nn.Module], *, hf_dir: str, arch: ModelArch) -> None:
+    """:func:`fill_model_from_hf` from an HF directory, after the checks the converter makes: the
+    tensors and their shapes, and a stored ``lm_head.weight`` of a tied model equal to the embedding."""
+    modules = [c.module if hasattr(c, "module") else c for c in chunks]
+    with HFCheckpoint(hf_dir) as checkpoint:
+        hf = hf_weights(checkpoint, arch)
+        check_hf_tensors(hf.shapes(), arch, source=hf_dir)
+        check_tied_lm_head(hf, arch, source=hf_dir)
+        fill_model_from_hf(modules, hf=hf, arch=arch)
+
+
+def check_save_dir(save_dir: str) -> None:
+    """The converter's ``--save`` is a new directory, or one that holds no checkpoint yet."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ValueError(f"--save {save_dir} exists and is not a directory; choose a new directory")
     if os.path.isdir(save_dir):
         taken = [n for n in os.listdir(save_dir) if n.startswith("iter_") or n == "latest_checkpointed_iteration.txt"]
         if taken:
@@ -270,7 +298,7 @@ def convert_hf_to_megatron(
     """
     config = read_hf_config(hf_dir)
     arch = read_hf_arch(hf_dir)
-    _refuse_existing_checkpoints(save_dir)
+    check_save_dir(save_dir)
     import torch.distributed as dist
 
     from megatron_prune.model.provider import ParallelConfig, build_model_chunks
@@ -278,7 +306,7 @@ def convert_hf_to_megatron(
     from megatron_prune.training.parallel import barrier, model_parallel
 
     with HFCheckpoint(hf_dir) as checkpoint:
-        hf = PerExpertView(checkpoint, arch) if arch.is_moe else checkpoint
+        hf = hf_weights(checkpoint, arch)
         check_hf_tensors(hf.shapes(), arch, source=hf_dir)
         check_tied_lm_head(hf, arch, source=hf_dir)
         torch_dtype = resolve_dtype(dtype, config=config, hf=checkpoint)
@@ -406,9 +434,11 @@ def export_config(arch: ModelArch, *, assets: str | None, dtype: torch.dtype) ->
         return hf_config_from_arch(arch, dtype=name)
     source = os.path.join(assets, "config.json")
     config = read_hf_config(assets)
-    if arch_from_hf_config(config, source=source) != arch:
-        raise ValueError(f"{source} describes a different model than the checkpoint ({arch.to_dict()}); "
-                         "pass the right --hf-assets")
+    described = arch_from_hf_config(config, source=source)
+    if described != arch:
+        raise ValueError(f"{source} describes a different model than the checkpoint: it has "
+                         f"{arch_difference(described.to_dict(), arch.to_dict())} (the checkpoint's "
+                         "values in parentheses); pass the right --hf-assets")
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for key in keys:
         config[key] = name
@@ -496,8 +526,7 @@ def export_megatron_to_hf(
 
     from megatron_prune.training.checkpoint import read_meta
 
-    if os.path.exists(hf_out) and (not os.path.isdir(hf_out) or os.listdir(hf_out)):
-        raise ValueError(f"--hf-out {hf_out} exists and is not an empty directory")
+    check_output_dir(hf_out, flag="--hf-out")
     meta = read_meta(load_dir)
     ckpt = meta["path"]
     arch = ModelArch.from_dict(meta["arch"])
@@ -508,6 +537,22 @@ def export_megatron_to_hf(
     return write_hf_directory(hf_out=hf_out, ckpt=ckpt, arch=arch, out_dtype=out_dtype, hf_assets=hf_assets,
                               max_shard_size=max_shard_size,
                               tensors=_iter_checkpoint_hf_tensors(dist_dir, metadata=metadata, arch=arch))
+
+
+def check_output_dir(path: str, *, flag: str) -> None:
+    """``path`` is an empty directory or can be created (with ``path + ".tmp"`` beside it, where
+    the exporters write first); checked before any checkpoint is read."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ValueError(f"{flag} {path} exists and is not an empty directory")
+    parent = os.path.dirname(os.path.abspath(path.rstrip("/") or path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} exists and is not a directory")
+    try:  # probed by writing: permission bits alone let root pass where the filesystem refuses
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write into {parent}: {exc.strerror}") from None
 
 
 def write_hf_directory(*, hf_out: str, ckpt: str, arch: ModelArch, out_dtype: torch.dtype, hf_assets: str | None,
@@ -695,8 +740,9 @@ def compare_hf_and_megatron(
     arch = read_arch(load_dir)
     hf_arch = read_hf_arch(hf_dir)
     if hf_arch != arch:
-        raise ValueError(f"--hf-dir {hf_dir} and --load {load_dir} describe different models:\n"
-                         f"  HF: {hf_arch.to_dict()}\n  checkpoint: {arch.to_dict()}")
+        raise ValueError(f"--hf-dir {hf_dir} and --load {load_dir} describe different models: the HF config "
+                         f"has {arch_difference(hf_arch.to_dict(), arch.to_dict())}, the checkpoint's values in "
+                         "parentheses")
     if seq_length > arch.max_position_embeddings:
         raise ValueError(f"--seq-length {seq_length} exceeds max_position_embeddings {arch.max_position_embeddings}")
     tokens = comparison_tokens(vocab_size=arch.vocab_size, batch_size=batch_size, seq_length=seq_length, seed=seed)

@@ -478,6 +478,8 @@ def check_hf_config(config: dict[str, Any], *, source: str) -> None:
         raise ValueError(f"{source}: layer_types {odd} are not supported (only full_attention)")
     rope = config.get("rope_parameters") or {}
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"{source}: rope_theta must be a number, got {theta!r}")
     if float(theta) != int(float(theta)):
         raise ValueError(f"{source}: rope_theta={theta} is not supported (Megatron's rotary base is an integer)")
 

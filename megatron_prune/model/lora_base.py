@@ -246,8 +246,6 @@ def _find_megatron(recorded: BaseSource, *, ckpt: str, override: str | None, fla
 
 def load_base_weights(chunks, source: BaseSource, *, arch) -> None:
     """Fill the base weights of unwrapped ``chunks`` (this rank's shards) from ``source``."""
-    import torch
-
     from megatron_prune.model.arch import ModelArch
 
     assert ModelArch.from_dict(source.arch) == arch, "the base was checked against the architecture"
@@ -261,11 +259,9 @@ def load_base_weights(chunks, source: BaseSource, *, arch) -> None:
 
         load_model_weights(source.path, model=chunks, arch=arch)
         return
-    from megatron_prune.model.hf_convert import HFCheckpoint, fill_model_from_hf
+    from megatron_prune.model.hf_convert import fill_model_from_hf_dir
 
-    modules = [c.module if hasattr(c, "module") else c for c in chunks]
-    with torch.no_grad(), HFCheckpoint(source.path) as hf:
-        fill_model_from_hf(modules, hf=hf, arch=arch)
+    fill_model_from_hf_dir(chunks, hf_dir=source.path, arch=arch)
 
 
 def base_tensor_reader(source: BaseSource, *, arch) -> Callable[[str, int | None], Any]:
@@ -284,10 +280,10 @@ def base_tensor_reader(source: BaseSource, *, arch) -> Callable[[str, int | None
         return read_preset
     if source.kind == "megatron":
         return _megatron_reader(source.path, arch=arch)
-    from megatron_prune.model.hf_convert import HFCheckpoint
+    from megatron_prune.model.hf_convert import HFCheckpoint, hf_weights
 
     rules = {r.megatron_key: r for r in tensor_rules(arch)}
-    hf = HFCheckpoint(source.path)
+    hf = hf_weights(HFCheckpoint(source.path), arch)
 
     def read_hf(key: str, layer: int | None):
         return megatron_tensor(rules[key], layer=layer, hf=hf)

@@ -160,11 +160,10 @@ def export_merged(*, load_dir: str, hf_out: str, dtype: str = "auto", max_shard_
     :class:`~megatron_prune.model.lora_base.BaseSource`), else from the base the checkpoint
     records. ``dtype`` auto keeps the adapters' (the training weights') dtype. Collective (all
     ranks read, rank 0 writes)."""
-    from megatron_prune.model.hf_convert import find_hf_assets, resolve_dtype, write_hf_directory
+    from megatron_prune.model.hf_convert import check_output_dir, find_hf_assets, resolve_dtype, write_hf_directory
     from megatron_prune.model.lora_base import base_tensor_reader
 
-    if os.path.exists(hf_out) and (not os.path.isdir(hf_out) or os.listdir(hf_out)):
-        raise ValueError(f"--hf-out {hf_out} exists and is not an empty directory")
+    check_output_dir(hf_out, flag="--hf-out")
     meta, ckpt, dist_dir, base, adapters, lora = _open(load_dir, base)
     arch = ModelArch.from_dict(meta["arch"])
     out_dtype = next(iter(adapters.values())).dtype if dtype == "auto" else resolve_dtype(dtype, config={})
@@ -238,11 +237,10 @@ def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base=None)
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from megatron_prune.model.hf_convert import resolve_dtype
+    from megatron_prune.model.hf_convert import check_output_dir, resolve_dtype
     from megatron_prune.training.parallel import barrier
 
-    if os.path.exists(peft_out) and (not os.path.isdir(peft_out) or os.listdir(peft_out)):
-        raise ValueError(f"--peft-out {peft_out} exists and is not an empty directory")
+    check_output_dir(peft_out, flag="--peft-out")
     meta, ckpt, dist_dir, base, adapters, lora = _open(load_dir, base)
     check_peft_export(meta)
     arch = ModelArch.from_dict(meta["arch"])

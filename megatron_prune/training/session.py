@@ -113,7 +113,12 @@ def resolve_arch(model: ModelConfig, ckpt: CheckpointConfig) -> ModelArch:
     if model.model_preset:
         arch = get_preset(model.model_preset)
     elif model.hf_model:
-        arch = ModelArch.from_hf_dir(model.hf_model)
+        from megatron_prune.model.hf_convert import check_hf_weights, read_hf_arch
+
+        # The converter's checks: config fields the model cannot represent, and safetensors with
+        # missing, extra or misshapen tensors, refused here rather than trained without them.
+        arch = read_hf_arch(model.hf_model)
+        check_hf_weights(model.hf_model, arch)
     else:
         from megatron_prune.training.checkpoint import read_arch
 
@@ -272,10 +277,11 @@ def finetune_notice(ckpt: CheckpointConfig, ref_load: str | None) -> str | None:
             f"model as the reference, " + MERGE_HINT.format(ckpt=ckpt.load))
 
 
-def check_layout_fits(arch: ModelArch, model: ModelConfig) -> None:
+def check_layout_fits(arch: ModelArch, model: ModelConfig | ParallelConfig) -> None:
     """The parallel layout splits this architecture: heads over TP, layers over PP x VPP, a MoE
     model's experts over EP with sequence parallelism at TP > 1 (Megatron would otherwise stop
-    every rank with an assertion after the processes started, or build fewer layers)."""
+    every rank with an assertion after the processes started, or build fewer layers). ``model``
+    is the trainers' flags or, for the conversion tools, the layout itself."""
     tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
     vpp = model.virtual_pipeline_model_parallel_size or 1
     if arch.num_attention_heads % tp:
@@ -293,7 +299,8 @@ def check_layout_fits(arch: ModelArch, model: ModelConfig) -> None:
         from megatron_prune.model.moe import moe_config_kwargs
 
         try:
-            moe_config_kwargs(arch, parallel_config(model), grouped_gemm=False)
+            layout = model if isinstance(model, ParallelConfig) else parallel_config(model)
+            moe_config_kwargs(arch, layout, grouped_gemm=False)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
 
@@ -495,10 +502,6 @@ def reference_meta(model: ModelConfig, ckpt: CheckpointConfig, source: str | Non
 
 def load_hf_weights(chunks, hf_dir: str, arch: ModelArch) -> None:
     """Fill this rank's shards straight from the HF safetensors (streamed, one layer at a time)."""
-    import torch
+    from megatron_prune.model.hf_convert import fill_model_from_hf_dir
 
-    from megatron_prune.model.hf_convert import HFCheckpoint, fill_model_from_hf
-
-    modules = [c.module if hasattr(c, "module") else c for c in chunks]
-    with torch.no_grad(), HFCheckpoint(hf_dir) as hf:
-        fill_model_from_hf(modules, hf=hf, arch=arch)
+    fill_model_from_hf_dir(chunks, hf_dir=hf_dir, arch=arch)

@@ -302,4 +302,74 @@ MUTANTS: list[dict] = [
         "new": 'return std if self.score_kind == "std" else float(std >= 0)',
         "tests": ["tests/unit/grpo/test_dppo.py::test_informative_score_is_zero_for_a_zero_variance_group"],
     },
+    {
+        "name": "rollout-uncached-logits-one-past-the-end",
+        "why": "the uncached sampler reads each row's logits one position past its last token (a padding "
+               "position), so every draw conditions on a pad token",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "last = torch.tensor([len(seq) - 1 for seq in chunk], dtype=torch.long)",
+        "new": "last = torch.tensor([len(seq) for seq in chunk], dtype=torch.long)",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_give_the_uncached_tokens"],
+    },
+    {
+        "name": "rollout-uncached-does-not-stop-at-eos",
+        "why": "the uncached sampler compares the last token with the pad id instead of EOS, so completions "
+               "run on past their EOS up to max_new_tokens",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "active = [i for i in active if completions[i].tokens[-1] != settings.eos_id]",
+        "new": "active = [i for i in active if completions[i].tokens[-1] != settings.pad_id]",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_give_the_uncached_tokens",
+                  "tests/unit/grpo/test_rollout_cache.py::test_completions_end_at_their_first_eos_cached_or_not"],
+    },
+    {
+        "name": "rollout-cached-does-not-stop-at-eos",
+        "why": "the KV-cached sampler ends a row only at max_new_tokens, not at its EOS",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "done[r] = token == settings.eos_id or len(completion.tokens) == settings.max_new_tokens",
+        "new": "done[r] = len(completion.tokens) == settings.max_new_tokens",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_completions_end_at_their_first_eos_cached_or_not"],
+    },
+    {
+        "name": "rollout-cached-first-draw-one-step-late",
+        "why": "the KV-cached sampler starts drawing for a row one forward after its prompt ended, feeding a pad "
+               "token in between",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "sampling = [r for r in range(b) if not done[r] and fed >= lengths[r]]",
+        "new": "sampling = [r for r in range(b) if not done[r] and fed > lengths[r]]",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_give_the_uncached_tokens"],
+    },
+    {
+        "name": "dppo-raised-floor-ignores-kept-positives",
+        "why": "at a rate the scaling rule cannot reach, the zero scores' raised floor is solved without "
+               "subtracting the positive scores' certain keeps, so the expected prune rate misses the target",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "raised = (target * flat.numel() - (flat.numel() - num_zero)) / num_zero",
+        "new": "raised = target * flat.numel() / num_zero",
+        "tests": [f"{DPPO_UNIT}::test_low_rate_with_many_zero_scores_raises_their_floor_exactly"],
+    },
+    {
+        "name": "dppo-bisection-bracket-from-the-largest-score",
+        "why": "the bisection's upper bracket is the multiplier that brings the largest score to 1, not the "
+               "smallest: rates that need small positive scores kept with certainty are not reached",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "1.0 / max(finite[positive].min().item(), 1e-300)",
+        "new": "1.0 / max(finite[positive].max().item(), 1e-300)",
+        "tests": [DPPO_UNIT],
+    },
+    {
+        "name": "dppo-unseen-prompts-score-zero",
+        "why": "a prompt with no history gets score 0 (kept at the floor) instead of +inf (always kept)",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "fill = math.inf if unseen is None else float(unseen)",
+        "new": "fill = 0.0 if unseen is None else float(unseen)",
+        "tests": [f"{DPPO_UNIT}::test_prompt_level_uses_history_and_keeps_unseen_prompts"],
+    },
+    {
+        "name": "dppo-expected-rate-is-keep-rate",
+        "why": "the logged expected prune rate is the mean keep probability (1 - rate)",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "return 1.0 - self.probs.mean().item() if self.probs.numel() else 0.0",
+        "new": "return self.probs.mean().item() if self.probs.numel() else 0.0",
+        "tests": [DPPO_UNIT],
+    },
 ]

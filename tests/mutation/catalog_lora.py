@@ -76,4 +76,39 @@ MUTANTS: list[dict] = [
         "new": "if self.lora_dropout and self.training:",
         "tests": ["tests/distributed/test_lora.py::test_adapter_off_reference_is_the_frozen_base"],
     },
+    {
+        "name": "lora-peft-qkv-b-split-contiguously",
+        "why": "the PEFT export splits the fused QKV adapter's B into q/k/v by contiguous row blocks instead of "
+               "Megatron's per-query-group interleaved order, so q_proj/k_proj/v_proj get each other's rows",
+        "file": "megatron_prune/model/lora_export.py",
+        "old": "        b_parts = rule.to_hf(b) if len(names) > 1 else [b]\n",
+        "new": "        b_parts = list(b.split([s[0] for s in rule.hf_shapes])) if len(names) > 1 else [b]\n",
+        "tests": [EXPORTS],
+    },
+    {
+        "name": "lora-peft-config-alpha-is-rank",
+        "why": "the PEFT adapter_config.json gives lora_alpha = r, so peft scales the adapters by 1 instead of "
+               "alpha / r",
+        "file": "megatron_prune/model/lora_export.py",
+        "old": "        \"lora_alpha\": lora[\"alpha\"],\n",
+        "new": "        \"lora_alpha\": lora[\"rank\"],\n",
+        "tests": [EXPORTS],
+    },
+    {
+        "name": "lora-merged-export-scale-without-rank",
+        "why": "the merged export adds alpha * B A instead of (alpha / r) * B A",
+        "file": "megatron_prune/model/lora_export.py",
+        "old": "    scale = lora[\"alpha\"] / lora[\"rank\"]\n",
+        "new": "    scale = lora[\"alpha\"]\n",
+        "tests": [EXPORTS],
+    },
+    {
+        "name": "lora-peft-target-modules-of-megatron-names",
+        "why": "PEFT's target_modules lists Megatron's module names (linear_qkv ...) instead of the HF ones, so "
+               "peft attaches no adapter",
+        "file": "megatron_prune/model/lora_export.py",
+        "old": "        \"target_modules\": peft_target_modules(arch, lora[\"targets\"]),\n",
+        "new": "        \"target_modules\": sorted(lora[\"targets\"]),\n",
+        "tests": [EXPORTS],
+    },
 ]

@@ -14,6 +14,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from megatron_prune.model.arch import get_preset
 from megatron_prune.training import checkpoint as ckpt
@@ -325,3 +326,45 @@ def test_ctrl_c_after_a_checkpoint_names_the_load_that_resumes(tmp_path, stub_io
     err = capsys.readouterr().err
     assert code == 130
     assert f"megatron-prune: interrupted; --load {tmp_path / 'ckpt'} resumes from its newest complete checkpoint" in err
+
+
+# --- what a resume restores ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def stub_load(stub_io):
+    """Loading reads the stubbed shards back as an empty state (the model is ``[]``)."""
+    from megatron.core import dist_checkpointing
+
+    stub_io.setattr(dist_checkpointing, "load", lambda state, path, **kw: {})
+    return stub_io
+
+
+def test_resume_restores_the_rng_states_saved_with_the_checkpoint(tmp_path, stub_load):
+    """After a resume, torch's RNG draws what it would have drawn right after the save, and Megatron's
+    model-parallel RNG tracker gets the states it had then; without restore_rng neither is touched."""
+    tracker_then = {"model-parallel-rng": torch.tensor([7, 8, 9])}
+    stub_load.setattr(ckpt, "_rng_tracker_states", lambda: tracker_then)
+    restored = []
+    stub_load.setattr(ckpt, "_set_rng_tracker_states", restored.append)
+    torch.manual_seed(1234)
+    _save(tmp_path, 3)
+    next_draws = torch.rand(8)  # what the uninterrupted run draws next
+    torch.rand(100)  # the stopped run (or a new process) moves on
+
+    ckpt.load_checkpoint(str(tmp_path), model=[], restore_rng=False)
+    assert not restored and not torch.equal(torch.rand(8), next_draws)
+
+    meta = ckpt.load_checkpoint(str(tmp_path), model=[], restore_rng=True)
+    assert meta["trainer"] == {"objective": {"step": 3}}
+    assert torch.equal(torch.rand(8), next_draws)
+    assert len(restored) == 1 and torch.equal(restored[0]["model-parallel-rng"], tracker_then["model-parallel-rng"])
+
+
+def test_checkpoint_saved_without_an_optimizer_refuses_to_resume_one(tmp_path, stub_load):
+    """A checkpoint saved without optimizer state says so, and loading it with an optimizer (a resume)
+    is refused instead of starting the optimizer from nothing."""
+    _save(tmp_path, 1)
+    assert ckpt.read_meta(str(tmp_path))["has_optimizer"] is False
+    with pytest.raises(ckpt.CheckpointError, match="has no optimizer state"):
+        ckpt.load_checkpoint(str(tmp_path), model=[], optimizer=object())

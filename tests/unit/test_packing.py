@@ -97,6 +97,15 @@ def test_row_tensors():
     assert [p.tolist() for p in pieces] == [[0, 1, 2], [3, 4]]
 
 
+def test_cu_seqlens_of_a_full_row_has_no_empty_padding_segment():
+    """A row without padding already ends at its capacity: the padded cu_seqlens (THD's
+    ``cu_seqlens_*_padded``) are its plain ones, with no zero-length segment appended."""
+    full = PackedRow(sequence_indices=(0, 1), offsets=(0, 3), lengths=(3, 4), capacity=7)
+    assert full.padding == 0
+    assert row_cu_seqlens(full).tolist() == [0, 3, 7]
+    assert row_cu_seqlens(full, include_padding=True).tolist() == [0, 3, 7]
+
+
 class TinyCausalAttention(torch.nn.Module):
     """One-head causal self-attention with RoPE-free learned positions; mask True = masked."""
 

@@ -314,6 +314,16 @@ def test_truncation_rule():
         truncate_pair(prompt, [5, 6, 7], [5, 6, 8], max_seq_length=12)
 
 
+def test_prompt_head_is_kept_only_with_room_for_prompt_text():
+    """The template head survives left truncation only when some of the prompt's own tokens fit
+    after it; a head that fills the whole budget gives way to the prompt's last tokens."""
+    prompt = list(range(10))
+    assert truncate_prompt(prompt, max_length=4, keep_head=3) == [0, 1, 2, 9]
+    assert truncate_prompt(prompt, max_length=4, keep_head=4) == [6, 7, 8, 9]
+    assert truncate_prompt(prompt, max_length=4, keep_head=6) == [6, 7, 8, 9]
+    assert truncate_prompt(prompt, max_length=10, keep_head=10) == prompt  # fits: nothing cut
+
+
 def test_truncation_on_tokenized_pairs(tiny_tokenizer):
     config = PreferenceDataConfig(max_seq_length=64, max_prompt_length=40)
     dataset = PreferenceDataset(HH_RLHF_HELDOUT, tokenizer=tiny_tokenizer, config=config)
@@ -434,6 +444,31 @@ def test_bad_records_are_counted_and_logged_when_skipping(tmp_path, tiny_tokeniz
     assert dict(dataset.skipped) == expected
     for number, (_, reason) in enumerate(BAD_LINES, start=2):
         assert any(f"{path}:{number}: {reason}" in message for message in caplog.messages)
+
+
+def test_skips_are_logged_by_rank_0_only(tmp_path, tiny_tokenizer, caplog, monkeypatch):
+    """Every rank reads the data and counts the same skips; only rank 0 logs them (each rank
+    logged every skipped record, so a launch printed each one world-size times)."""
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, BAD_LINES[0][0], GOOD])
+    config = PreferenceDataConfig(max_seq_length=256, skip_invalid=True)
+    for rank, logged in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer, config=config)
+        assert dict(dataset.skipped) == {"malformed json": 1}
+        assert any(f"{path}:2: malformed json" in m for m in caplog.messages) is logged, caplog.messages
+
+
+def test_repeated_pairs_are_kept_and_counted(tmp_path, tiny_tokenizer, caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    other = {"prompt": "Hi there", "chosen": "Hello!", "rejected": "Go away."}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [GOOD, other, GOOD, GOOD])
+    with caplog.at_level("WARNING"):
+        dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(max_seq_length=256))
+    assert [p.line for p in dataset] == [1, 2, 3, 4] and not dataset.skipped
+    assert (f"2 preference pairs repeat an earlier pair token for token (first: {path}:3 repeats {path}:1); kept, "
+            "so each trains as often as it appears") in caplog.messages
 
 
 def test_empty_dataset_and_missing_file(tmp_path, tiny_tokenizer):

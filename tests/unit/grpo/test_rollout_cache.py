@@ -70,6 +70,7 @@ def _check(results: dict) -> None:
         n = len(PROMPTS) * 3  # 18 sequences of 6 prompt lengths
         assert batches == ([n] if mbs is None else [7, 7, 4]), f"{label}: one batch per microbatch, got {batches}"
 
+
 def test_mixed_length_cached_batches_give_the_uncached_tokens():
     results = run_distributed(_sample_all, 1)[0]
     _check(results)
@@ -77,6 +78,54 @@ def test_mixed_length_cached_batches_give_the_uncached_tokens():
     sampled = results[(1.0, 1.0, None)][True][0]
     assert all(len({tuple(c) for c in g}) == 1 for g in greedy)  # greedy: a group is one completion
     assert any(len({tuple(c) for c in g}) > 1 for g in sampled)  # sampling: it is not
+
+
+def _sample_to_eos() -> dict:
+    """Sampled completions with an EOS no draw can give (every one runs to max_new_tokens), then with
+    a frequent token as EOS, uncached and cached, in one batch and in microbatches."""
+    from collections import Counter
+
+    from megatron_prune.grpo.rollout import SamplingSettings, generate
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, par, seed=SEED)
+
+        def run(eos_id: int, kv_cache: bool, mbs: int | None) -> list:
+            sampling = SamplingSettings(max_new_tokens=6, eos_id=eos_id, pad_id=0, vocab_size=arch.vocab_size,
+                                        seed=SEED, temperature=1.0, kv_cache=kv_cache, micro_batch_size=mbs)
+            groups = generate(model=policy, prompts=PROMPTS, group_size=3, settings=sampling, step=5)
+            return [(c.tokens, c.sample_logprobs) for g in groups for c in g]
+
+        free = run(arch.vocab_size, False, None)  # token ids are < vocab_size: nothing ends early
+        eos = Counter(t for tokens, _ in free for t in tokens[:5]).most_common(1)[0][0]
+        return {"free": free, "eos": eos,
+                "runs": {(kv, mbs): run(eos, kv, mbs) for kv in (False, True) for mbs in (None, 7)}}
+
+
+def test_completions_end_at_their_first_eos_cached_or_not():
+    """A completion ends with its first EOS: with the same seeds it is the EOS-free completion cut
+    after its first EOS (each completion's draws depend only on its own tokens and generator)."""
+    out = run_distributed(_sample_to_eos, 1)[0]
+    eos = out["eos"]
+
+    def cut(tokens, logprobs):
+        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        return tokens[:end], logprobs[:end]
+
+    assert all(len(tokens) == 6 for tokens, _ in out["free"])
+    expected = [cut(*c) for c in out["free"]]
+    assert any(len(t) < 6 for t, _ in expected) and any(len(t) == 6 for t, _ in expected)
+    for (kv_cache, mbs), got in out["runs"].items():
+        label = f"kv_cache={kv_cache} mbs={mbs}"
+        assert [t for t, _ in got] == [t for t, _ in expected], label
+        torch.testing.assert_close(torch.tensor([lp for _, lps in got for lp in lps]),
+                                   torch.tensor([lp for _, lps in expected for lp in lps]), rtol=0, atol=1e-5)
 
 
 @pytest.mark.distributed

@@ -271,3 +271,70 @@ def test_compare_logits_flags_differences():
     assert not hf_convert.compare_logits(ref, padded * float("nan")).ok(1e-4)
     with pytest.raises(ValueError, match="cannot be compared"):
         hf_convert.compare_logits(ref, ref[..., :5])
+
+
+def test_qk_norm_weights_map_by_name(hf_dirs):
+    """Qwen3's q_norm goes to Megatron's q_layernorm and k_norm to k_layernorm, layer by layer (a
+    swap of the two would round-trip bit-identically, so it is checked by name)."""
+    arch = _arch(hf_dirs["qwen3"])
+    with HFCheckpoint(hf_dirs["qwen3"]) as hf:
+        whole = hf_to_megatron_state(hf, arch)
+        for layer in range(arch.num_layers):
+            attn = f"model.layers.{layer}.self_attn."
+            assert not torch.equal(hf[attn + "q_norm.weight"], hf[attn + "k_norm.weight"])
+            assert torch.equal(whole[hf_mapping.Q_NORM][layer], hf[attn + "q_norm.weight"])
+            assert torch.equal(whole[hf_mapping.K_NORM][layer], hf[attn + "k_norm.weight"])
+
+
+def test_padded_vocab_size_is_the_next_multiple():
+    assert hf_mapping.padded_vocab_size(300) == 1024
+    assert hf_mapping.padded_vocab_size(1024) == 1024  # already a multiple: no extra block
+    assert hf_mapping.padded_vocab_size(1025) == 2048
+    assert hf_mapping.padded_vocab_size(151936) == 151552 + 1024  # Qwen's vocabulary: 148 * 1024 + 384
+    assert hf_mapping.padded_vocab_size(128, multiple=128) == 128
+
+
+def test_config_made_from_arch_keeps_non_default_norm_eps_and_head_dim():
+    """A Llama-3-style eps (1e-5, not transformers' 1e-6 default) and a Qwen3-style head_dim
+    (not hidden_size / heads) survive an export that has to write its own config.json."""
+    from transformers import AutoConfig
+
+    arch = hf_mapping.ModelArch(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96,
+                                num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                rms_norm_eps=1e-5, qk_norm=True)
+    config = AutoConfig.for_model(**hf_mapping.hf_config_from_arch(arch))
+    assert config.rms_norm_eps == 1e-5 and config.head_dim == 32
+    assert arch_from_hf_config(config.to_dict()) == arch
+
+
+def test_shard_may_reach_exactly_the_size_limit():
+    """Like transformers' own sharding, a file may hold tensors that add up to exactly the limit;
+    a new file starts only when the next tensor would go over it."""
+    shapes = {"a": (5,), "b": (5,), "c": (1,)}  # float32: 20 + 20 + 4 bytes
+    assert hf_convert.plan_shards(shapes, dtype=torch.float32, max_shard_bytes=40).file_of == {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors"}
+    assert hf_convert.plan_shards(shapes, dtype=torch.float32, max_shard_bytes=44).files == ["model.safetensors"]
+
+
+def test_compare_logits_kl_is_hf_to_megatron():
+    """``kl_mean`` is KL(softmax HF || softmax Megatron), as torch's kl_div computes it."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(1)
+    ref, got = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64), torch.randn(2, 3, 7, generator=gen, dtype=torch.float64)
+    expected = F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    reverse = F.kl_div(ref.log_softmax(-1), got.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    assert abs(float(expected) - float(reverse)) > 1e-3  # the two directions differ on these logits
+    assert hf_convert.compare_logits(ref, got).kl_mean == pytest.approx(float(expected), rel=1e-12)
+
+
+@pytest.mark.parametrize("config, dtype", [
+    ({"torch_dtype": "bfloat16"}, torch.bfloat16),  # transformers 4.x writes torch_dtype
+    ({"dtype": "bfloat16"}, torch.bfloat16),  # transformers 5 writes dtype
+    ({"dtype": "bfloat16", "torch_dtype": "float32"}, torch.bfloat16),
+    ({"torch_dtype": "float16"}, torch.float32),  # fp16 is upcast
+    ({}, torch.float32),
+])
+def test_auto_dtype_reads_either_config_key(config, dtype):
+    assert hf_convert.resolve_dtype("auto", config=config) == dtype

@@ -1,0 +1,256 @@
+"""Seeded bugs of the data readers (preference records, record files, packing), the HF weight
+mapping and conversion helpers, and checkpoint save/restore, each with the tests that must catch it.
+
+Format: ``tools/mutants.py`` (``MUTANTS``: name, why, file, old, new, tests).
+"""
+
+from __future__ import annotations
+
+PREFERENCE = "megatron_prune/data/preference.py"
+RECORDS = "megatron_prune/data/records.py"
+PACKING = "megatron_prune/data/packing.py"
+HF_MAPPING = "megatron_prune/model/hf_mapping.py"
+HF_CONVERT = "megatron_prune/model/hf_convert.py"
+CHECKPOINT = "megatron_prune/training/checkpoint.py"
+
+PREF_TESTS = "tests/unit/data/test_preference.py"
+PACKING_TESTS = "tests/unit/test_packing.py"
+HF_TESTS = "tests/unit/model/test_hf_mapping.py"
+CKPT_TESTS = "tests/unit/test_checkpoint_atomic.py"
+
+MUTANTS: list[dict] = [
+    # --- preference records -------------------------------------------------------------------
+    {
+        "name": "pref-prompt-head-kept-when-it-fills-the-budget",
+        "why": "a prompt whose template head is as long as max_prompt_length keeps only the head (no text of "
+               "the prompt at all) instead of its last max_prompt_length tokens",
+        "file": PREFERENCE,
+        "old": "    if keep_head >= max_length:\n",
+        "new": "    if keep_head > max_length:\n",
+        "tests": [f"{PREF_TESTS}::test_truncation_rule",
+                  f"{PREF_TESTS}::test_prompt_head_is_kept_only_with_room_for_prompt_text"],
+    },
+    {
+        "name": "pref-no-room-for-a-response-accepted",
+        "why": "a prompt that fills max_seq_length is not refused as 'prompt too long': both responses are cut "
+               "to nothing and the record is misreported as 'identical responses'",
+        "file": PREFERENCE,
+        "old": "    if budget < 1:\n",
+        "new": "    if budget < 0:\n",
+        "tests": [f"{PREF_TESTS}::test_truncation_rule"],
+    },
+    {
+        "name": "pref-helpsteer3-preference-inverted",
+        "why": "HelpSteer3's overall_preference is read with the wrong sign: negative (response1 better) "
+               "makes response2 the chosen one",
+        "file": PREFERENCE,
+        "old": "(response1, response2) if preference < 0 else (response2, response1)",
+        "new": "(response1, response2) if preference > 0 else (response2, response1)",
+        "tests": [f"{PREF_TESTS}::test_helpsteer3"],
+    },
+    {
+        "name": "pref-every-pair-counted-as-truncated",
+        "why": "the truncation counter counts parts that lost no token (<= instead of <)",
+        "file": PREFERENCE,
+        "old": "if len(after) < len(before))",
+        "new": "if len(after) <= len(before))",
+        "tests": [f"{PREF_TESTS}::test_truncation_is_counted_and_logged"],
+    },
+    {
+        "name": "pref-tie-raises-without-skip-invalid",
+        "why": "a HelpSteer3 tie goes through the strict policy like a broken record: without --skip-invalid "
+               "the run stops on a valid record",
+        "file": PREFERENCE,
+        "old": "                policy.skip(record_error(source, line, exc))\n",
+        "new": "                policy.handle(record_error(source, line, exc))\n",
+        "tests": [f"{PREF_TESTS}::test_helpsteer3_tie_is_always_a_counted_skip"],
+    },
+    {
+        "name": "pref-hh-split-at-first-assistant-turn",
+        "why": "an HH-RLHF transcript is cut at its first assistant turn, so a multi-turn dialogue's later "
+               "turns end up in the response",
+        "file": PREFERENCE,
+        "old": "    cut = transcript.rfind(PLAIN_GENERATION_PROMPT)\n",
+        "new": "    cut = transcript.find(PLAIN_GENERATION_PROMPT)\n",
+        "tests": [f"{PREF_TESTS}::test_hh_split", f"{PREF_TESTS}::test_hh_split_on_real_bundled_records"],
+    },
+    {
+        "name": "pref-repeated-prompt-cut-from-one-response",
+        "why": "the repeated prompt is cut when only one of the two string responses starts with it, so a "
+               "response that merely begins with the prompt's words loses them",
+        "file": PREFERENCE,
+        "old": "and chosen.startswith(prompt) and rejected.startswith(prompt)):",
+        "new": "and (chosen.startswith(prompt) or rejected.startswith(prompt))):",
+        "tests": [f"{PREF_TESTS}::test_explicit_string_response_that_only_begins_like_the_prompt_is_kept"],
+    },
+    {
+        "name": "pref-hh-response-keeps-template-space",
+        "why": "an HH-RLHF response keeps the space the plain template puts after 'Assistant:', so the "
+               "rendered response carries it twice",
+        "file": PREFERENCE,
+        "old": "_drop_one_space(response_c), _drop_one_space(response_r))",
+        "new": "response_c, response_r)",
+        "tests": [f"{PREF_TESTS}::test_hh_split", f"{PREF_TESTS}::test_hh_first_record_by_hand"],
+    },
+    {
+        "name": "pref-prompt-truncation-drops-bos",
+        "why": "left truncation of a long prompt keeps no template head: BOS and the chat preamble are cut",
+        "file": PREFERENCE,
+        "old": "keep_head=prompt_head_length(tokenizer) if max_prompt_length is not None else 0,",
+        "new": "keep_head=0,",
+        "tests": [f"{PREF_TESTS}::test_truncation_on_tokenized_pairs"],
+    },
+    # --- record files -------------------------------------------------------------------------
+    {
+        "name": "records-json-array-numbered-from-zero",
+        "why": "the elements of a JSON-array file are numbered from 0, so errors name the wrong record",
+        "file": RECORDS,
+        "old": "for number, record in enumerate(records, start=1):",
+        "new": "for number, record in enumerate(records):",
+        "tests": [PREF_TESTS],
+    },
+    {
+        "name": "records-bom-kept-on-first-line",
+        "why": "a UTF-8 byte order mark is not removed from the first line of a JSON Lines file, which then "
+               "fails to parse",
+        "file": RECORDS,
+        "old": "        if line_no == 1:\n",
+        "new": "        if line_no == 0:\n",
+        "tests": [f"{PREF_TESTS}::test_utf8_byte_order_mark_is_ignored"],
+    },
+    # --- packing ------------------------------------------------------------------------------
+    {
+        "name": "packing-exact-fit-refused",
+        "why": "a sequence that exactly fills a row's remaining room opens a new row (< instead of <=)",
+        "file": PACKING,
+        "old": "if r.used + checked[index] <= capacity), None)",
+        "new": "if r.used + checked[index] < capacity), None)",
+        "tests": [f"{PACKING_TESTS}::test_window_sorting_beats_plain_first_fit_and_carrying_rows_helps",
+                  f"{PACKING_TESTS}::test_every_sequence_placed_once_and_rows_fit"],
+    },
+    {
+        "name": "packing-window-sorted-shortest-first",
+        "why": "a window is sorted shortest first (first-fit increasing), which packs worse",
+        "file": PACKING,
+        "old": "key=lambda i: (-checked[i], i)",
+        "new": "key=lambda i: (checked[i], i)",
+        "tests": [f"{PACKING_TESTS}::test_window_sorting_beats_plain_first_fit_and_carrying_rows_helps"],
+    },
+    {
+        "name": "packing-cu-seqlens-padded-empty-segment",
+        "why": "a full row (no padding) gets a zero-length padding segment appended to its padded cu_seqlens",
+        "file": PACKING,
+        "old": "    if include_padding and row.padding:\n",
+        "new": "    if include_padding:\n",
+        "tests": [f"{PACKING_TESTS}::test_row_tensors",
+                  f"{PACKING_TESTS}::test_cu_seqlens_of_a_full_row_has_no_empty_padding_segment"],
+    },
+    # --- HF mapping ---------------------------------------------------------------------------
+    {
+        "name": "hf-qk-norm-swapped",
+        "why": "Qwen3's q_norm and k_norm weights are mapped onto each other's Megatron tensor (a symmetric "
+               "swap: the round trip stays bit-identical)",
+        "file": HF_MAPPING,
+        "old": "        rules.append(rule(Q_NORM, [attn + \"q_norm.weight\"], [(d,)], (d,)))\n"
+               "        rules.append(rule(K_NORM, [attn + \"k_norm.weight\"], [(d,)], (d,)))\n",
+        "new": "        rules.append(rule(Q_NORM, [attn + \"k_norm.weight\"], [(d,)], (d,)))\n"
+               "        rules.append(rule(K_NORM, [attn + \"q_norm.weight\"], [(d,)], (d,)))\n",
+        "tests": [f"{HF_TESTS}::test_qk_norm_weights_map_by_name"],
+    },
+    {
+        "name": "hf-padded-vocab-adds-a-block-when-divisible",
+        "why": "a vocabulary that is already a multiple of the padding gets one more block of padding rows",
+        "file": HF_MAPPING,
+        "old": "    return -(-vocab_size // multiple) * multiple\n",
+        "new": "    return (vocab_size // multiple + 1) * multiple\n",
+        "tests": [f"{HF_TESTS}::test_padded_vocab_size_is_the_next_multiple"],
+    },
+    {
+        "name": "hf-config-from-arch-drops-head-dim",
+        "why": "the config made for an export without the original config.json leaves head_dim out, so a "
+               "model whose head_dim is not hidden_size / num_attention_heads (Qwen3) loads with the wrong one",
+        "file": HF_MAPPING,
+        "old": "        \"head_dim\": arch.head_dim,\n",
+        "new": "",
+        "tests": [f"{HF_TESTS}::test_config_made_from_arch_describes_the_same_model",
+                  f"{HF_TESTS}::test_config_made_from_arch_keeps_non_default_norm_eps_and_head_dim"],
+    },
+    {
+        "name": "hf-config-from-arch-drops-rms-norm-eps",
+        "why": "the config made from the architecture leaves rms_norm_eps out, so transformers' default is used",
+        "file": HF_MAPPING,
+        "old": "        \"rms_norm_eps\": arch.rms_norm_eps,\n",
+        "new": "",
+        "tests": [f"{HF_TESTS}::test_config_made_from_arch_keeps_non_default_norm_eps_and_head_dim"],
+    },
+    # --- HF conversion helpers ----------------------------------------------------------------
+    {
+        "name": "hf-shard-split-at-exactly-the-limit",
+        "why": "a shard whose tensors add up to exactly --max-shard-size is split (>= instead of >)",
+        "file": HF_CONVERT,
+        "old": "if groups[-1] and size + nbytes > max_shard_bytes:",
+        "new": "if groups[-1] and size + nbytes >= max_shard_bytes:",
+        "tests": [f"{HF_TESTS}::test_shard_may_reach_exactly_the_size_limit"],
+    },
+    {
+        "name": "hf-parse-size-units-swapped",
+        "why": "GB is read as binary and GiB as decimal",
+        "file": HF_CONVERT,
+        "old": "    base = 1024 if \"I\" in unit else 1000\n",
+        "new": "    base = 1000 if \"I\" in unit else 1024\n",
+        "tests": [f"{HF_TESTS}::test_parse_size"],
+    },
+    {
+        "name": "hf-compare-kl-reversed",
+        "why": "the comparison reports KL(Megatron || HF) under the name KL(HF || Megatron)",
+        "file": HF_CONVERT,
+        "old": "    kl = (log_p.exp() * (log_p - log_q)).sum(-1)\n",
+        "new": "    kl = (log_q.exp() * (log_q - log_p)).sum(-1)\n",
+        "tests": [f"{HF_TESTS}::test_compare_logits_kl_is_hf_to_megatron"],
+    },
+    {
+        "name": "hf-auto-dtype-ignores-torch-dtype",
+        "why": "--dtype auto reads only the newer 'dtype' key of config.json, so a config that declares "
+               "torch_dtype bfloat16 converts to fp32",
+        "file": HF_CONVERT,
+        "old": "    declared = config.get(\"dtype\") or config.get(\"torch_dtype\")\n",
+        "new": "    declared = config.get(\"dtype\")\n",
+        "tests": [f"{HF_TESTS}::test_auto_dtype_reads_either_config_key"],
+    },
+    # --- checkpoints --------------------------------------------------------------------------
+    {
+        "name": "checkpoint-torch-rng-not-restored",
+        "why": "a resume does not restore the saved torch RNG state, so dropout and any CPU draw differ from "
+               "the uninterrupted run",
+        "file": CHECKPOINT,
+        "old": "        torch.set_rng_state(per_rank[_rank()][\"torch\"])\n",
+        "new": "",
+        "tests": [f"{CKPT_TESTS}::test_resume_restores_the_rng_states_saved_with_the_checkpoint"],
+    },
+    {
+        "name": "checkpoint-rng-tracker-not-restored",
+        "why": "a resume does not restore Megatron's model-parallel RNG tracker states (tensor-parallel "
+               "dropout streams)",
+        "file": CHECKPOINT,
+        "old": "        _set_rng_tracker_states(per_rank[_rank()][\"tracker\"])\n",
+        "new": "",
+        "tests": [f"{CKPT_TESTS}::test_resume_restores_the_rng_states_saved_with_the_checkpoint"],
+    },
+    {
+        "name": "checkpoint-always-claims-optimizer-state",
+        "why": "meta.json says has_optimizer even when no optimizer was saved, so resuming a converted model "
+               "is not refused",
+        "file": CHECKPOINT,
+        "old": "\"has_optimizer\": optimizer is not None,",
+        "new": "\"has_optimizer\": True,",
+        "tests": [f"{CKPT_TESTS}::test_checkpoint_saved_without_an_optimizer_refuses_to_resume_one"],
+    },
+    {
+        "name": "checkpoint-scan-picks-oldest",
+        "why": "without a usable tracker file the oldest complete iter_* directory is loaded, not the newest",
+        "file": CHECKPOINT,
+        "old": "    chosen = os.path.join(root, complete[-1]) if complete else None\n",
+        "new": "    chosen = os.path.join(root, complete[0]) if complete else None\n",
+        "tests": [f"{CKPT_TESTS}::test_no_tracker_scans_for_newest_complete"],
+    },
+]
