@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                                   virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
                                   expert_model_parallel_size=args.expert_model_parallel_size,
                                   sequence_parallel=arch.is_moe and args.tensor_model_parallel_size > 1)
-        validate_layout(parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        validate_layout(parallel, int(os.environ.get("WORLD_SIZE", "1")), dry_run_hint=False)
         check_layout_fits(arch, parallel)
         initialize_distributed()
         result = compare_hf_and_megatron(hf_dir=args.hf_dir, load_dir=args.load, parallel=parallel,

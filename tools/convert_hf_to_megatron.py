@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                   expert_model_parallel_size=args.expert_model_parallel_size,
                                   sequence_parallel=arch.is_moe and args.tensor_model_parallel_size > 1)
-        validate_layout(parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        validate_layout(parallel, int(os.environ.get("WORLD_SIZE", "1")), dry_run_hint=False)
         check_layout_fits(arch, parallel)
         initialize_distributed()
         path = convert_hf_to_megatron(hf_dir=args.hf_dir, save_dir=args.save, dtype=args.dtype, parallel=parallel)

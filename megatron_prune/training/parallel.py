@@ -24,15 +24,17 @@ class CollectiveTimeout(RuntimeError):
     """A collective timed out or lost a peer; the message names this rank and the call."""
 
 
-def validate_layout(parallel: ParallelConfig, world_size: int) -> int:
-    """Check the layout against the world size; return the data-parallel size."""
+def validate_layout(parallel: ParallelConfig, world_size: int, *, dry_run_hint: bool = True) -> int:
+    """Check the layout against the world size; return the data-parallel size. ``dry_run_hint``:
+    the command has ``--dry-run`` (the trainers), so a refusal can suggest it."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
     if world_size % (tp * pp):
         hint = ("" if "WORLD_SIZE" in os.environ else
                 " (this process was not started by torchrun, so it is a world of one rank: launch it with "
-                "torchrun --nproc-per-node N, or set WORLD_SIZE=N to check a layout with --dry-run)")
+                "torchrun --nproc-per-node N" + (", or set WORLD_SIZE=N to check a layout with --dry-run)"
+                                                 if dry_run_hint else ")"))
         raise ValueError(
             f"world size {world_size} is not divisible by tensor-model-parallel-size x "
             f"pipeline-model-parallel-size = {tp} x {pp}{hint}"

@@ -178,3 +178,17 @@ def test_export_output_and_assets_errors_name_the_problem(llama_dir, tmp_path):
     message = str(exc.value)
     assert "describes a different model than the checkpoint" in message and "\n" not in message
     assert f"model_type {other.model_type!r} (not 'qwen3')" in message
+
+
+def test_tools_started_without_torchrun_suggest_torchrun_not_a_dry_run(llama_dir, tmp_path, monkeypatch, capsys):
+    """A tool run as a plain process is a world of one rank: its refusal of a TP=2 layout says to
+    launch it with torchrun, and never suggests --dry-run, which the tools do not have."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for tool, argv in (("convert_hf_to_megatron", ["--save", str(tmp_path / "out")]),
+                       ("compare_hf_megatron", ["--load", "unused"])):
+        with pytest.raises(SystemExit) as exc:
+            _tool(tool).main(["--hf-dir", llama_dir, "--tensor-model-parallel-size", "2", *argv])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exc.value.code == 2, err
+        assert "world size 1 is not divisible" in err and "launch it with torchrun --nproc-per-node N)" in err, err
+        assert "--dry-run" not in err, err
