@@ -65,6 +65,7 @@ from megatron_prune.data.records import (
     RecordError,
     SkipPolicy,
     check_encodable,
+    first_rank,
     iter_records,
     record_error,
 )
@@ -439,17 +440,17 @@ def load_preference_pairs(
     for path in _as_list(paths):
         pairs.extend(iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy,
                                            truncated=truncated))
-    first_rank = os.environ.get("RANK", "0") == "0"  # every rank loads the data; one says what it found
-    if policy.skipped and first_rank:
+    says = first_rank()
+    if policy.skipped and says:
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d preference pairs, skipped %d records: %s", len(pairs), skipped, dict(policy.skipped))
     repeats = _repeated_pairs(pairs)
-    if repeats and first_rank:
+    if repeats and says:
         later, earlier = repeats[0]
         logger.warning("%d preference pairs repeat an earlier pair token for token (first: %s:%d repeats %s:%d); "
                        "kept, so each trains as often as it appears", len(repeats), later.source, later.line,
                        earlier.source, earlier.line)
-    if truncated and first_rank:
+    if truncated and says:
         logger.warning("loaded %d preference pairs, truncated to fit max_seq_length=%d, max_prompt_length=%s "
                        "(pairs per cut part): %s", len(pairs), config.max_seq_length, config.max_prompt_length,
                        dict(truncated))

@@ -78,8 +78,13 @@ class SkipPolicy:
         """Count and log a skip that is always allowed (e.g. a preference tie). Every rank reads
         the same files and counts the same skips; only rank 0 logs them, once each."""
         self.skipped[error.reason] += 1
-        if os.environ.get("RANK", "0") == "0":
+        if first_rank():
             logger.warning("skipping record %s", error)
+
+
+def first_rank() -> bool:
+    """Every rank reads the same data; this one says what it found (torchrun's rank 0, or no launcher)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def check_encodable(texts: Iterable[str]) -> None:

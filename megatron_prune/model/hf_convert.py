@@ -250,26 +250,28 @@ def hf_weights(checkpoint: HFCheckpoint, arch: ModelArch) -> Mapping[str, torch.
     return PerExpertView(checkpoint, arch) if arch.is_moe else checkpoint
 
 
+def checked_hf_weights(checkpoint: HFCheckpoint, arch: ModelArch, *, source: str) -> Mapping[str, torch.Tensor]:
+    """:func:`hf_weights` after the converter's checks: every tensor ``arch`` needs, with its shape,
+    and no other (the file headers), and a tied model's stored ``lm_head.weight`` (if any) equal to
+    the embedding (those two tensors, when both are stored)."""
+    hf = hf_weights(checkpoint, arch)
+    check_hf_tensors(hf.shapes(), arch, source=source)
+    check_tied_lm_head(hf, arch, source=source)
+    return hf
+
+
 def check_hf_weights(hf_dir: str, arch: ModelArch) -> None:
-    """``hf_dir``'s safetensors hold every tensor ``arch`` needs, with its shape, and no other,
-    and a tied model's stored ``lm_head.weight`` (if any) equals the embedding: the file headers,
-    plus those two tensors when both are stored; cheap enough to run before any rank starts."""
+    """:func:`checked_hf_weights` of ``hf_dir``; cheap enough to run before any rank starts."""
     with HFCheckpoint(hf_dir) as checkpoint:
-        hf = hf_weights(checkpoint, arch)
-        check_hf_tensors(hf.shapes(), arch, source=hf_dir)
-        check_tied_lm_head(hf, arch, source=hf_dir)
+        checked_hf_weights(checkpoint, arch, source=hf_dir)
 
 
 @torch.no_grad()
 def fill_model_from_hf_dir(chunks: list[torch.nn.Module], *, hf_dir: str, arch: ModelArch) -> None:
-    """:func:`fill_model_from_hf` from an HF directory, after the checks the converter makes: the
-    tensors and their shapes, and a stored ``lm_head.weight`` of a tied model equal to the embedding."""
+    """:func:`fill_model_from_hf` from an HF directory, after the converter's checks."""
     modules = [c.module if hasattr(c, "module") else c for c in chunks]
     with HFCheckpoint(hf_dir) as checkpoint:
-        hf = hf_weights(checkpoint, arch)
-        check_hf_tensors(hf.shapes(), arch, source=hf_dir)
-        check_tied_lm_head(hf, arch, source=hf_dir)
-        fill_model_from_hf(modules, hf=hf, arch=arch)
+        fill_model_from_hf(modules, hf=checked_hf_weights(checkpoint, arch, source=hf_dir), arch=arch)
 
 
 def check_save_dir(save_dir: str) -> None:
@@ -306,9 +308,7 @@ def convert_hf_to_megatron(
     from megatron_prune.training.parallel import barrier, model_parallel
 
     with HFCheckpoint(hf_dir) as checkpoint:
-        hf = hf_weights(checkpoint, arch)
-        check_hf_tensors(hf.shapes(), arch, source=hf_dir)
-        check_tied_lm_head(hf, arch, source=hf_dir)
+        hf = checked_hf_weights(checkpoint, arch, source=hf_dir)
         torch_dtype = resolve_dtype(dtype, config=config, hf=checkpoint)
         # Every weight is overwritten from the HF tensors (a weight left unfilled is an error below), so
         # Megatron's initialisation and its full-size fp32 copy would only add to the peak memory.
