@@ -167,6 +167,10 @@ class TrainConfig:
             raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
 
 
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+"""What --exit-signal accepts (SIGINT stays Ctrl-C: stop at once, no save)."""
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Saving and resuming."""
@@ -179,12 +183,31 @@ class CheckpointConfig:
     """Resume from the newest complete checkpoint here (a converted model loads weights only)."""
     finetune: bool = field(default=False, metadata=_flag("--finetune"))
     """Load only the weights from --load (start at step 0 with a fresh optimizer); they are also the reference (for a LoRA checkpoint: its base, adapters off)."""
+    exit_signal_handler: bool = field(default=False, metadata=_flag("--exit-signal-handler"))
+    """On --exit-signal (a scheduler's preemption or time-limit warning), finish the current step, save a
+    checkpoint and stop with exit code 0; the ranks agree at each step's end, so one rank's signal stops all
+    (under torchrun raise its --shutdown-timeout above one step and one save)."""
+    exit_signal: str = field(default="SIGTERM", metadata=_flag("--exit-signal", choices=EXIT_SIGNALS))
+    """The signal --exit-signal-handler catches; torchrun forwards SIGTERM to every rank, SIGUSR1/2 only when
+    listed in TORCHELASTIC_SIGNALS_TO_HANDLE (else the signal ends the agent)."""
+    exit_duration_in_mins: float | None = field(default=None, metadata=_flag("--exit-duration-in-mins"))
+    """Stop after the first step that ends this many minutes after launch, saving a checkpoint there if --save
+    is given (keep a margin below the job's time limit for one step and one save)."""
+    exit_interval: int | None = field(default=None, metadata=_flag("--exit-interval"))
+    """Stop after the first step whose number is a multiple of N, saving a checkpoint there if --save is given."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.save_interval is not None and self.save is None:
             raise ValueError("--save-interval needs --save")
+        if self.exit_signal_handler and self.save is None:
+            raise ValueError("--exit-signal-handler needs --save (where the checkpoint goes before the run stops)")
+        if self.exit_duration_in_mins is not None and not (math.isfinite(self.exit_duration_in_mins)
+                                                           and self.exit_duration_in_mins > 0):
+            raise ValueError(f"--exit-duration-in-mins must be a number > 0, got {self.exit_duration_in_mins}")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            raise ValueError(f"--exit-interval must be >= 1, got {self.exit_interval}")
         if self.finetune and self.load is None:
             raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
         for flag, path in (("--save", self.save), ("--load", self.load)):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_prune.model.arch import ModelArch
+from megatron_prune.training.parallel import any_rank
 
 logger = logging.getLogger(__name__)
 
@@ -478,15 +479,6 @@ def _sigint_held() -> Iterator[list[int]]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _on_any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank. Collective."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
 def save_checkpoint(
     root: str,
     *,
@@ -507,7 +499,7 @@ def save_checkpoint(
     with _sigint_held() as held:
         final = _save(root, iteration=iteration, model=model, arch=arch, optimizer=optimizer,
                       scheduler_state=scheduler_state, trainer_state=trainer_state, extra_meta=extra_meta)
-        stop = _on_any_rank(bool(held))
+        (stop,) = any_rank(bool(held))
     if stop or held:  # held: a SIGINT after the ranks agreed stops this rank as it would between saves
         raise KeyboardInterrupt
     return final

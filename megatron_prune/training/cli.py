@@ -8,6 +8,7 @@ import sys
 from typing import Any, Callable
 
 from megatron_prune.arguments import GIVEN, ignore_expected_warnings, parse_configs
+from megatron_prune.training import exit_conditions  # noqa: F401  (starts the --exit-duration-in-mins clock)
 
 
 def run_cli(

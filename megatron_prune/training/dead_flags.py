@@ -123,6 +123,11 @@ RULES: list[Rule] = [
     Rule(("CheckpointConfig.finetune",), lambda s: s.lora_on and not s.load_meta.get("lora"),
          "has no effect with --lora-rank {s.lora.rank}: --load {s.ckpt.load} holds no adapters, so it is the frozen "
          "base that LoRA starts from at iteration 0 anyway"),
+    Rule(("CheckpointConfig.exit_signal",), lambda s: not s.ckpt.exit_signal_handler,
+         "has no effect without --exit-signal-handler (it is the signal that handler catches)"),
+    Rule(("CheckpointConfig.exit_interval",),
+         lambda s: s.ckpt.exit_interval is not None and s.ckpt.exit_interval >= s.train.train_iters,
+         "has no effect: its first multiple is not below --train-iters {s.train.train_iters}, where the run ends anyway"),
     # LoRA
     Rule(("LoRAConfig.alpha", "LoRAConfig.dropout", "LoRAConfig.targets"), lambda s: not s.lora_on,
          "needs --lora-rank > 0 (LoRA is off at rank 0): give --lora-rank, or drop {flag}", error=True),

@@ -28,6 +28,7 @@ from megatron_prune.arguments import UsageError
 from megatron_prune.config import CheckpointConfig, LoggingConfig, TrainConfig
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import checkpoint as ckpt_io
+from megatron_prune.training.exit_conditions import ExitConditions
 from megatron_prune.training.parallel import collective_failure, guard_collectives, is_logging_rank
 
 logger = logging.getLogger(__name__)
@@ -350,66 +351,77 @@ def train(
     records = []
     step = start
     skipped_in_a_row = 0
-    try:
-        for step in range(start, train_cfg.train_iters):
-            acc.synchronize()
-            acc.reset_peak_memory()
-            t0 = time.perf_counter()
-            for chunk in parts.model:
-                chunk.zero_grad_buffer()
-            parts.optimizer.zero_grad()
-            metrics = objective.train_step(step)
-            finite = math.isfinite(metrics.get("loss", 0.0)) and grads_are_finite(parts.model)
-            if not finite and train_cfg.on_nonfinite == "stop":
-                raise NonFiniteError(  # numbered as the progress line: metrics.jsonl's "step" + 1
-                    f"step {step + 1}/{total}: non-finite loss or gradient (loss={metrics.get('loss')}); "
-                    "rerun with --on-nonfinite skip to skip such steps"
-                )
-            grad_norm = None
-            lr = parts.optimizer.param_groups[0]["lr"]  # what this step's update uses
-            if finite:
-                success, grad_norm, _ = parts.optimizer.step()
-                finite = bool(success)
-            if finite:
-                parts.scheduler.step(1)
-                skipped_in_a_row = 0
-            else:
-                skipped_in_a_row += 1
-                if is_logging_rank():
-                    logger.warning("step %d/%d skipped: non-finite loss or gradient", step + 1, total)
-                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    raise NonFiniteError(
-                        f"step {step + 1}/{total}: {skipped_in_a_row} steps in a row had a non-finite loss or "
-                        "gradient; --on-nonfinite skip stops here (the weights or the data are broken, not one "
-                        f"batch: steps {step + 2 - skipped_in_a_row}..{step + 1} were skipped)")
-            acc.synchronize()
-            record = {
-                "step": step,
-                **metrics,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "skipped": not finite,
-                "step_time_s": time.perf_counter() - t0,
-                "peak_mem_bytes": acc.peak_memory_bytes(),
-            }
-            if eval_interval and ((step + 1) % eval_interval == 0 or step + 1 == train_cfg.train_iters):
-                held_out = objective.evaluate(step)
-                if held_out:
-                    record.update({f"eval_{k}": v for k, v in held_out.items()})
-            records.append(record)
-            writer.write(record)
-            if is_logging_rank() and (step % log_cfg.log_interval == 0 or step + 1 == train_cfg.train_iters):
-                print(_progress_line(record, train_cfg.train_iters), flush=True)
-            done = step + 1
-            if ckpt.save and ((ckpt.save_interval and done % ckpt.save_interval == 0) or done == train_cfg.train_iters):
-                save(parts, objective, ckpt, done)
-    except RuntimeError as exc:  # a timed-out collective: say which rank and step
-        failure = collective_failure(exc, during=f"step {step + 1}/{total}")
-        if failure is None:
-            raise
-        raise failure from exc
-    finally:
-        writer.close()
+    exits = ExitConditions(ckpt)
+    with exits.watching():
+        try:
+            for step in range(start, train_cfg.train_iters):
+                acc.synchronize()
+                acc.reset_peak_memory()
+                t0 = time.perf_counter()
+                for chunk in parts.model:
+                    chunk.zero_grad_buffer()
+                parts.optimizer.zero_grad()
+                metrics = objective.train_step(step)
+                finite = math.isfinite(metrics.get("loss", 0.0)) and grads_are_finite(parts.model)
+                if not finite and train_cfg.on_nonfinite == "stop":
+                    raise NonFiniteError(  # numbered as the progress line: metrics.jsonl's "step" + 1
+                        f"step {step + 1}/{total}: non-finite loss or gradient (loss={metrics.get('loss')}); "
+                        "rerun with --on-nonfinite skip to skip such steps"
+                    )
+                grad_norm = None
+                lr = parts.optimizer.param_groups[0]["lr"]  # what this step's update uses
+                if finite:
+                    success, grad_norm, _ = parts.optimizer.step()
+                    finite = bool(success)
+                if finite:
+                    parts.scheduler.step(1)
+                    skipped_in_a_row = 0
+                else:
+                    skipped_in_a_row += 1
+                    if is_logging_rank():
+                        logger.warning("step %d/%d skipped: non-finite loss or gradient", step + 1, total)
+                    if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                        raise NonFiniteError(
+                            f"step {step + 1}/{total}: {skipped_in_a_row} steps in a row had a non-finite loss or "
+                            "gradient; --on-nonfinite skip stops here (the weights or the data are broken, not one "
+                            f"batch: steps {step + 2 - skipped_in_a_row}..{step + 1} were skipped)")
+                acc.synchronize()
+                record = {
+                    "step": step,
+                    **metrics,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "skipped": not finite,
+                    "step_time_s": time.perf_counter() - t0,
+                    "peak_mem_bytes": acc.peak_memory_bytes(),
+                }
+                if eval_interval and ((step + 1) % eval_interval == 0 or step + 1 == train_cfg.train_iters):
+                    held_out = objective.evaluate(step)
+                    if held_out:
+                        record.update({f"eval_{k}": v for k, v in held_out.items()})
+                records.append(record)
+                writer.write(record)
+                if is_logging_rank() and (step % log_cfg.log_interval == 0 or step + 1 == train_cfg.train_iters):
+                    print(_progress_line(record, train_cfg.train_iters), flush=True)
+                done = step + 1
+                saved = bool(ckpt.save and ((ckpt.save_interval and done % ckpt.save_interval == 0) or done == total))
+                if saved:
+                    save(parts, objective, ckpt, done)
+                reason = exits.reason(done) if done < total else None
+                if reason:
+                    if ckpt.save and not saved:
+                        save(parts, objective, ckpt, done)
+                    if is_logging_rank():
+                        then = f"--load {ckpt.save} resumes" if ckpt.save else "nothing saved (no --save)"
+                        print(f"[megatron-prune] stopping after step {done}/{total}: {reason}; {then}", flush=True)
+                    break
+        except RuntimeError as exc:  # a timed-out collective: say which rank and step
+            failure = collective_failure(exc, during=f"step {step + 1}/{total}")
+            if failure is None:
+                raise
+            raise failure from exc
+        finally:
+            writer.close()
     return records
 
 

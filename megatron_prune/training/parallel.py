@@ -247,6 +247,17 @@ def schedule_microbatches(value: int) -> int:
     return value
 
 
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag, true when it is true on any rank. Collective over the world (one all-reduce)."""
+    if not dist.is_initialized():
+        return tuple(bool(f) for f in flags)
+    import torch
+
+    values = torch.tensor([int(f) for f in flags])
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in values.tolist())
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -257,6 +268,7 @@ def broadcast_object(obj, src: int = 0):
 
 __all__ = [
     "CollectiveTimeout",
+    "any_rank",
     "barrier",
     "collective_failure",
     "broadcast_object",

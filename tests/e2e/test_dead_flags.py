@@ -101,6 +101,13 @@ WARNINGS = [
                  "--prune-preset study has no effect: --prune-position-ratio, --prune-seq-min-ratio, --prune-branch "
                  "and --prune-branch-chosen-prob, all given as well, override every value it sets",
                  id="preset-fully-overridden"),
+    # stopping early
+    pytest.param("dpo", ["--exit-signal", "SIGUSR1"],
+                 "--exit-signal SIGUSR1 has no effect without --exit-signal-handler (it is the signal that handler "
+                 "catches)", id="exit-signal-without-handler"),
+    pytest.param("dpo", ["--train-iters", "4", "--exit-interval", "4"],
+                 "--exit-interval 4 has no effect: its first multiple is not below --train-iters 4, where the run ends anyway",
+                 id="exit-interval-past-the-run"),
     # GRPO
     pytest.param("grpo", ["--toy-num-digits", "4", "--task", "gsm8k", "--data-path", GSM8K],
                  "--toy-num-digits 4 has no effect with --task gsm8k (it shapes the toy tasks' prompts)",

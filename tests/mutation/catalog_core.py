@@ -23,8 +23,27 @@ ROUTER_LOSS_VALUES = ("tests/distributed/test_moe_router_losses.py::"
 ROUTER_LOSS_DP = ("tests/distributed/test_moe_router_losses.py::"
                   "test_router_losses_are_averaged_over_data_parallel_ranks")
 NONFINITE_SKIP = "tests/e2e/test_nonfinite.py::test_nan_on_one_rank_skips_the_step_and_continues"
+EXIT_AGREED = "tests/unit/test_exit_conditions.py::test_a_signal_on_one_rank_stops_every_rank_after_the_same_step"
+EXIT_RESUMES = ("tests/e2e/test_exit_conditions.py::"
+                "test_duration_and_interval_stop_after_a_save_and_the_same_command_resumes_exactly")
 
 MUTANTS: list[dict] = [
+    {
+        "name": "exit-signal-not-agreed-across-ranks",
+        "why": "each rank stops on its own signal: a rank that got none waits in the next step's collectives",
+        "file": "megatron_prune/training/exit_conditions.py",
+        "old": "received, timed_out = any_rank(self.received, timed_out)",
+        "new": "received = self.received",
+        "tests": [EXIT_AGREED],
+    },
+    {
+        "name": "early-exit-without-a-save",
+        "why": "the run stops on --exit-interval/--exit-duration-in-mins without saving the step it stops after",
+        "file": "megatron_prune/training/loop.py",
+        "old": "if ckpt.save and not saved:",
+        "new": "if False:",
+        "tests": [EXIT_RESUMES],
+    },
     {
         "name": "rmsnorm-backward-misses-the-rms-term",
         "why": "the hand-written RMSNorm backward treats 1/rms as a constant (drops its dependence on x)",

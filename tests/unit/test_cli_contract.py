@@ -11,6 +11,8 @@ DPO_FLAGS = [
     "--prune-branch", "--prune-branch-chosen-prob", "--dpo-layout", "--dpo-beta", "--ref-mode",
     "--data-path", "--hf-model", "--model-preset", "--metrics-jsonl", "--device", "--dry-run",
     "--prune-preset", "--no-prune-branch", "--sgd-momentum", "--skip-invalid-records", "--max-prompt-length",
+    # Megatron's own names, which launch scripts carry over
+    "--exit-signal-handler", "--exit-signal", "--exit-duration-in-mins", "--exit-interval",
 ]
 GRPO_FLAGS = ["--task", "--group-size", "--max-new-tokens", "--std-normalization", "--no-std-normalization",
               "--advantage-std", "--skip-invalid-records", "--max-prompt-length", "--sgd-momentum",
