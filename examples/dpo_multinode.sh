@@ -53,7 +53,8 @@ PLUGIN=(
   --prune-position-ratio 0.6 --prune-seq-min-ratio 0.5 --prune-branch
 )
 if [ -n "${SAVE:-}" ]; then
-  PLUGIN+=(--save "$SAVE" --load "$SAVE" --save-interval 100)  # a first launch starts fresh, a rerun resumes
+  # A first launch starts fresh, a rerun resumes; SIGTERM (scancel, preemption) saves after the step in progress.
+  PLUGIN+=(--save "$SAVE" --load "$SAVE" --save-interval 100 --exit-signal-handler)
 fi
 
 CMD=("${LAUNCH[@]}" "${PLUGIN[@]}" "$@")

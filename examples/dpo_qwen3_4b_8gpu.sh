@@ -23,7 +23,7 @@ ARGS=(--hf-model "$HF_MODEL" --data-path "$DATA"
   --train-iters "$STEPS" --lr "$LR" --min-lr 0 --lr-warmup-iters 20 --lr-decay-style cosine
   --bf16 --use-distributed-optimizer --dpo-layout "$LAYOUT" --dpo-beta 1.0
   --prune-position-ratio "$ALPHA" --prune-seq-min-ratio "$RHO_MIN"
-  --save "$SAVE" --load "$SAVE" --save-interval 100 --metrics-jsonl "$SAVE/metrics.jsonl")
+  --save "$SAVE" --load "$SAVE" --save-interval 100 --exit-signal-handler --metrics-jsonl "$SAVE/metrics.jsonl")
 [ "$TP" -gt 1 ] && ARGS+=(--sequence-parallel)
 [ "$BRANCH" = "1" ] && ARGS+=(--prune-branch)
 # shellcheck disable=SC2206

@@ -23,7 +23,7 @@ cmd=(torchrun --nnodes "$NODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS
   --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --clip-eps-low 0.2 --clip-eps-high 0.28 --kl-beta 0.0
   --ppo-epochs 1 --minibatches 2
   --dppo-prompt-prune-rate "$PRUNE_PROMPTS" --dppo-completion-prune-rate "$PRUNE_COMPLETIONS" --dense-packing
-  --save "$OUT/ckpt" --load "$OUT/ckpt" --save-interval 50 --metrics-jsonl "$OUT/metrics.jsonl")
+  --save "$OUT/ckpt" --load "$OUT/ckpt" --save-interval 50 --exit-signal-handler --metrics-jsonl "$OUT/metrics.jsonl")
 if [[ "${DRY_RUN:-0}" == 1 ]]; then echo "${cmd[*]}"; exit 0; fi
 mkdir -p "$OUT"
 exec "${cmd[@]}"
