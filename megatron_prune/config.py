@@ -126,6 +126,8 @@ class TrainConfig:
     """Adam beta1 (--optimizer adam only)."""
     adam_beta2: float = field(default=0.95, metadata=_flag("--adam-beta2"))
     """Adam beta2 (--optimizer adam only)."""
+    adam_eps: float = field(default=1e-8, metadata=_flag("--adam-eps"))
+    """Adam epsilon, added to the second moment's square root (--optimizer adam only)."""
     sgd_momentum: float = field(default=0.9, metadata=_flag("--sgd-momentum"))
     """Momentum of --optimizer sgd (Megatron's default 0.9; 0 = plain SGD)."""
     clip_grad: float = field(default=1.0, metadata=_flag("--clip-grad"))
@@ -141,8 +143,8 @@ class TrainConfig:
         for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "sgd_momentum",
-                     "distributed_timeout_minutes"):
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
+                     "sgd_momentum", "distributed_timeout_minutes"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         if self.lr < 0 or self.min_lr < 0:
@@ -159,6 +161,8 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"--adam-eps must be > 0, got {self.adam_eps}")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
         if not 0.0 <= self.sgd_momentum < 1.0:

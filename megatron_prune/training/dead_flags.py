@@ -109,6 +109,8 @@ RULES: list[Rule] = [
          "--lr-decay-style linear or cosine decays to it"),
     Rule(("TrainConfig.adam_beta1", "TrainConfig.adam_beta2"), lambda s: s.train.optimizer == "sgd",
          "has no effect with --optimizer sgd (it is one of Adam's moment decays)"),
+    Rule(("TrainConfig.adam_eps",), lambda s: s.train.optimizer == "sgd",
+         "has no effect with --optimizer sgd (it is Adam's epsilon)"),
     Rule(("TrainConfig.sgd_momentum",), lambda s: s.train.optimizer == "adam",
          "has no effect with --optimizer adam (it is SGD's momentum: pass --optimizer sgd to use it)"),
     Rule(("TrainConfig.max_prompt_length",), lambda s: s.toy,

@@ -253,6 +253,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
     if weights_only:
         return 0
     _say_flags_changed(meta.get("flags"), parts.extra_meta.get("flags"))
+    _apply_optimizer_flags(parts.optimizer)
     if loaded.get("scheduler"):
         _say_schedule_kept(parts.scheduler, loaded["scheduler"])
         parts.scheduler.load_state_dict(loaded["scheduler"])
@@ -276,6 +277,21 @@ def _say_flags_changed(recorded: dict | None, current: dict | None) -> None:
     if changed and is_logging_rank():
         print("[megatron-prune] resuming with flags that differ from the checkpoint's run: " + ", ".join(changed),
               flush=True)
+
+
+def _apply_optimizer_flags(optimizer) -> None:
+    """Loading the optimizer restores the checkpoint's param groups, betas, epsilon and momentum
+    included; put back this launch's (``--adam-beta1/2``, ``--adam-eps``, ``--sgd-momentum``), so a
+    changed flag applies as the resume line says. The learning rate and weight decay stay the
+    schedule's (Megatron's rule)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        config = inner.config
+        for group in inner.optimizer.param_groups:
+            if "betas" in group:
+                group["betas"] = (config.adam_beta1, config.adam_beta2)
+                group["eps"] = config.adam_eps
+            if "momentum" in group:
+                group["momentum"] = config.sgd_momentum
 
 
 def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict) -> None:

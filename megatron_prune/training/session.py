@@ -414,7 +414,8 @@ def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, t
         policy,
         OptimConfig(
             optimizer=train.optimizer, lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
-            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, sgd_momentum=train.sgd_momentum,
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
+            sgd_momentum=train.sgd_momentum,
             clip_grad=train.clip_grad,
             use_distributed_optimizer=model.use_distributed_optimizer,
         ),

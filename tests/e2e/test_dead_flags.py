@@ -80,6 +80,8 @@ WARNINGS = [
     pytest.param("dpo", ["--min-lr", "1e-5"],
                  "--min-lr 1e-05 has no effect with --lr-decay-style constant (the rate stays at --lr after the "
                  "warm-up); --lr-decay-style linear or cosine decays to it", id="min-lr-constant"),
+    pytest.param("dpo", ["--optimizer", "sgd", "--adam-eps", "1e-6"],
+                 "--adam-eps 1e-06 has no effect with --optimizer sgd (it is Adam's epsilon)", id="adam-eps-with-sgd"),
     pytest.param("dpo", ["--optimizer", "sgd", "--adam-beta2", "0.99"],
                  "--adam-beta2 0.99 has no effect with --optimizer sgd (it is one of Adam's moment decays)",
                  id="adam-beta-with-sgd"),

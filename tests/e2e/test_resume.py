@@ -18,6 +18,7 @@ import math
 import re
 import shutil
 import sys
+import textwrap
 
 import pytest
 
@@ -217,6 +218,41 @@ def test_resume_says_which_flags_it_changes_or_ignores_and_records_the_applied_l
     _dpo(tmp_path, "warm", "--train-iters", "3", "--lr-warmup-iters", "2",
          "--metrics-jsonl", str(tmp_path / "w.jsonl")).check_ok()
     assert [r["lr"] for r in read_jsonl(tmp_path / "w.jsonl")] == pytest.approx([0.0, 5e-4, 1e-3])
+
+
+GROUPS_AFTER_RESUME = textwrap.dedent(
+    """
+    import sys
+    from megatron_prune.training import loop
+
+    real_resume = loop.resume
+
+    def resume(parts, objective, ckpt):
+        start = real_resume(parts, objective, ckpt)
+        for inner in getattr(parts.optimizer, "chained_optimizers", [parts.optimizer]):
+            for group in inner.optimizer.param_groups:
+                print("PARAM GROUP", tuple(group["betas"]), group["eps"], flush=True)
+        return start
+
+    loop.resume = resume
+    if __name__ == "__main__":  # not in the process the save spawns (it imports this script again)
+        from megatron_prune.dpo.__main__ import main
+        sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_changed_adam_flags_apply_after_the_optimizer_state_is_loaded(script_run, tmp_path):
+    """Loading the optimizer restores the checkpoint's betas and epsilon with its state; a resume
+    that changes them (and says so) trains with the new values, as it says."""
+    script = tmp_path / "groups_after_resume.py"
+    script.write_text(GROUPS_AFTER_RESUME)
+    run = run_cmd([sys.executable, str(script), *ONE_RANK, "--load", str(script_run), "--train-iters", "3",
+                   "--adam-beta2", "0.5", "--adam-eps", "1e-4"], log=tmp_path / "run.txt").check_ok()
+    assert ("resuming with flags that differ from the checkpoint's run: --adam-beta2 0.5 (checkpoint: 0.95), "
+            "--adam-eps 0.0001 (checkpoint: 1e-08)") in run.output, run.output[-3000:]
+    groups = re.findall(r"PARAM GROUP (.*)", run.output)
+    assert groups and set(groups) == {"(0.9, 0.5) 0.0001"}, run.output[-3000:]
 
 
 @pytest.mark.parametrize("damaged", ["trainer_state.pt", "meta.json"])

@@ -37,6 +37,14 @@ MUTANTS: list[dict] = [
         "tests": [EXIT_AGREED],
     },
     {
+        "name": "resume-keeps-the-checkpoints-adam-betas",
+        "why": "loading the optimizer restores the checkpoint's betas and epsilon; a changed flag is named but not used",
+        "file": "megatron_prune/training/loop.py",
+        "old": "    _apply_optimizer_flags(parts.optimizer)\n",
+        "new": "",
+        "tests": ["tests/e2e/test_resume.py::test_changed_adam_flags_apply_after_the_optimizer_state_is_loaded"],
+    },
+    {
         "name": "early-exit-without-a-save",
         "why": "the run stops on --exit-interval/--exit-duration-in-mins without saving the step it stops after",
         "file": "megatron_prune/training/loop.py",

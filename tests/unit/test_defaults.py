@@ -94,6 +94,26 @@ def test_sgd_momentum_reaches_megatron(monkeypatch):
         TrainConfig(sgd_momentum=1.0)
 
 
+def test_adam_eps_reaches_megatron(monkeypatch):
+    """--adam-eps (default 1e-8, Megatron's) is handed to Megatron's OptimizerConfig; 0 is refused."""
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.dpo.__main__ import GROUPS
+    from megatron_prune.training import model_setup, session
+
+    seen = []
+    monkeypatch.setattr(model_setup, "get_megatron_optimizer", lambda config, model: seen.append(config) or object())
+    monkeypatch.setattr(model_setup, "prefer_fused_torch_adam", lambda optimizer: 0)
+    monkeypatch.setattr(session, "setup_model", lambda *a, **k: [])
+    monkeypatch.setattr(session, "build_scheduler", lambda optimizer, train: None)
+    for argv, expected in (([], 1e-8), (["--adam-eps", "1e-5"], 1e-5)):
+        parser = build_parser("megatron-prune-dpo", GROUPS, "")
+        configs = configs_from_args(parser.parse_args(["--model-preset", "tiny", *argv]), GROUPS)
+        session.build_parts(None, None, configs["ModelConfig"], configs["TrainConfig"])
+        assert seen[-1].optimizer == "adam" and seen[-1].adam_eps == expected
+    with pytest.raises(ValueError, match="--adam-eps must be > 0"):
+        TrainConfig(adam_eps=0.0)
+
+
 # --------------------------------------------------------------------------- GRPO advantages
 
 
