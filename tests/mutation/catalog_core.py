@@ -307,10 +307,10 @@ MUTANTS: list[dict] = [
         "name": "skipped-step-runs-adam-on-zeroed-grads",
         "why": "a skipped step zeroes the gradients and steps Adam anyway: its moments still move the weights",
         "file": "megatron_prune/training/loop.py",
-        "old": "            if finite:\n                success, grad_norm, _ = parts.optimizer.step()\n",
-        "new": "            if not finite:\n                for chunk in parts.model:\n                    chunk.zero_grad_buffer()\n"
-               "                parts.optimizer.zero_grad()\n                parts.optimizer.step()\n"
-               "            if finite:\n                success, grad_norm, _ = parts.optimizer.step()\n",
+        "old": "                if finite:\n                    success, grad_norm, _ = parts.optimizer.step()\n",
+        "new": "                if not finite:\n                    for chunk in parts.model:\n                        chunk.zero_grad_buffer()\n"
+               "                    parts.optimizer.zero_grad()\n                    parts.optimizer.step()\n"
+               "                if finite:\n                    success, grad_norm, _ = parts.optimizer.step()\n",
         "tests": [NONFINITE_SKIP],
     },
     {
