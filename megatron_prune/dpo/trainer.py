@@ -19,7 +19,7 @@ from megatron_prune.data.sampler import EpochSampler, dp_shard
 from megatron_prune.dpo.batch import CHOSEN, REJECTED
 from megatron_prune.dpo.step import DPOStep, DPOStepSettings
 from megatron_prune.training import session
-from megatron_prune.training.loop import train
+from megatron_prune.training.loop import check_resumed_data_size, train
 from megatron_prune.training.parallel import is_logging_rank
 from megatron_prune.training.step import reduce_metrics
 
@@ -225,6 +225,8 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         if ds is not None and ds.skipped and int(os.environ.get("RANK", "0")) == 0:
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
 
+    lora = configs.get("LoRAConfig")
+    check_resumed_data_size(ckpt_cfg, num_samples=len(dataset), kind="dpo", lora=bool(lora is not None and lora.enabled))
     if len(dataset) < train_cfg.global_batch_size and int(os.environ.get("RANK", "0")) == 0:
         print(f"[megatron-prune] training data: {len(dataset)} pairs, fewer than --global-batch-size "
               f"{train_cfg.global_batch_size}: every step holds some pairs more than once", flush=True)
@@ -236,7 +238,6 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         eval_pairs = heldout_pairs(len(eval_dataset), micro_batch_size=train_cfg.micro_batch_size, dp=dp)
 
     parallel = session.start(model_cfg, train_cfg)
-    lora = configs.get("LoRAConfig")
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load, lora_base=lora_base)
     ref_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)

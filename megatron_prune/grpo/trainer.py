@@ -39,7 +39,7 @@ from megatron_prune.grpo.dppo import DPPOPruner, combine_weights
 from megatron_prune.grpo.rollout import Completion, SamplingSettings, generate
 from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
 from megatron_prune.training import session
-from megatron_prune.training.loop import train
+from megatron_prune.training.loop import check_resumed_data_size, train
 from megatron_prune.training.parallel import is_logging_rank
 
 logger = logging.getLogger(__name__)
@@ -432,8 +432,9 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
                                                       checked.tokenizer_spec)
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,
                           tokenizer_name=tokenizer_name, tokenizer=tokenizer)
-    parallel = session.start(model_cfg, train_cfg)
     lora = configs.get("LoRAConfig")
+    check_resumed_data_size(ckpt_cfg, num_samples=len(source), kind="grpo", lora=bool(lora is not None and lora.enabled))
+    parallel = session.start(model_cfg, train_cfg)
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     reference = None
     if grpo.kl_beta > 0:

@@ -189,21 +189,39 @@ def _check_iteration(iteration: int, train_iters: int, load: str) -> None:
                          f"{train_iters}: nothing to train; raise --train-iters above {iteration} to train further")
 
 
+def _resumed_objective_state(ckpt: CheckpointConfig, *, lora: bool) -> dict[str, Any] | None:
+    """The objective state (data position, samplers) that ``--load`` will resume, or None for a
+    fresh start or a weights-only start (``--finetune``, a checkpoint without optimizer, a LoRA base)."""
+    if not ckpt.load or ckpt.finetune:
+        return None
+    meta = ckpt_io.read_meta(ckpt.load)
+    if not meta.get("has_optimizer") or (lora and not meta.get("lora")):
+        return None
+    return ckpt_io.read_trainer_state(meta["path"]).get("trainer", {}).get("objective", {})
+
+
 def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters: int, lora: bool) -> None:
     """What :func:`resume` refuses that the checkpoint's own files tell — another trainer's
     checkpoint, another ``--seed``, an iteration past ``--train-iters`` — checked before any rank
-    starts (also under ``--dry-run``). Only the data size needs the loaded data: :func:`resume`
-    checks it. A weights-only start (``--finetune``, a checkpoint without optimizer, a LoRA base)
-    resumes nothing and is not checked."""
-    if not ckpt.load or ckpt.finetune:
+    starts (also under ``--dry-run``). The data size needs the loaded data: the trainers check it
+    with :func:`check_resumed_data_size` as soon as the data is read, before any model is built.
+    A weights-only start resumes nothing and is not checked."""
+    saved = _resumed_objective_state(ckpt, lora=lora)
+    if saved is None:
         return
     meta = ckpt_io.read_meta(ckpt.load)
-    if not meta.get("has_optimizer") or (lora and not meta.get("lora")):
-        return
     _check_same_trainer(meta, kind, ckpt.load)
-    saved = ckpt_io.read_trainer_state(meta["path"]).get("trainer", {}).get("objective", {})
     _check_seed(saved.get("sampler") or {}, seed, ckpt.load)
     _check_iteration(int(meta["iteration"]), train_iters, ckpt.load)
+
+
+def check_resumed_data_size(ckpt: CheckpointConfig, *, num_samples: int, kind: str, lora: bool) -> None:
+    """The training data has as many samples as the data ``--load`` resumes a position in (the
+    refusal :func:`resume` would make after building the model, made before it)."""
+    saved = _resumed_objective_state(ckpt, lora=lora)
+    sampler = (saved or {}).get("sampler") or {}
+    if sampler:
+        _check_num_samples(sampler.get("num_samples"), num_samples, ckpt.load, kind=kind)
 
 
 def _check_data_position(saved_state: dict[str, Any], objective: Objective, load: str, *, kind: str | None) -> None:
@@ -213,11 +231,15 @@ def _check_data_position(saved_state: dict[str, Any], objective: Objective, load
     if not saved or not mine:
         return
     _check_seed(saved, mine.get("seed"), load)
-    if saved.get("num_samples") != mine.get("num_samples"):
+    _check_num_samples(saved.get("num_samples"), mine.get("num_samples"), load, kind=kind)
+
+
+def _check_num_samples(saved: int | None, mine: int | None, load: str, *, kind: str | None) -> None:
+    if saved != mine:
         flags = "--data-path or --toy-num-prompts" if kind == "grpo" else "--data-path"
         raise UsageError(
-            f"--load {load}: the checkpoint's run trained on {saved.get('num_samples')} samples and this run's "
-            f"training data has {mine.get('num_samples')} (another {flags}, or other records skipped), so its "
+            f"--load {load}: the checkpoint's run trained on {saved} samples and this run's "
+            f"training data has {mine} (another {flags}, or other records skipped), so its "
             f"data position does not apply: resume with the same training data ({_FINETUNE_HINT})"
         )
 
