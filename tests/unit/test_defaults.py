@@ -72,31 +72,8 @@ def test_model_preset_choices_are_the_presets():
 # --------------------------------------------------------------------------- optimizer
 
 
-def test_sgd_momentum_reaches_megatron(monkeypatch):
-    """--sgd-momentum (default 0.9, Megatron's) is handed to Megatron's OptimizerConfig."""
-    from megatron_prune.config import ModelConfig, TrainConfig
-    from megatron_prune.training import model_setup, session
-
-    seen = []
-    monkeypatch.setattr(model_setup, "get_megatron_optimizer", lambda config, model: seen.append(config) or object())
-    monkeypatch.setattr(model_setup, "prefer_fused_torch_adam", lambda optimizer: 0)
-    monkeypatch.setattr(session, "setup_model", lambda *a, **k: [])
-    monkeypatch.setattr(session, "build_scheduler", lambda optimizer, train: None)
-    for argv, expected in (([], 0.9), (["--sgd-momentum", "0"], 0.0), (["--sgd-momentum", "0.5"], 0.5)):
-        from megatron_prune.dpo.__main__ import GROUPS
-
-        parser = build_parser("megatron-prune-dpo", GROUPS, "")
-        configs = configs_from_args(parser.parse_args(["--model-preset", "tiny", "--optimizer", "sgd", *argv]), GROUPS)
-        session.build_parts(None, None, configs["ModelConfig"], configs["TrainConfig"])
-        assert seen[-1].optimizer == "sgd" and seen[-1].sgd_momentum == expected
-    assert TrainConfig().sgd_momentum == 0.9 and ModelConfig().device == "auto"
-    with pytest.raises(ValueError, match="--sgd-momentum must be in"):
-        TrainConfig(sgd_momentum=1.0)
-
-
-def test_adam_eps_reaches_megatron(monkeypatch):
-    """--adam-eps (default 1e-8, Megatron's) is handed to Megatron's OptimizerConfig; 0 is refused."""
-    from megatron_prune.config import TrainConfig
+def _optimizer_config(monkeypatch, argv: list[str]):
+    """The OptimizerConfig the DPO CLI's flags hand to Megatron (model, optimizer and schedule stubbed)."""
     from megatron_prune.dpo.__main__ import GROUPS
     from megatron_prune.training import model_setup, session
 
@@ -105,11 +82,31 @@ def test_adam_eps_reaches_megatron(monkeypatch):
     monkeypatch.setattr(model_setup, "prefer_fused_torch_adam", lambda optimizer: 0)
     monkeypatch.setattr(session, "setup_model", lambda *a, **k: [])
     monkeypatch.setattr(session, "build_scheduler", lambda optimizer, train: None)
-    for argv, expected in (([], 1e-8), (["--adam-eps", "1e-5"], 1e-5)):
-        parser = build_parser("megatron-prune-dpo", GROUPS, "")
-        configs = configs_from_args(parser.parse_args(["--model-preset", "tiny", *argv]), GROUPS)
-        session.build_parts(None, None, configs["ModelConfig"], configs["TrainConfig"])
-        assert seen[-1].optimizer == "adam" and seen[-1].adam_eps == expected
+    configs = configs_from_args(build_parser("megatron-prune-dpo", GROUPS, "").parse_args(
+        ["--model-preset", "tiny", *argv]), GROUPS)
+    session.build_parts(None, None, configs["ModelConfig"], configs["TrainConfig"])
+    return seen[-1]
+
+
+@pytest.mark.parametrize("argv, field, expected", [
+    (["--optimizer", "sgd"], "sgd_momentum", 0.9),  # Megatron's default
+    (["--optimizer", "sgd", "--sgd-momentum", "0"], "sgd_momentum", 0.0),
+    (["--optimizer", "sgd", "--sgd-momentum", "0.5"], "sgd_momentum", 0.5),
+    ([], "adam_eps", 1e-8),  # Megatron's default
+    (["--adam-eps", "1e-5"], "adam_eps", 1e-5),
+])
+def test_optimizer_flags_reach_megatron(monkeypatch, argv, field, expected):
+    """--sgd-momentum and --adam-eps are handed to Megatron's OptimizerConfig, with the optimizer they belong to."""
+    config = _optimizer_config(monkeypatch, argv)
+    assert config.optimizer == ("sgd" if "sgd" in argv else "adam") and getattr(config, field) == expected
+
+
+def test_bad_optimizer_flags_are_refused():
+    from megatron_prune.config import ModelConfig, TrainConfig
+
+    assert TrainConfig().sgd_momentum == 0.9 and ModelConfig().device == "auto"
+    with pytest.raises(ValueError, match="--sgd-momentum must be in"):
+        TrainConfig(sgd_momentum=1.0)
     with pytest.raises(ValueError, match="--adam-eps must be > 0"):
         TrainConfig(adam_eps=0.0)
 
