@@ -1,26 +1,40 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (sized for one H200): the DPO pruning benchmark at the dense GPU
-# presets, the Qwen3-4B slice again with LoRA rank 64 (the study's configuration), a Qwen3-30B-A3B
-# (mixture-of-experts) slice, then the GPU-marked tests. Everything lands in $OUT (default ./bench_out):
-#   qwen3-0.6b.{json,png,log}, qwen3-4b-slice.{json,png,log}, qwen3-4b-slice-lora64.{json,png,log},
-#   qwen3-30b-a3b-slice.{json,png,log}, pytest-gpu.log, env.txt, summary.txt
-# Budget: under 14 minutes in all (each step has its own timeout; bench_dpo rewrites its JSON after
-# every mode, so a step cut short still leaves the modes it finished).
+# One command for a GPU machine (sized for one H200), in order of what it settles first: the GPU
+# tests (the DPO step on CUDA against the CPU step, bf16 DPO and GRPO through the CLI), the DPO
+# pruning benchmark at Qwen3-0.6B's shape (the shared-prompt and branch modes), the Qwen3-4B
+# slice with LoRA rank 64, the same slice full-parameter, then a Qwen3-30B-A3B
+# (mixture-of-experts) slice. Everything lands in $OUT (default ./bench_out):
+#   pytest-gpu.log, qwen3-0.6b.{json,png,log}, qwen3-4b-slice-lora64.{json,png,log},
+#   qwen3-4b-slice.{json,png,log}, qwen3-30b-a3b-slice.{json,png,log}, env.txt, summary.txt
+#
+# BUDGET_S (default 840) is the whole run's wall-clock budget: a step starts only when at least
+# MIN_STEP_S (default 60) seconds are left and runs under the smaller of its own timeout and what
+# is left. bench_dpo rewrites its JSON after every mode, so a step cut short keeps the modes it
+# finished; steps not started are listed in summary.txt as skipped.
 #
 #   bash tools/gpu_bench.sh                 # from the repository root
-#   OUT=/tmp/res PYTHON=python3 bash tools/gpu_bench.sh
+#   OUT=/tmp/res PYTHON=python3 BUDGET_S=480 bash tools/gpu_bench.sh
 #   DRY_RUN=1 bash tools/gpu_bench.sh       # print the commands only
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./bench_out}"
 PYTHON="${PYTHON:-python}"
 DRY_RUN="${DRY_RUN:-0}"
+BUDGET_S="${BUDGET_S:-840}"
+MIN_STEP_S="${MIN_STEP_S:-60}"
 mkdir -p "$OUT"
 export PYTHONWARNINGS=ignore PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 : > "$OUT/summary.txt"
+START=$SECONDS
 
-run() {  # run NAME TIMEOUT_S CMD...: print it, run it under a timeout, log output and exit status
+run() {  # run NAME TIMEOUT_S CMD...: print it, run it under a timeout within the budget, log it
   local name=$1 limit=$2; shift 2
+  local left=$((BUDGET_S - (SECONDS - START)))
+  if [ "$DRY_RUN" != 1 ] && [ "$left" -lt "$MIN_STEP_S" ]; then
+    echo "- [$name] skipped: ${left}s of the ${BUDGET_S}s budget left" | tee -a "$OUT/summary.txt"
+    return 0
+  fi
+  [ "$left" -lt "$limit" ] && [ "$DRY_RUN" != 1 ] && limit=$left
   echo "+ [$name, timeout ${limit}s] $*" | tee -a "$OUT/summary.txt"
   if [ "$DRY_RUN" = 1 ]; then return 0; fi
   local t0=$SECONDS
@@ -37,6 +51,8 @@ if [ "$DRY_RUN" != 1 ]; then
 'available', torch.cuda.is_available()); print('megatron-core', mc.__version__)" 2>&1
     "$PYTHON" -c "import transformer_engine; print('transformer_engine', transformer_engine.__version__)" 2>&1 \
       || echo "transformer_engine: not installed (local layer spec)"
+    "$PYTHON" -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 \
+      || echo "flash_attn: not installed (segment attention runs PyTorch's scaled_dot_product_attention)"
     git log --oneline -1 2>/dev/null
   } > "$OUT/env.txt"
   cat "$OUT/env.txt"
@@ -46,24 +62,25 @@ if [ "$DRY_RUN" != 1 ]; then
   fi
 fi
 
-# Qwen3-0.6B shape: ten modes (full is in the 4B slice; shared_packed is left out), 2 warm-up +
-# 5 timed steps each (~20 s a mode).
-run qwen3-0.6b 230 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --memory-steps 2 --timeout 90 \
-  --modes concat selective position sequence branch position_branch all shared shared_all shared_all_packed \
+# Correctness first: the DPO step on CUDA equals the CPU step (fp32), and the CLI trains in bf16.
+run pytest-gpu 150 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/gpu
+# Qwen3-0.6B shape: the shared-prompt and branch modes against concat, 2 warm-up + 5 timed steps
+# each (~25 s a mode).
+run qwen3-0.6b 200 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --memory-steps 1 --timeout 90 \
+  --modes concat shared shared_all shared_all_packed branch position_branch all \
   --json "$OUT/qwen3-0.6b.json" --plot "$OUT/qwen3-0.6b.png"
-# Qwen3-4B widths, 8 layers: the modes the goals are judged on first, fewer steps.
+# Qwen3-4B widths, 8 layers, LoRA rank 64 on every linear and the adapter-off reference; bench_dpo
+# then runs full-parameter concat once more for the memory comparison (total_mem_ratio_vs_full_param).
+run qwen3-4b-slice-lora64 190 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --lora-rank 64 --warmup 1 --steps 3 --memory-steps 1 --timeout 70 \
+  --modes concat branch concat_packed branch_packed \
+  --json "$OUT/qwen3-4b-slice-lora64.json" --plot "$OUT/qwen3-4b-slice-lora64.png"
+# The same slice full-parameter: the remaining single-pruning modes and Full (padded rows).
 run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --warmup 1 --steps 3 --memory-steps 1 --timeout 80 \
   --modes concat branch position_branch sequence selective full \
   --json "$OUT/qwen3-4b-slice.json" --plot "$OUT/qwen3-4b-slice.png"
-# The same slice with LoRA rank 64 on every linear and the adapter-off reference; bench_dpo then
-# runs full-parameter concat once more for the memory comparison (total_mem_ratio_vs_full_param).
-run qwen3-4b-slice-lora64 190 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice --lora-rank 64 --warmup 1 --steps 3 --memory-steps 1 --timeout 70 \
-  --modes concat branch position_branch concat_packed branch_packed \
-  --json "$OUT/qwen3-4b-slice-lora64.json" --plot "$OUT/qwen3-4b-slice-lora64.png"
 # Qwen3-30B-A3B's widths (128 experts, top-8), 6 of 48 layers, EP=1 on the one GPU (~87 GB of
 # training state): the modes the goals are judged on, 1 warm-up + 3 timed steps of 16 pairs each.
 run qwen3-30b-a3b-slice 200 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-30b-a3b-slice --memory-steps 1 --timeout 90 \
   --modes concat branch position_branch \
   --json "$OUT/qwen3-30b-a3b-slice.json" --plot "$OUT/qwen3-30b-a3b-slice.png"
-run pytest-gpu 60 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider
 echo "results in $OUT:"; ls -l "$OUT"
