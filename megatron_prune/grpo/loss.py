@@ -120,7 +120,7 @@ def grpo_loss(
     loss = policy_loss
 
     metrics: dict[str, torch.Tensor] = {}
-    kl_loss = torch.zeros((), dtype=dtype)
+    kl_loss = torch.zeros((), dtype=dtype, device=logprobs.device)
     if ref_logprobs is not None:
         log_ref_ratio = torch.where(valid, ref_logprobs.to(dtype) - logprobs, torch.zeros_like(logprobs))
         k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
@@ -142,5 +142,5 @@ def grpo_loss(
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     count = valid.sum()
     if count == 0:
-        return torch.zeros((), dtype=values.dtype)
+        return torch.zeros((), dtype=values.dtype, device=values.device)
     return (values.detach() * valid).sum() / count

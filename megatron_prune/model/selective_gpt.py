@@ -17,6 +17,7 @@ layout's dense mask is used.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,10 @@ from megatron_prune.model.segments import SegmentLayout
 from megatron_prune.ops import vocab_parallel_logprobs
 
 DEFAULT_CHUNK_SIZE = 4096
+
+
+def _to(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 @dataclass
@@ -52,6 +57,14 @@ class TokenSelection:
     def __post_init__(self) -> None:
         assert self.index.shape == self.labels.shape == self.seq_ids.shape, "selection fields must align"
 
+    def to(self, device: torch.device) -> "TokenSelection":
+        """This selection with every tensor on ``device``."""
+        def move(value):
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+
+        return dataclasses.replace(self, index=move(self.index), labels=move(self.labels), seq_ids=move(self.seq_ids),
+                                   temperature=move(self.temperature), all_labels=move(self.all_labels))
+
 
 class SelectiveGPTModel(GPTModel):
     """Megatron ``GPTModel`` plus a selective, vocab-parallel log-prob head."""
@@ -72,6 +85,14 @@ class SelectiveGPTModel(GPTModel):
         segments: SegmentLayout | None = None,
         **kwargs,
     ):
+        # Batches are built on the CPU; they reach the accelerator here, in the one place every
+        # forward step, loss and rollout goes through.
+        device = self._device()
+        input_ids, position_ids, attention_mask = (_to(t, device) for t in (input_ids, position_ids, attention_mask))
+        if token_selection is not None:
+            token_selection = token_selection.to(device)
+        if "labels" in kwargs:
+            kwargs["labels"] = _to(kwargs["labels"], device)
         if segments is not None:
             attention_mask = self._segment_attention_input(segments, position_ids, attention_mask)
         self._selection = token_selection
@@ -81,6 +102,10 @@ class SelectiveGPTModel(GPTModel):
         finally:
             self._selection = None
             self._segment_positions = None
+
+    def _device(self) -> torch.device:
+        param = next(self.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
 
     def _segment_attention_input(
         self, segments: SegmentLayout, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None

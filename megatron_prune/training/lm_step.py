@@ -10,7 +10,7 @@ import torch
 
 def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Mean next-token cross entropy over the unmasked positions of one microbatch."""
-    mask = loss_mask.float()
+    mask = loss_mask.to(device=output_tensor.device, dtype=torch.float32)
     count = mask.sum().clamp(min=1.0)
     loss = (output_tensor.float() * mask).sum() / count
     return loss, {"lm_loss": torch.stack([loss.detach() * count, count])}
