@@ -10,7 +10,10 @@
 # BUDGET_S (default 840) is the whole run's wall-clock budget: a step starts only when at least
 # MIN_STEP_S (default 60) seconds are left and runs under the smaller of its own timeout and what
 # is left. bench_dpo rewrites its JSON after every mode, so a step cut short keeps the modes it
-# finished; steps not started are listed in summary.txt as skipped.
+# finished; steps not started are listed in summary.txt as skipped. STEPS (default: all) names
+# the steps to run, e.g. STEPS="qwen3-0.6b qwen3-4b-slice-lora64", to split the work over several
+# commands. Measured on one H200: pytest-gpu takes ~125 s; one bench mode at Qwen3-0.6B's shape
+# takes over a minute (process start, model build, warm-up, timed and replayed steps).
 #
 #   bash tools/gpu_bench.sh                 # from the repository root
 #   OUT=/tmp/res PYTHON=python3 BUDGET_S=480 bash tools/gpu_bench.sh
@@ -22,6 +25,7 @@ PYTHON="${PYTHON:-python}"
 DRY_RUN="${DRY_RUN:-0}"
 BUDGET_S="${BUDGET_S:-840}"
 MIN_STEP_S="${MIN_STEP_S:-60}"
+STEPS="${STEPS:-}"
 mkdir -p "$OUT"
 export PYTHONWARNINGS=ignore PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 : > "$OUT/summary.txt"
@@ -29,6 +33,9 @@ START=$SECONDS
 
 run() {  # run NAME TIMEOUT_S CMD...: print it, run it under a timeout within the budget, log it
   local name=$1 limit=$2; shift 2
+  if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then
+    return 0
+  fi
   local left=$((BUDGET_S - (SECONDS - START)))
   if [ "$DRY_RUN" != 1 ] && [ "$left" -lt "$MIN_STEP_S" ]; then
     echo "- [$name] skipped: ${left}s of the ${BUDGET_S}s budget left" | tee -a "$OUT/summary.txt"
@@ -56,6 +63,10 @@ if [ "$DRY_RUN" != 1 ]; then
     git log --oneline -1 2>/dev/null
   } > "$OUT/env.txt"
   cat "$OUT/env.txt"
+  if ! "$PYTHON" -c "import megatron_prune.patches, megatron.core" 2>/dev/null; then
+    echo "gpu_bench: $PYTHON cannot import megatron_prune (with its patches) and megatron.core; pip install -e . first" >&2
+    exit 2
+  fi
   if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_bench: torch.cuda.is_available() is False for $PYTHON; set PYTHON to a CUDA-enabled interpreter" >&2
     exit 2
@@ -64,9 +75,8 @@ fi
 
 # Correctness first: the DPO step on CUDA equals the CPU step (fp32), and the CLI trains in bf16.
 run pytest-gpu 150 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/gpu
-# Qwen3-0.6B shape: the shared-prompt and branch modes against concat, 2 warm-up + 5 timed steps
-# each (~25 s a mode).
-run qwen3-0.6b 200 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --memory-steps 1 --timeout 90 \
+# Qwen3-0.6B shape: the shared-prompt and branch modes against concat, 1 warm-up + 4 timed steps each.
+run qwen3-0.6b 420 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --warmup 1 --steps 4 --memory-steps 1 --timeout 110 \
   --modes concat shared shared_all shared_all_packed branch position_branch all \
   --json "$OUT/qwen3-0.6b.json" --plot "$OUT/qwen3-0.6b.png"
 # Qwen3-4B widths, 8 layers, LoRA rank 64 on every linear and the adapter-off reference; bench_dpo

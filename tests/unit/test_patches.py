@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import types
@@ -121,3 +122,21 @@ def test_importing_the_plugin_patches_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_checkout_on_pythonpath_without_pip_install_finds_its_patches(tmp_path):
+    """``PYTHONPATH=<checkout> python -m megatron_prune.dpo`` (no pip install) imports the
+    top-level patches/ folder as megatron_prune.patches: a copy of the package and patches/,
+    run with no site-packages finder for the project, loads the copy's registry."""
+    import shutil
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    checkout = tmp_path / "checkout"
+    for folder in ("megatron_prune", "patches"):
+        shutil.copytree(os.path.join(repo, folder), checkout / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "samples", "tokenizer"))
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            f"sys.path.insert(0, {str(checkout)!r}); import megatron_prune.patches.registry as r; print(r.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(checkout / "patches" / "registry.py")
