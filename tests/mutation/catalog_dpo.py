@@ -87,7 +87,7 @@ MUTANTS: list[dict] = [
         "name": "dpo-sum-not-rescaled",
         "why": "the summed log-ratio is not rescaled by T/|S| under position pruning (biased towards 0)",
         "file": "megatron_prune/dpo/loss.py",
-        "old": "        coef = torch.tensor(lengths, dtype=torch.float32) / num_scored_t\n",
+        "old": "        coef = torch.tensor(lengths, dtype=torch.float32, device=device) / num_scored_t\n",
         "new": "        coef = torch.ones_like(num_scored_t)\n",
         "tests": [POSITION],
     },
