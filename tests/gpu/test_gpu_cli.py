@@ -1,8 +1,9 @@
 """The trainers users launch, on a CUDA GPU: bf16, the nccl process group, pruning on.
 
-One torchrun rank each (the device machine has one GPU): DPO with every pruning and the shared
-layout saves a checkpoint and resumes from it; GRPO with DPPO and dense packing trains. Each run
-must finish, log finite losses for every step and keep the pruning it was asked for.
+One torchrun rank each (one GPU is enough): DPO with every pruning and the shared layout saves a
+checkpoint and resumes from it; LoRA DPO trains; GRPO with DPPO trains with dense packing, and
+with KV-cached generation and shared prompts. Each run must finish, log finite losses for every
+step and keep the pruning it was asked for.
 """
 
 from __future__ import annotations
@@ -43,10 +44,18 @@ def test_dpo_on_cuda_bf16_trains_saves_and_resumes(tmp_path):
     assert records[0]["train_tokens"] < records[0]["policy_tokens"], "branch pruning did not prune the backward"
 
 
-def test_grpo_dppo_on_cuda_bf16_trains(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--kv-cache", "--shared-prompt"]], ids=["packed", "kv-cache-shared-prompt"])
+def test_grpo_dppo_on_cuda_bf16_trains(tmp_path, extra):
     metrics = tmp_path / "metrics.jsonl"
-    run_cmd(torchrun_cmd(["-m", "megatron_prune.grpo", *GRPO, "--train-iters", "2", "--metrics-jsonl", str(metrics)],
-                         nproc=1), log=tmp_path / "run.log").check_ok()
+    run_cmd(torchrun_cmd(["-m", "megatron_prune.grpo", *GRPO, *extra, "--train-iters", "2",
+                          "--metrics-jsonl", str(metrics)], nproc=1), log=tmp_path / "run.log").check_ok()
     records = read_jsonl(metrics)
     _finite_losses(records, [0, 1])
     assert all(r["kept_completion_fraction"] <= 1.0 for r in records)
+
+
+def test_lora_dpo_on_cuda_bf16_trains(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*DPO, "--lora-rank", "8", "--train-iters", "2", "--metrics-jsonl", str(metrics)]
+    run_cmd(torchrun_cmd(["-m", "megatron_prune.dpo", *args], nproc=1), log=tmp_path / "run.log").check_ok()
+    _finite_losses(read_jsonl(metrics), [0, 1])
