@@ -77,7 +77,7 @@ fi
 run pytest-gpu 150 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/gpu
 # Qwen3-0.6B shape: the shared-prompt and branch modes against concat, 1 warm-up + 4 timed steps each.
 run qwen3-0.6b 420 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --warmup 1 --steps 4 --memory-steps 1 --timeout 110 \
-  --modes concat shared shared_all shared_all_packed branch position_branch all \
+  --modes concat shared shared_all branch position_branch all shared_all_packed \
   --json "$OUT/qwen3-0.6b.json" --plot "$OUT/qwen3-0.6b.png"
 # Qwen3-4B widths, 8 layers, LoRA rank 64 on every linear and the adapter-off reference; bench_dpo
 # then runs full-parameter concat once more for the memory comparison (total_mem_ratio_vs_full_param).
