@@ -168,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small",
                    help="model shape, data lengths and batch: " + _preset_help())
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
-                   help="modes to run (concat is always added: ratios are against it)")
+                   help="modes to run, in this order (concat is always added and runs first: ratios are against it)")
     p.add_argument("--data-path", nargs="+", default=None, help="preference files (default: bundled HH-RLHF sample)")
     p.add_argument("--pairs", type=int, help="pairs per step (default: preset)")
     p.add_argument("--micro-batch-size", type=int, help="pairs per microbatch (default: preset)")
@@ -709,7 +709,9 @@ def main(argv: list[str] | None = None) -> dict:
     arch = ModelArch(**PRESETS[args.preset]["arch"])
     shape = flop_model.Shape.from_arch(arch, vocab=padded_vocab_size(arch.vocab_size))
     bytes_per_elem = 2 if PRESETS[args.preset]["bf16"] else 4
-    order = [m for m in MODES if m in args.modes]
+    # concat first (every ratio is against it), then the modes in the order asked for: a run cut
+    # short (bench_dpo rewrites its JSON after every mode) keeps the ones named first.
+    order = ["concat"] + [m for m in dict.fromkeys(args.modes) if m != "concat"]
     config = {
         "preset": args.preset, "arch": arch.to_dict(), "padded_vocab": shape.vocab,
         "pairs": args.pairs, "micro_batch_size": args.micro_batch_size, "max_seq_length": args.max_seq_length,
