@@ -29,6 +29,7 @@ def response_log_ratios(
 ) -> torch.Tensor:
     """Δ per response ([num_responses]) from per-token log-probs of the scored positions."""
     device = policy_logps.device
+    seq_ids = seq_ids.to(device)
     num_scored_t = torch.tensor(num_scored, dtype=torch.float32, device=device)
     if reduction == "mean":
         coef = 1.0 / num_scored_t
@@ -36,9 +37,9 @@ def response_log_ratios(
         coef = torch.tensor(lengths, dtype=torch.float32, device=device) / num_scored_t
     else:
         raise ValueError(f"reduction must be mean or sum, got {reduction!r}")
-    per_token = (policy_logps.float() - ref_logps.float().to(device)) * coef[seq_ids.to(device)]
+    per_token = (policy_logps.float() - ref_logps.float().to(device)) * coef[seq_ids]
     out = torch.zeros(len(num_scored), dtype=torch.float32, device=per_token.device)
-    return out.index_add(0, seq_ids.to(device), per_token)
+    return out.index_add(0, seq_ids, per_token)
 
 
 def dpo_pair_losses(

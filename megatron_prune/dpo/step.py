@@ -91,7 +91,8 @@ def _flop_weights(chunk: torch.nn.Module) -> FlopWeights:
 
 
 def _sum_count(values: torch.Tensor) -> torch.Tensor:
-    return torch.stack([values.detach().float().sum().cpu(), torch.tensor(float(values.numel()))])
+    total = values.detach().float().sum()
+    return torch.stack([total, total.new_tensor(float(values.numel()))])
 
 
 def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool):

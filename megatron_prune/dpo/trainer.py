@@ -226,7 +226,8 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
 
     lora = configs.get("LoRAConfig")
-    check_resumed_data_size(ckpt_cfg, num_samples=len(dataset), kind="dpo", lora=bool(lora is not None and lora.enabled))
+    lora_on = lora is not None and lora.enabled
+    check_resumed_data_size(ckpt_cfg, num_samples=len(dataset), kind="dpo", lora=lora_on)
     if len(dataset) < train_cfg.global_batch_size and int(os.environ.get("RANK", "0")) == 0:
         print(f"[megatron-prune] training data: {len(dataset)} pairs, fewer than --global-batch-size "
               f"{train_cfg.global_batch_size}: every step holds some pairs more than once", flush=True)
@@ -248,8 +249,6 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
                                pad_id=tokenizer.pad_id)
     off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,
                           micro_batch_size=train_cfg.micro_batch_size, pad_id=tokenizer.pad_id)
-
-    lora_on = lora is not None and lora.enabled
 
     def make_reference():
         # Under LoRA the base weights are the starting model, so the adapter-off policy is the

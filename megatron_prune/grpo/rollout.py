@@ -319,8 +319,8 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
                 next_tokens[r] = prompts[r][fed]
         if sampling:
             # Sampled on the CPU, as the uncached path does: the same logits draw the same tokens on any device.
-            last = logits[:, -1, : settings.vocab_size].float().cpu()
-            drawn, logprobs = sample_from_logits(last[sampling], [generators[rows[r]] for r in sampling],
+            last = logits[sampling, -1, : settings.vocab_size].float().cpu()
+            drawn, logprobs = sample_from_logits(last, [generators[rows[r]] for r in sampling],
                                                  temperature=settings.temperature, top_p=settings.top_p)
             for r, token, logprob in zip(sampling, drawn.tolist(), logprobs.tolist()):
                 completion = completions[rows[r]]

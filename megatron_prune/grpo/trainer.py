@@ -433,14 +433,15 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,
                           tokenizer_name=tokenizer_name, tokenizer=tokenizer)
     lora = configs.get("LoRAConfig")
-    check_resumed_data_size(ckpt_cfg, num_samples=len(source), kind="grpo", lora=bool(lora is not None and lora.enabled))
+    lora_on = lora is not None and lora.enabled
+    check_resumed_data_size(ckpt_cfg, num_samples=len(source), kind="grpo", lora=lora_on)
     parallel = session.start(model_cfg, train_cfg)
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     reference = None
     if grpo.kl_beta > 0:
         ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load, lora_base=lora_base)
         parts.extra_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)
-        if lora is not None and lora.enabled and not grpo.ref_load:
+        if lora_on and not grpo.ref_load:
             from megatron_prune.model.lora import adapter_off
 
             reference = adapter_off(parts.model)  # the KL reference: the policy with adapters off

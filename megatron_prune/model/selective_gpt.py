@@ -59,11 +59,7 @@ class TokenSelection:
 
     def to(self, device: torch.device) -> "TokenSelection":
         """This selection with every tensor on ``device``."""
-        def move(value):
-            return value.to(device) if isinstance(value, torch.Tensor) else value
-
-        return dataclasses.replace(self, index=move(self.index), labels=move(self.labels), seq_ids=move(self.seq_ids),
-                                   temperature=move(self.temperature), all_labels=move(self.all_labels))
+        return dataclasses.replace(self, **{f.name: _to(getattr(self, f.name), device) for f in dataclasses.fields(self)})
 
 
 class SelectiveGPTModel(GPTModel):

@@ -189,15 +189,16 @@ def _check_iteration(iteration: int, train_iters: int, load: str) -> None:
                          f"{train_iters}: nothing to train; raise --train-iters above {iteration} to train further")
 
 
-def _resumed_objective_state(ckpt: CheckpointConfig, *, lora: bool) -> dict[str, Any] | None:
-    """The objective state (data position, samplers) that ``--load`` will resume, or None for a
-    fresh start or a weights-only start (``--finetune``, a checkpoint without optimizer, a LoRA base)."""
+def _resumed_objective_state(ckpt: CheckpointConfig, *, lora: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The checkpoint's meta.json and the objective state (data position, samplers) that ``--load``
+    will resume, or None for a fresh start or a weights-only start (``--finetune``, a checkpoint
+    without optimizer, a LoRA base)."""
     if not ckpt.load or ckpt.finetune:
         return None
     meta = ckpt_io.read_meta(ckpt.load)
     if not meta.get("has_optimizer") or (lora and not meta.get("lora")):
         return None
-    return ckpt_io.read_trainer_state(meta["path"]).get("trainer", {}).get("objective", {})
+    return meta, ckpt_io.read_trainer_state(meta["path"]).get("trainer", {}).get("objective", {})
 
 
 def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters: int, lora: bool) -> None:
@@ -206,10 +207,10 @@ def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters
     starts (also under ``--dry-run``). The data size needs the loaded data: the trainers check it
     with :func:`check_resumed_data_size` as soon as the data is read, before any model is built.
     A weights-only start resumes nothing and is not checked."""
-    saved = _resumed_objective_state(ckpt, lora=lora)
-    if saved is None:
+    resumed = _resumed_objective_state(ckpt, lora=lora)
+    if resumed is None:
         return
-    meta = ckpt_io.read_meta(ckpt.load)
+    meta, saved = resumed
     _check_same_trainer(meta, kind, ckpt.load)
     _check_seed(saved.get("sampler") or {}, seed, ckpt.load)
     _check_iteration(int(meta["iteration"]), train_iters, ckpt.load)
@@ -218,8 +219,8 @@ def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters
 def check_resumed_data_size(ckpt: CheckpointConfig, *, num_samples: int, kind: str, lora: bool) -> None:
     """The training data has as many samples as the data ``--load`` resumes a position in (the
     refusal :func:`resume` would make after building the model, made before it)."""
-    saved = _resumed_objective_state(ckpt, lora=lora)
-    sampler = (saved or {}).get("sampler") or {}
+    resumed = _resumed_objective_state(ckpt, lora=lora)
+    sampler = (resumed[1].get("sampler") if resumed else None) or {}
     if sampler:
         _check_num_samples(sampler.get("num_samples"), num_samples, ckpt.load, kind=kind)
 
