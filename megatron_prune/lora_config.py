@@ -65,11 +65,16 @@ class LoRAConfig:
         return (self.alpha if self.alpha is not None else float(self.rank)) / self.rank
 
 
+def lora_active(lora: LoRAConfig | None) -> bool:
+    """Whether ``lora`` asks for adapters (None and rank 0 both mean full-parameter training)."""
+    return lora is not None and lora.enabled
+
+
 def resolve_ref_mode(ref_mode: str | None, lora: LoRAConfig | None, *, ref_load: str | None = None) -> str:
     """The DPO reference mode to run: ``--ref-mode`` if given, else adapter-off under LoRA without
     ``--ref-load`` (online otherwise: a reference checkpoint was named). Raises ValueError for
     adapter-off without adapters or with --ref-load."""
-    lora_on = lora is not None and lora.enabled
+    lora_on = lora_active(lora)
     mode = ref_mode or ("adapter-off" if lora_on and not ref_load else "online")
     if mode == "adapter-off" and not lora_on:
         raise ValueError("--ref-mode adapter-off needs LoRA adapters (--lora-rank > 0)")
@@ -82,7 +87,7 @@ def resolve_ref_mode(ref_mode: str | None, lora: LoRAConfig | None, *, ref_load:
 def lora_meta(lora: LoRAConfig | None, *, base: dict | None = None) -> dict:
     """What a training checkpoint records about its adapters and (``base``) where its frozen base
     weights come from; empty without LoRA. A checkpoint with a recorded base holds no base weights."""
-    if lora is None or not lora.enabled:
+    if not lora_active(lora):
         return {}
     meta = {"lora": {"rank": lora.rank, "alpha": lora.rank * lora.scale, "dropout": lora.dropout,
                      "targets": list(lora.target_names)}}
@@ -105,7 +110,7 @@ def check_load(load: str | None, lora: LoRAConfig | None, *, hf_model: str | Non
     """
     from megatron_prune.model.lora_base import META_KEY, hf_base, megatron_base, preset_base, resolve_base
 
-    lora_on = lora is not None and lora.enabled
+    lora_on = lora_active(lora)
     base_load = lora.base_load if lora is not None else None
     if base_load and not lora_on:
         raise ValueError("--base-load names the base of a LoRA checkpoint; it needs --lora-rank > 0")

@@ -18,6 +18,7 @@ from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDatas
 from megatron_prune.data.sampler import EpochSampler, dp_shard
 from megatron_prune.dpo.batch import CHOSEN, REJECTED
 from megatron_prune.dpo.step import DPOStep, DPOStepSettings
+from megatron_prune.lora_config import lora_active
 from megatron_prune.training import session
 from megatron_prune.training.loop import check_resumed_data_size, train
 from megatron_prune.training.parallel import is_logging_rank
@@ -226,7 +227,7 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
 
     lora = configs.get("LoRAConfig")
-    lora_on = lora is not None and lora.enabled
+    lora_on = lora_active(lora)
     check_resumed_data_size(ckpt_cfg, num_samples=len(dataset), kind="dpo", lora=lora_on)
     if len(dataset) < train_cfg.global_batch_size and int(os.environ.get("RANK", "0")) == 0:
         print(f"[megatron-prune] training data: {len(dataset)} pairs, fewer than --global-batch-size "

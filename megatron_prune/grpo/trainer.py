@@ -38,6 +38,7 @@ from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
 from megatron_prune.grpo.dppo import DPPOPruner, combine_weights
 from megatron_prune.grpo.rollout import Completion, SamplingSettings, generate
 from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
+from megatron_prune.lora_config import lora_active
 from megatron_prune.training import session
 from megatron_prune.training.loop import check_resumed_data_size, train
 from megatron_prune.training.parallel import is_logging_rank
@@ -433,7 +434,7 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,
                           tokenizer_name=tokenizer_name, tokenizer=tokenizer)
     lora = configs.get("LoRAConfig")
-    lora_on = lora is not None and lora.enabled
+    lora_on = lora_active(lora)
     check_resumed_data_size(ckpt_cfg, num_samples=len(source), kind="grpo", lora=lora_on)
     parallel = session.start(model_cfg, train_cfg)
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)

@@ -26,6 +26,7 @@ from typing import Any
 from megatron_prune.arguments import UsageError
 from megatron_prune.config import PRUNE_PRESETS, flag_of
 from megatron_prune.grpo.config import TOY_TASKS
+from megatron_prune.lora_config import lora_active
 
 __all__ = ["RULES", "Rule", "Setting", "check", "shown", "warn"]
 
@@ -73,7 +74,7 @@ class Setting:
 
     @property
     def lora_on(self) -> bool:
-        return self.lora is not None and self.lora.enabled
+        return lora_active(self.lora)
 
     @property
     def warmup_outlasts_run(self) -> bool:

@@ -9,6 +9,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+from megatron_prune.lora_config import lora_active
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.model.init import init_model_chunks
 from megatron_prune.model.provider import ParallelConfig, build_model_chunks
@@ -122,7 +123,7 @@ def setup_model(
     first filled by ``load_base(chunks)`` (when given), then adapters are added and everything
     else is frozen before DDP wraps the chunks.
     """
-    if lora is not None and lora.enabled:
+    if lora_active(lora):
         import dataclasses
 
         from megatron_prune.model.lora import apply_lora

@@ -10,6 +10,7 @@ from typing import Any
 from megatron_prune.accelerator import set_accelerator
 from megatron_prune.arguments import UsageError, fail_usage
 from megatron_prune.config import CheckpointConfig, ModelConfig, TrainConfig
+from megatron_prune.lora_config import lora_active
 from megatron_prune.model.arch import ModelArch, get_preset
 from megatron_prune.model.provider import ParallelConfig
 from megatron_prune.training.loop import TrainingParts, build_scheduler
@@ -229,7 +230,7 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
 
         lora = configs.get("LoRAConfig")
         check_resumable(ckpt, kind=kind, seed=train.seed, train_iters=train.train_iters,
-                        lora=bool(lora is not None and lora.enabled))
+                        lora=lora_active(lora))
     except UsageError:
         raise
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
@@ -396,7 +397,7 @@ def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
 def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, *,
                 lora=None, lora_base: dict | None = None) -> TrainingParts:
     """``lora_base``: the checked base record of a LoRA run (``lora_config.check_load``)."""
-    if lora is not None and lora.enabled:  # the base is loaded before adapters are added and DDP wraps
+    if lora_active(lora):  # the base is loaded before adapters are added and DDP wraps
         if lora_base is not None:
             from megatron_prune.model.lora_base import BaseSource, load_base_weights
 

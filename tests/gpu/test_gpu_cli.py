@@ -51,7 +51,10 @@ def test_grpo_dppo_on_cuda_bf16_trains(tmp_path, extra):
                           "--metrics-jsonl", str(metrics)], nproc=1), log=tmp_path / "run.log").check_ok()
     records = read_jsonl(metrics)
     _finite_losses(records, [0, 1])
-    assert all(r["kept_completion_fraction"] <= 1.0 for r in records)
+    # Rate 0.3 at the completion level drops about 30 of 128 completions a step (90 kept at this
+    # seed on the CPU); that no completion was dropped in either step would mean DPPO never ran.
+    assert all(0.0 < r["kept_completion_fraction"] for r in records)
+    assert any(r["kept_completion_fraction"] < 1.0 for r in records), [r["kept_completion_fraction"] for r in records]
 
 
 def test_lora_dpo_on_cuda_bf16_trains(tmp_path):
