@@ -44,16 +44,22 @@ class EpochSampler:
 
     A request that runs past the end of an epoch continues with the next epoch's order, so no
     sample is dropped and every epoch visits each index exactly once.
+
+    With ``distinct`` a request never holds an index twice (GRPO: a prompt's group is keyed by
+    its index). Where a request crosses into the next epoch, an index it already took from the
+    old epoch's tail is deferred: it opens the next request instead, still within its epoch.
     """
 
-    def __init__(self, num_samples: int, *, seed: int, shuffle: bool = True):
+    def __init__(self, num_samples: int, *, seed: int, shuffle: bool = True, distinct: bool = False):
         if num_samples < 1:
             raise ValueError(f"EpochSampler needs at least one sample, got num_samples={num_samples}")
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
+        self.distinct = distinct
         self.epoch = 0
         self.position = 0
+        self.deferred: list[int] = []
         self._order: list[int] | None = None
 
     def epoch_order(self, epoch: int) -> list[int]:
@@ -66,6 +72,8 @@ class EpochSampler:
         """The next ``count`` indices, advancing the position (across epochs if needed)."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        if self.distinct:
+            return self._next_distinct(count)
         indices: list[int] = []
         while len(indices) < count:
             if self._order is None:
@@ -75,6 +83,26 @@ class EpochSampler:
             self.position += take
             if self.position == self.num_samples:
                 self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        return indices
+
+    def _next_distinct(self, count: int) -> list[int]:
+        if count > self.num_samples:
+            raise ValueError(f"{count} distinct indices requested from {self.num_samples} samples")
+        indices, self.deferred = self.deferred[:count], self.deferred[count:]
+        taken, deferred = set(indices), []
+        while len(indices) < count:
+            if self._order is None:
+                self._order = self.epoch_order(self.epoch)
+            index = self._order[self.position]
+            self.position += 1
+            if self.position == self.num_samples:
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            if index in taken:  # only after crossing into a new epoch: its turn comes next request
+                deferred.append(index)
+            else:
+                indices.append(index)
+                taken.add(index)
+        self.deferred = self.deferred + deferred
         return indices
 
     def __iter__(self) -> Iterator[int]:
@@ -88,6 +116,7 @@ class EpochSampler:
             "shuffle": self.shuffle,
             "epoch": self.epoch,
             "position": self.position,
+            "deferred": list(self.deferred),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -102,7 +131,10 @@ class EpochSampler:
         valid_epoch = isinstance(epoch, int) and epoch >= 0
         if not valid_epoch or not isinstance(position, int) or not 0 <= position < self.num_samples:
             raise ValueError(f"cannot resume sampler: invalid epoch={epoch!r} position={position!r}")
-        self.epoch, self.position, self._order = epoch, position, None
+        deferred = state.get("deferred", [])  # absent in states saved before deferral existed
+        if not isinstance(deferred, list) or not all(isinstance(i, int) and 0 <= i < self.num_samples for i in deferred):
+            raise ValueError(f"cannot resume sampler: invalid deferred indices {deferred!r}")
+        self.epoch, self.position, self._order, self.deferred = epoch, position, None, list(deferred)
 
 
 def dp_shard(global_batch: Sequence[T], *, dp_rank: int, dp_size: int) -> list[T]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
-from megatron_prune.grpo.config import TOY_TASKS, DPPOArgs, GRPOConfig
+from megatron_prune.grpo.config import TOY_TASKS, DPPOArgs, GRPOConfig, check_prompt_count
 from megatron_prune.lora_config import LoRAConfig
 from megatron_prune.training.cli import run_cli
 
@@ -33,6 +33,8 @@ def _checks(configs):
     if configs["TrainConfig"].global_batch_size % grpo.minibatches:
         raise UsageError(f"--global-batch-size {configs['TrainConfig'].global_batch_size} does not split "
                          f"into --minibatches {grpo.minibatches}")
+    if grpo.task in TOY_TASKS:
+        check_prompt_count(grpo.toy_num_prompts, configs["TrainConfig"].global_batch_size, grpo)
     if grpo.task not in TOY_TASKS and not grpo.data_path:
         raise UsageError(f"--task {grpo.task} needs --data-path")
     from megatron_prune.training import session

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from megatron_prune.arguments import UsageError
 from megatron_prune.grpo.advantages import AdvantageConfig
 from megatron_prune.grpo.dppo import DPPOConfig
 from megatron_prune.grpo.loss import GRPOLossConfig
@@ -87,7 +88,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        for name in ("toy_num_prompts", "group_size", "max_new_tokens", "ppo_epochs", "minibatches"):
+        for name in ("toy_num_prompts", "max_new_tokens", "ppo_epochs", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -196,3 +197,14 @@ class DPPOArgs:
                              r"history_score|prompt_sampling|sampling)\b",
                              lambda m: "--dppo-" + m.group(1).replace("_", "-"), str(exc))
             raise ValueError(message) from None
+
+
+def check_prompt_count(num_prompts: int, global_batch_size: int, grpo: GRPOConfig) -> None:
+    """A step samples ``--global-batch-size`` different prompts; refuse a task with fewer."""
+    if num_prompts >= global_batch_size:
+        return
+    where = (f"--toy-num-prompts is {num_prompts}" if grpo.task in TOY_TASKS
+             else f"--data-path {' '.join(grpo.data_path)} holds {num_prompts} usable prompts")
+    raise UsageError(f"--global-batch-size {global_batch_size} asks for {global_batch_size} different prompts "
+                     f"a step (one group of --group-size completions each), but {where}: lower "
+                     f"--global-batch-size to at most {num_prompts} or give more prompts")

@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
 from megatron_prune.data.sampler import EpochSampler
 from megatron_prune.grpo.advantages import group_advantages
-from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+from megatron_prune.grpo.config import DPPOArgs, GRPOConfig, check_prompt_count
 from megatron_prune.grpo.dppo import DPPOPruner, combine_weights
 from megatron_prune.grpo.rollout import Completion, SamplingSettings, generate
 from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
@@ -180,7 +180,7 @@ class GRPOObjective:
         self.dppo_args = dppo
         self.sampling = sampling
         self.train_cfg = train_cfg
-        self.sampler = EpochSampler(len(source), seed=train_cfg.seed)
+        self.sampler = EpochSampler(len(source), seed=train_cfg.seed, distinct=True)  # a group per prompt id
         self.pruner = DPPOPruner(config=dppo.dppo_config(kl_beta=grpo.kl_beta), seed=train_cfg.seed)
         self.buffer: RolloutBuffer | None = None
         self._steps_done = 0
@@ -433,6 +433,7 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
                                                       checked.tokenizer_spec)
     source = build_source(grpo, arch=arch, model_cfg=model_cfg, ckpt_cfg=ckpt_cfg, train_cfg=train_cfg,
                           tokenizer_name=tokenizer_name, tokenizer=tokenizer)
+    check_prompt_count(len(source), train_cfg.global_batch_size, grpo)
     lora = configs.get("LoRAConfig")
     lora_on = lora_active(lora)
     check_resumed_data_size(ckpt_cfg, num_samples=len(source), kind="grpo", lora=lora_on)

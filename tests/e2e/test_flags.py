@@ -232,6 +232,10 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
     cases = [(["--task", "gsm8k", "--data-path", "missing.jsonl"], "--data-path missing.jsonl: data file not found"),
              (["--task", "toy", "--load", str(tmp_path / "ckpt")], "holds a different architecture"),
              (["--task", "toy", "--group-size", "1"], "--group-size must be >= 2, got 1"),
+             (["--task", "toy", "--group-size", "0"], "--group-size must be >= 2, got 0"),
+             (["--task", "toy", "--toy-num-prompts", "4", "--global-batch-size", "8"],
+              "--global-batch-size 8 asks for 8 different prompts a step (one group of --group-size completions "
+              "each), but --toy-num-prompts is 4: lower --global-batch-size to at most 4"),
              (["--task", "toy", "--toy-num-digits", "11"], "--toy-num-digits must be in [2, 10], got 11"),
              (["--task", "toy", "--toy-prompt-length", "2"], "--toy-prompt-length must be >= 3"),
              (["--task", "toy", "--clip-eps-low", "1.0"], "--clip-eps-low must be in [0, 1), got 1.0"),

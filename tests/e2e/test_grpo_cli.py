@@ -23,6 +23,16 @@ def test_dry_run_and_bad_flags(tmp_path):
     bad = run_cmd(torchrun_cmd(["-m", "megatron_prune.grpo", *TOY, "--task", "gsm8k", "--dry-run"], nproc=1),
                   log=tmp_path / "bad.log")
     assert bad.returncode != 0 and "--task gsm8k needs --data-path" in bad.output
+    # Fewer prompts than a step draws: refused once the file is read, before any model is built.
+    from megatron_prune.data import GSM8K_SAMPLE
+
+    few = run_cmd(torchrun_cmd(["-m", "megatron_prune.grpo", *TOY, "--task", "gsm8k", "--data-path", GSM8K_SAMPLE,
+                                "--seq-length", "256", "--global-batch-size", "512", "--train-iters", "1"], nproc=1),
+                  log=tmp_path / "few.log")
+    assert few.returncode != 0
+    assert (f"error: --global-batch-size 512 asks for 512 different prompts a step (one group of --group-size "
+            f"completions each), but --data-path {GSM8K_SAMPLE} holds 300 usable prompts") in few.output, few.output
+    assert "ValueError" not in few.output and "_check_ids" not in few.output
 
 
 def test_two_steps_tp2_dppo(tmp_path):

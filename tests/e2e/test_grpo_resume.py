@@ -1,9 +1,11 @@
 """Kill-and-resume of GRPO with DPPO: a run killed with SIGKILL and resumed repeats the uninterrupted
 run bit for bit.
 
-DPPO is on at both levels (prompt rate 0.5, completion rate 0.5) with dense packing, on 8 toy
-prompts drawn 4 per step, so every prompt comes back every second step: the prompt draws after
+DPPO is on at both levels (prompt rate 0.5, completion rate 0.5) with dense packing, on 6 toy
+prompts drawn 4 per step, so every prompt comes back within two steps: the prompt draws after
 the resume depend on the restored prompt history, the prompts on the restored sampler position.
+Six prompts in fours cross an epoch inside a rollout: rollout 1 would draw prompt 3 twice, so the
+sampler defers its second visit to rollout 2, and the checkpoint at step 3 holds that deferral.
 Two updates per rollout (``--ppo-epochs 2``) with checkpoints every 3 steps, so a checkpoint
 falls inside a rollout: the resumed run must train on the same rollout (completions, weights and
 old log-probs) as the uninterrupted one. Launches: the uninterrupted 10-step run, a run killed
@@ -21,7 +23,7 @@ from tests.e2e.conftest import check_resumed_steps, read_jsonl, run_cmd, run_unt
 pytestmark = pytest.mark.e2e
 
 STEPS = 10
-ARGS = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--toy-num-prompts", "8",
+ARGS = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--toy-num-prompts", "6",
         "--toy-prompt-length", "3", "--global-batch-size", "4", "--micro-batch-size", "4", "--seq-length", "32",
         "--group-size", "4", "--max-new-tokens", "4", "--lr", "2e-2", "--seed", "77", "--ppo-epochs", "2",
         "--dppo-prompt-prune-rate", "0.5", "--dppo-completion-prune-rate", "0.5", "--dense-packing",

@@ -55,6 +55,55 @@ def test_sampler_resumes_exactly():
     assert got == expected
 
 
+@pytest.mark.parametrize("num_samples,count", [(10, 8), (7, 7), (11, 4), (9, 5), (5, 1)])
+def test_distinct_requests_hold_no_index_twice_and_every_epoch_still_visits_each_once(num_samples, count):
+    plain = EpochSampler(num_samples, seed=3).next_indices(count * 40)
+    sampler = EpochSampler(num_samples, seed=3, distinct=True)
+    seen = [0] * num_samples
+    stream = []
+    for _ in range(40):
+        batch = sampler.next_indices(count)
+        assert len(batch) == count and len(set(batch)) == count, batch
+        stream += batch
+        for i in batch:
+            seen[i] += 1
+        # At every request boundary no index is more than one visit ahead of another.
+        assert max(seen) - min(seen) <= 1, seen
+    assert sorted(stream[:num_samples]) == list(range(num_samples))  # the first epoch whole, first
+    if num_samples % count == 0:  # never crossing an epoch inside a request: exactly the plain order
+        assert stream == plain
+
+
+def test_a_distinct_request_crossing_an_epoch_defers_the_repeat_to_the_next_request():
+    sampler = EpochSampler(10, seed=1234, distinct=True)
+    first, second = sampler.next_indices(8), sampler.next_indices(8)
+    assert second[:2] == epoch_permutation(10, seed=1234, epoch=0)[8:]
+    assert len(set(second)) == 8
+    deferred = [i for i in epoch_permutation(10, seed=1234, epoch=1)[:8] if i in second[:2]]
+    assert sampler.deferred == deferred
+    third = sampler.next_indices(8)
+    assert third[: len(deferred)] == deferred
+    with pytest.raises(ValueError, match="distinct"):
+        EpochSampler(4, seed=0, distinct=True).next_indices(5)
+
+
+def test_distinct_sampler_resumes_exactly_with_deferred_indices():
+    reference = EpochSampler(10, seed=7, distinct=True)
+    expected = [reference.next_indices(8) for _ in range(12)]
+    sampler = EpochSampler(10, seed=7, distinct=True)
+    got = [sampler.next_indices(8) for _ in range(2)]
+    state = sampler.state_dict()
+    assert state["deferred"], "this test needs a position with deferred indices"
+    resumed = EpochSampler(10, seed=7, distinct=True)
+    resumed.load_state_dict(state)
+    got += [resumed.next_indices(8) for _ in range(10)]
+    assert got == expected
+    legacy = {k: v for k, v in EpochSampler(10, seed=7).state_dict().items() if k != "deferred"}
+    EpochSampler(10, seed=7, distinct=True).load_state_dict(legacy)  # states saved before deferral load
+    with pytest.raises(ValueError, match="deferred"):
+        EpochSampler(10, seed=7, distinct=True).load_state_dict({**state, "deferred": [10]})
+
+
 def test_sampler_refuses_a_mismatched_state():
     state = EpochSampler(11, seed=9).state_dict()
     with pytest.raises(ValueError, match="num_samples"):
