@@ -279,6 +279,43 @@ def optimizer_format(optimizer) -> str:
     return DISTRIBUTED_OPTIMIZER if kinds.pop() else LOCAL_OPTIMIZER
 
 
+def optimizer_record(*, optimizer: str, bf16: bool, distributed: bool) -> dict[str, str]:
+    """What meta.json records of a run's optimizer state: its format, kind and precision."""
+    return {"optimizer_format": DISTRIBUTED_OPTIMIZER if distributed else LOCAL_OPTIMIZER, "optimizer": optimizer,
+            "precision": "bf16" if bf16 else "fp32"}
+
+
+def _record_of(optimizer) -> dict[str, str]:
+    config = _chained(optimizer)[0].config
+    return optimizer_record(optimizer=config.optimizer, bf16=bool(config.bf16),
+                            distributed=optimizer_format(optimizer) == DISTRIBUTED_OPTIMIZER)
+
+
+def optimizer_mismatch(meta: dict[str, Any], wanted: dict[str, str]) -> str | None:
+    """Why the optimizer state of ``meta``'s checkpoint cannot be resumed by an optimizer recorded as
+    ``wanted`` (:func:`optimizer_record`), or None. A checkpoint that predates a record says nothing."""
+    ckpt = meta["path"]
+    saved_format = meta.get("optimizer_format", LOCAL_OPTIMIZER)
+    if saved_format != wanted["optimizer_format"]:
+        return (f"{ckpt}: optimizer state was saved {_describe(saved_format)} and cannot be loaded "
+                f"{_describe(wanted['optimizer_format'])}; "
+                f"{'add' if saved_format == DISTRIBUTED_OPTIMIZER else 'drop'} --use-distributed-optimizer, "
+                "or use --finetune to load weights only")
+    saved_kind = meta.get("optimizer")
+    if saved_kind is not None and saved_kind != wanted["optimizer"]:
+        return (f"{ckpt}: optimizer state was saved by --optimizer {saved_kind} and this run has --optimizer "
+                f"{wanted['optimizer']}, whose state it cannot load; resume with --optimizer {saved_kind}, or use "
+                "--finetune to start the new optimizer from the checkpoint's weights")
+    saved_precision = meta.get("precision")
+    if saved_precision is not None and saved_precision != wanted["precision"]:
+        flag = {"bf16": "--bf16", "fp32": "no --bf16"}
+        return (f"{ckpt}: the checkpoint's run trained in {saved_precision} ({flag[saved_precision]}) and this run "
+                f"in {wanted['precision']} ({flag[wanted['precision']]}); their optimizer states differ (--bf16 "
+                f"keeps fp32 main weights beside the bf16 ones): resume with {flag[saved_precision]}, or use "
+                "--finetune to load weights only")
+    return None
+
+
 def _unsplit(key: str) -> str:
     return key.split(".", 1)[1] if key.startswith("chained_") else key
 
@@ -538,7 +575,7 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
         meta = {"format": FORMAT, "iteration": iteration, "arch": arch.to_dict(),
                 "has_optimizer": optimizer is not None, **(extra_meta or {})}
         if optimizer is not None:
-            meta["optimizer_format"] = optimizer_format(optimizer)
+            meta.update(_record_of(optimizer))
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
@@ -575,14 +612,9 @@ def load_checkpoint(
         )
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(f"{ckpt}: has no optimizer state (a converted model?); use --finetune to load weights only")
-    if optimizer is not None:
-        saved, wanted = meta.get("optimizer_format", LOCAL_OPTIMIZER), optimizer_format(optimizer)
-        if saved != wanted:
-            raise CheckpointError(
-                f"{ckpt}: optimizer state was saved {_describe(saved)} and cannot be loaded {_describe(wanted)}; "
-                f"{'add' if saved == DISTRIBUTED_OPTIMIZER else 'drop'} --use-distributed-optimizer, "
-                "or use --finetune to load weights only"
-            )
+    problem = None if optimizer is None else optimizer_mismatch(meta, _record_of(optimizer))
+    if problem:
+        raise CheckpointError(problem)
     state = _model_sharded_state_dict(model, adapters_only=_check_lora_layout(meta, model, ckpt))
     if optimizer is not None:
         state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=True)

@@ -201,17 +201,22 @@ def _resumed_objective_state(ckpt: CheckpointConfig, *, lora: bool) -> tuple[dic
     return meta, ckpt_io.read_trainer_state(meta["path"]).get("trainer", {}).get("objective", {})
 
 
-def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters: int, lora: bool) -> None:
+def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters: int, lora: bool,
+                    optimizer: dict[str, str] | None = None) -> None:
     """What :func:`resume` refuses that the checkpoint's own files tell — another trainer's
-    checkpoint, another ``--seed``, an iteration past ``--train-iters`` — checked before any rank
-    starts (also under ``--dry-run``). The data size needs the loaded data: the trainers check it
-    with :func:`check_resumed_data_size` as soon as the data is read, before any model is built.
-    A weights-only start resumes nothing and is not checked."""
+    checkpoint, another ``--seed``, an iteration past ``--train-iters``, an optimizer state this
+    run's ``optimizer`` (:func:`~megatron_prune.training.checkpoint.optimizer_record`) cannot load —
+    checked before any rank starts (also under ``--dry-run``). The data size needs the loaded data:
+    the trainers check it with :func:`check_resumed_data_size` as soon as the data is read, before
+    any model is built. A weights-only start resumes nothing and is not checked."""
     resumed = _resumed_objective_state(ckpt, lora=lora)
     if resumed is None:
         return
     meta, saved = resumed
     _check_same_trainer(meta, kind, ckpt.load)
+    problem = None if optimizer is None else ckpt_io.optimizer_mismatch(meta, optimizer)
+    if problem:
+        raise UsageError(f"--load {ckpt.load}: {problem}")
     _check_seed(saved.get("sampler") or {}, seed, ckpt.load)
     _check_iteration(int(meta["iteration"]), train_iters, ckpt.load)
 

@@ -229,8 +229,11 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
         from megatron_prune.training.loop import check_resumable
 
         lora = configs.get("LoRAConfig")
-        check_resumable(ckpt, kind=kind, seed=train.seed, train_iters=train.train_iters,
-                        lora=lora_active(lora))
+        from megatron_prune.training.checkpoint import optimizer_record
+
+        check_resumable(ckpt, kind=kind, seed=train.seed, train_iters=train.train_iters, lora=lora_active(lora),
+                        optimizer=optimizer_record(optimizer=train.optimizer, bf16=model.bf16,
+                                                   distributed=model.use_distributed_optimizer))
     except UsageError:
         raise
     except (ValueError, FileNotFoundError, CheckpointError) as exc:

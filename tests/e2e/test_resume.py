@@ -155,11 +155,22 @@ RESUME_REFUSALS = [
                  "the checkpoint's run trained on 400 samples and this run's training data has 100 (another "
                  "--data-path, or other records skipped), so its data position does not apply: resume with the same "
                  "training data (or --finetune to start a new run from its weights)", id="other-data"),
+    # The optimizer state itself: megatron-core would fail deep inside its loader on each of these.
+    pytest.param(["--train-iters", "3", "--optimizer", "sgd"], "{ckpt}: optimizer state was saved by --optimizer adam "
+                 "and this run has --optimizer sgd, whose state it cannot load; resume with --optimizer adam, or use "
+                 "--finetune to start the new optimizer from the checkpoint's weights", id="other-optimizer"),
+    pytest.param(["--train-iters", "3", "--bf16"], "{ckpt}: the checkpoint's run trained in fp32 (no --bf16) and this "
+                 "run in bf16 (--bf16); their optimizer states differ (--bf16 keeps fp32 main weights beside the bf16 "
+                 "ones): resume with no --bf16, or use --finetune to load weights only", id="other-precision"),
+    pytest.param(["--train-iters", "3", "--use-distributed-optimizer"], "{ckpt}: optimizer state was saved without "
+                 "--use-distributed-optimizer and cannot be loaded with --use-distributed-optimizer; drop "
+                 "--use-distributed-optimizer, or use --finetune to load weights only", id="other-optimizer-format"),
 ]
 
 
 @pytest.mark.parametrize("extra, message", RESUME_REFUSALS)
 def test_resume_that_does_not_fit_the_checkpoint_is_refused(script_run, tmp_path, extra, message):
+    message = message.format(ckpt=script_run / "iter_0000002")
     run = _dpo(tmp_path, "run", "--load", str(script_run), *extra)
     assert run.returncode == 2, run.output[-3000:]
     assert _error(run) == f"megatron-prune: error: --load {script_run}: {message}"
