@@ -208,7 +208,7 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str, 
             default = argparse.SUPPRESS
         dest = f"{cls.__name__}.{f.name}"
         if base is bool:
-            group.add_argument(flag, dest=dest, action="store_true", default=default,
+            group.add_argument(flag, *f.metadata.get("aliases", ()), dest=dest, action="store_true", default=default,
                                help=f"{help_text} (default: {_shown(bool(shown))})")
             if "bool_off" in f.metadata:
                 group.add_argument(f.metadata["bool_off"], dest=dest, action="store_false",
@@ -223,7 +223,7 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str, 
             kwargs["metavar"] = _metavar(flag)
         if is_list:
             kwargs["nargs"] = f.metadata.get("nargs", "+")
-        group.add_argument(flag, **kwargs)
+        group.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
 def build_parser(prog: str, groups: dict[str, type], description: str, *,

@@ -118,6 +118,12 @@ class TrainConfig:
     """Linear warm-up steps (below --train-iters, or the rate never reaches --lr)."""
     lr_decay_style: str = field(default="constant", metadata=_flag("--lr-decay-style", choices=("constant", "linear", "cosine")))
     """Learning-rate decay after warm-up."""
+    override_opt_param_scheduler: bool = field(
+        default=False, metadata=_flag("--override-opt-param-scheduler", aliases=("--override-opt_param-scheduler",))
+    )
+    """Resuming: run this launch's learning-rate schedule (--lr, --min-lr, --lr-warmup-iters, --lr-decay-style,
+    --weight-decay, and --train-iters as the decay horizon) from the checkpoint's step count on, instead of the
+    checkpoint's schedule (Megatron's flag; e.g. to extend a decaying run)."""
     optimizer: str = field(default="adam", metadata=_flag("--optimizer", choices=("adam", "sgd")))
     """Optimizer: adam (Adam with decoupled weight decay) or sgd (Megatron's SGD, with --sgd-momentum)."""
     weight_decay: float = field(default=0.0, metadata=_flag("--weight-decay"))

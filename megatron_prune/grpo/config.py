@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from megatron_prune.arguments import UsageError
 from megatron_prune.grpo.advantages import AdvantageConfig
 from megatron_prune.grpo.dppo import DPPOConfig
 from megatron_prune.grpo.loss import GRPOLossConfig
@@ -203,6 +202,8 @@ def check_prompt_count(num_prompts: int, global_batch_size: int, grpo: GRPOConfi
     """A step samples ``--global-batch-size`` different prompts; refuse a task with fewer."""
     if num_prompts >= global_batch_size:
         return
+    from megatron_prune.arguments import UsageError  # not at the top: the MindSpeed adapter imports this module
+
     where = (f"--toy-num-prompts is {num_prompts}" if grpo.task in TOY_TASKS
              else f"--data-path {' '.join(grpo.data_path)} holds {num_prompts} usable prompts")
     raise UsageError(f"--global-batch-size {global_batch_size} asks for {global_batch_size} different prompts "

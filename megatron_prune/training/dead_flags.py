@@ -126,6 +126,11 @@ RULES: list[Rule] = [
     Rule(("CheckpointConfig.finetune",), lambda s: s.lora_on and not s.load_meta.get("lora"),
          "has no effect with --lora-rank {s.lora.rank}: --load {s.ckpt.load} holds no adapters, so it is the frozen "
          "base that LoRA starts from at iteration 0 anyway"),
+    Rule(("TrainConfig.override_opt_param_scheduler",),
+         lambda s: not s.ckpt.load or s.ckpt.finetune or not s.load_meta.get("has_optimizer")
+         or (s.lora_on and not s.load_meta.get("lora")),
+         "has no effect: the run resumes no learning-rate schedule (it starts at iteration 0 with this launch's "
+         "flags anyway)"),
     Rule(("CheckpointConfig.exit_signal",), lambda s: not s.ckpt.exit_signal_handler,
          "has no effect without --exit-signal-handler (it is the signal that handler catches)"),
     Rule(("CheckpointConfig.exit_interval",),

@@ -87,6 +87,8 @@ def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
         end_wd=train.weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=not train.override_opt_param_scheduler,
+        override_opt_param_scheduler=train.override_opt_param_scheduler,
     )
 
 
@@ -250,8 +252,8 @@ def _check_num_samples(saved: int | None, mine: int | None, load: str, *, kind: 
         )
 
 
-def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -> int:
-    """Load ``--load`` if given; return the first step to run."""
+def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *, train_iters: int) -> int:
+    """Load ``--load`` if given; return the first step to run (of ``train_iters``)."""
     if not ckpt.load:
         return 0
     meta = ckpt_io.read_meta(ckpt.load)
@@ -283,7 +285,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig) -
     _say_flags_changed(meta.get("flags"), parts.extra_meta.get("flags"))
     _apply_optimizer_flags(parts.optimizer)
     if loaded.get("scheduler"):
-        _say_schedule_kept(parts.scheduler, loaded["scheduler"])
+        _say_schedule_kept(parts.scheduler, loaded["scheduler"], train_iters=train_iters)
         parts.scheduler.load_state_dict(loaded["scheduler"])
     objective.load_state_dict(saved_state)
     return int(loaded["iteration"])
@@ -322,16 +324,36 @@ def _apply_optimizer_flags(optimizer) -> None:
                 group["momentum"] = config.sgd_momentum
 
 
-def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict) -> None:
-    """A resumed run continues the checkpoint's learning-rate schedule (as Megatron does): say so,
-    once, for every schedule flag whose value this launch changed, instead of ignoring it silently
-    (``--train-iters`` only where it sets a decay horizon: not under a constant schedule)."""
+def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict, *, train_iters: int) -> None:
+    """A resumed run continues the checkpoint's learning-rate schedule (as Megatron does) unless
+    ``--override-opt-param-scheduler``: say which, once, for every schedule flag whose value this
+    launch changed, instead of ignoring it silently (``--train-iters`` only where it sets a decay
+    horizon: not under a constant schedule); and warn when the run goes on past the kept decay."""
     keys = [k for k in _SCHEDULE_FLAGS if k != "lr_decay_steps" or saved.get("lr_decay_style") != "constant"]
-    changed = [f"{_SCHEDULE_FLAGS[key]} {getattr(scheduler, key)} (checkpoint: {saved[key]})"
+
+    def named(key: str, value) -> str:
+        return f"the decay horizon --train-iters {value}" if key == "lr_decay_steps" else f"{_SCHEDULE_FLAGS[key]} {value}"
+
+    changed = [f"{named(key, getattr(scheduler, key))} (checkpoint: {saved[key]})"
                for key in keys if key in saved and getattr(scheduler, key) != saved[key]]
-    if changed and is_logging_rank():
+    if not is_logging_rank():
+        return
+    if scheduler.override_opt_param_scheduler:
+        if changed:
+            print("[megatron-prune] resuming with this launch's learning-rate schedule (--override-opt-param-scheduler)"
+                  f" from step {saved.get('num_steps', 0)}: " + ", ".join(changed), flush=True)
+        return
+    if changed:
         print("[megatron-prune] resuming continues the checkpoint's learning-rate schedule; ignored: "
-              + ", ".join(changed) + "; --finetune starts a new schedule from the checkpoint's weights", flush=True)
+              + ", ".join(changed) + "; --override-opt-param-scheduler runs this launch's schedule from the "
+              "checkpoint's step, --finetune starts a new schedule from its weights", flush=True)
+    decay_end = int(saved.get("lr_decay_steps", train_iters))
+    if saved.get("lr_decay_style", "constant") != "constant" and train_iters > decay_end:
+        min_lr = float(saved.get("min_lr", 0.0))
+        what = "learning rate 0: they train nothing" if min_lr == 0 else f"the schedule's final --min-lr {min_lr:g}"
+        print(f"[megatron-prune] WARNING: the checkpoint's {saved['lr_decay_style']} schedule ends at step "
+              f"{decay_end}, so steps {decay_end + 1}-{train_iters} of --train-iters {train_iters} run at {what}; "
+              "--override-opt-param-scheduler decays over --train-iters instead", flush=True)
 
 
 def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
@@ -381,7 +403,7 @@ def train(
     """Run steps from the resumed position to ``train_iters``; return the per-step records."""
     acc = get_accelerator()
     with guard_collectives(f"loading --load {ckpt.load}"):
-        start = resume(parts, objective, ckpt)
+        start = resume(parts, objective, ckpt, train_iters=train_cfg.train_iters)
     total = train_cfg.train_iters
     _check_iteration(start, total, ckpt.load)
     if start == total:

@@ -155,7 +155,8 @@ def check_data_files(flag: str, paths) -> None:
 # --seed (refused when it changes), --finetune / --base-load (how the load happens).
 _UNRECORDED = {"data_path", "eval_data_path", "ref_cache", "ref_load", "base_load", "tokenizer", "save", "load",
                "save_interval", "finetune", "train_iters", "seed", "lr", "min_lr", "lr_warmup_iters",
-               "lr_decay_style", "weight_decay", "eval_interval", "distributed_timeout_minutes", "skip_invalid"}
+               "lr_decay_style", "weight_decay", "override_opt_param_scheduler", "eval_interval",
+               "distributed_timeout_minutes", "skip_invalid"}
 _RECORDED_GROUPS = ("TrainConfig", "PruneConfig", "DPOConfig", "GRPOConfig", "DPPOArgs", "LoRAConfig")
 
 

@@ -264,6 +264,29 @@ def test_resume_says_which_flags_it_changes_or_ignores_and_records_the_applied_l
     assert [r["lr"] for r in read_jsonl(tmp_path / "w.jsonl")] == pytest.approx([0.0, 5e-4, 1e-3])
 
 
+def test_a_run_extended_past_its_decay_is_warned_and_override_decays_over_the_new_horizon(tmp_path):
+    """A linear schedule over 2 steps, resumed to 4: Megatron's rule keeps the checkpoint's schedule,
+    so steps 3 and 4 run at --min-lr 0 (said in a warning); --override-opt-param-scheduler (also in
+    Megatron's spelling) decays over the 4 steps from the checkpoint's step count instead."""
+    linear = ["--lr-decay-style", "linear"]
+    _dpo(tmp_path, "first", *linear, "--train-iters", "2", "--save", str(tmp_path / "ckpt")).check_ok()
+    kept = _dpo(tmp_path, "kept", *linear, "--train-iters", "4", "--load", str(tmp_path / "ckpt"),
+                "--metrics-jsonl", str(tmp_path / "kept.jsonl")).check_ok()
+    assert ("[megatron-prune] WARNING: the checkpoint's linear schedule ends at step 2, so steps 3-4 of --train-iters 4 "
+            "run at learning rate 0: they train nothing; --override-opt-param-scheduler decays over --train-iters "
+            "instead") in kept.output, kept.output[-3000:]
+    assert "ignored: the decay horizon --train-iters 4 (checkpoint: 2)" in kept.output
+    assert [r["lr"] for r in read_jsonl(tmp_path / "kept.jsonl")] == [0.0, 0.0]
+    for spelling in ("--override-opt-param-scheduler", "--override-opt_param-scheduler"):
+        metrics = tmp_path / f"{spelling}.jsonl"
+        over = _dpo(tmp_path, spelling, *linear, "--train-iters", "4", "--load", str(tmp_path / "ckpt"), spelling,
+                    "--metrics-jsonl", str(metrics)).check_ok()
+        assert ("resuming with this launch's learning-rate schedule (--override-opt-param-scheduler) from step 2: "
+                "the decay horizon --train-iters 4 (checkpoint: 2)") in over.output, over.output[-3000:]
+        assert "[megatron-prune] WARNING" not in over.output and "ignored:" not in over.output
+        assert [r["lr"] for r in read_jsonl(metrics)] == pytest.approx([5e-4, 2.5e-4])
+
+
 GROUPS_AFTER_RESUME = textwrap.dedent(
     """
     import sys
