@@ -302,11 +302,20 @@ def _say_flags_changed(recorded: dict | None, current: dict | None) -> None:
     a resume may change them on purpose, but never without a word)."""
     if not recorded or not current:
         return
+    recorded, current = _with_lora_alpha(recorded), _with_lora_alpha(current)
     changed = [f"{flag} {current[flag]} (checkpoint: {recorded[flag]})"
                for flag in sorted(current) if flag in recorded and current[flag] != recorded[flag]]
     if changed and is_logging_rank():
         print("[megatron-prune] resuming with flags that differ from the checkpoint's run: " + ", ".join(changed),
               flush=True)
+
+
+def _with_lora_alpha(record: dict) -> dict:
+    """``record`` with an unset ``--lora-alpha`` as the alpha it means (the rank): a resume without
+    the flag takes the checkpoint's alpha, which is no change."""
+    if record.get("--lora-alpha") is None and record.get("--lora-rank"):
+        return {**record, "--lora-alpha": float(record["--lora-rank"])}
+    return record
 
 
 def _apply_optimizer_flags(optimizer) -> None:

@@ -133,7 +133,9 @@ def test_lora_checkpoint_finds_its_hf_base(tmp_path):
     # --load alone (no --hf-model, no --tokenizer needed beyond the recorded base) at PP=2.
     resume = [*common, "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--save", str(run / "ckpt"),
               "--metrics-jsonl", str(run / "m.jsonl"), "--load", str(run / "ckpt")]
-    run_dpo(resume, log=tmp_path / "resumed.txt").check_ok()
+    resumed = run_dpo(resume, log=tmp_path / "resumed.txt").check_ok()
+    # Without --lora-alpha on either launch the alpha is the rank's both times: nothing changed.
+    assert "differ from the checkpoint" not in resumed.output, resumed.output[-3000:]
     got, want = last_per_step(read_jsonl(run / "m.jsonl")), last_per_step(read_jsonl(full / "m.jsonl"))
     assert sorted(got) == [0, 1, 2]
     for step in range(3):
