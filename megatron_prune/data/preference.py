@@ -232,8 +232,10 @@ def _parse_hh(record: dict[str, Any]) -> PreferenceText:
         prompt_c, response_c = split_hh_transcript(chosen)
         prompt_r, response_r = split_hh_transcript(rejected)
     except RecordError as exc:
-        raise RecordError(exc.reason, f"{exc.detail} (a record without 'prompt' must hold HH-RLHF transcripts "
-                                      "or chat messages in 'chosen' and 'rejected')") from None
+        hint = ("--data-format hh reads only 'chosen' and 'rejected' as whole transcripts, and this record has a "
+                "'prompt': drop --data-format or give --data-format explicit" if "prompt" in record else
+                "a record without 'prompt' must hold HH-RLHF transcripts or chat messages in 'chosen' and 'rejected'")
+        raise RecordError(exc.reason, f"{exc.detail} ({hint})") from None
     if prompt_c != prompt_r:
         raise RecordError("no shared prefix", "chosen and rejected differ before their last assistant turn")
     return PreferenceText(parse_hh_dialogue(prompt_c), _drop_one_space(response_c), _drop_one_space(response_r))

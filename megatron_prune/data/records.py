@@ -22,6 +22,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import zlib
 from typing import Any, Iterable, Iterator
 
@@ -45,7 +46,7 @@ class DataError(ValueError):
         self.detail = detail
         where = f"{self.path}:{line}" if line is not None else self.path
         # A detail that is just a quoted name reads as part of the reason: "missing field 'rejected'".
-        joiner = " " if detail.startswith("'") else ": "
+        joiner = " " if re.fullmatch(r"'[^']*'", detail) else ": "
         super().__init__(f"{where}: {reason}" + (f"{joiner}{detail}" if detail else ""))
 
 
@@ -200,7 +201,11 @@ def _parse_json_line(path: str, line_no: int, raw: bytes) -> dict[str, Any] | Da
         return DataError(path, line_no, "invalid utf-8", f"byte {exc.start}: {exc.reason}")
     try:
         record = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except json.JSONDecodeError as exc:  # its own "line 2 column 1" would contradict line_no
+        end = len(text.rstrip("\r\n"))
+        where = "at the end of the line" if exc.pos >= end else f"at character {exc.pos + 1} of the line"
+        return DataError(path, line_no, "malformed json", f"{exc.msg} {where}")
+    except RecursionError as exc:
         return DataError(path, line_no, "malformed json", str(exc))
     if not isinstance(record, dict):
         return DataError(path, line_no, "not an object", f"expected a JSON object, got {type(record).__name__}")

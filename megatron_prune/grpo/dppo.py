@@ -126,7 +126,9 @@ def _check_rate(name: str, rate: float) -> None:
 
 def _check_floor(name: str, floor: float) -> None:
     if not (isinstance(floor, (int, float)) and 0.0 < floor <= 1.0):
-        raise ValueError(f"{name} must be in (0, 1] (a zero floor makes the estimator biased), got {floor!r}")
+        why = ("a keep probability above 0: a zero floor makes the estimator biased" if floor <= 0.0
+               else "a keep probability")
+        raise ValueError(f"{name} must be in (0, 1] ({why}), got {floor!r}")
 
 
 # ---------------------------------------------------------------------------------------

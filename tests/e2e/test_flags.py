@@ -233,6 +233,10 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
              (["--task", "toy", "--load", str(tmp_path / "ckpt")], "holds a different architecture"),
              (["--task", "toy", "--group-size", "1"], "--group-size must be >= 2, got 1"),
              (["--task", "toy", "--group-size", "0"], "--group-size must be >= 2, got 0"),
+             (["--task", "toy", "--dppo-prompt-floor", "1.5"],
+              "--dppo-prompt-floor must be in (0, 1] (a keep probability), got 1.5"),
+             (["--task", "toy", "--dppo-completion-floor", "0"], "--dppo-completion-floor must be in (0, 1] (a keep "
+              "probability above 0: a zero floor makes the estimator biased), got 0.0"),
              (["--task", "toy", "--toy-num-prompts", "4", "--global-batch-size", "8"],
               "--global-batch-size 8 asks for 8 different prompts a step (one group of --group-size completions "
               "each), but --toy-num-prompts is 4: lower --global-batch-size to at most 4"),

@@ -95,6 +95,22 @@ def test_bad_record_raises_naming_file_and_line(tmp_path, line, reason):
     assert str(info.value).startswith(f"{path}:3: {reason}")
 
 
+@pytest.mark.parametrize("line, message", [
+    (b'{"question": "q", "answer": "#### 1"', "malformed json: Expecting ',' delimiter at the end of the line"),
+    (b'{"question": "q" "answer": "#### 1"}', "malformed json: Expecting ',' delimiter at character 18 of the line"),
+    (b'{"question": " ", "answer": "#### 1"}', "empty field: 'question' is empty"),
+    (b'{"question": "q", "answer": "#### two"}', "no final answer: '#### two' is not a number"),
+    (b'{"question": "q"}', "missing field 'answer'"),
+])
+def test_bad_record_message_reads_as_one_sentence(tmp_path, line, message):
+    """The whole message, file line first: no parser position that contradicts it, the reason and
+    its detail kept apart (a bare quoted name, as in "missing field 'answer'", joins its reason)."""
+    path = write_jsonl(tmp_path / "math.jsonl", [GOOD, GOOD, line])
+    with pytest.raises(DataError) as info:
+        load_math_problems(path)
+    assert str(info.value).startswith(f"{path}:3: {message}"), str(info.value)
+
+
 def test_bad_records_are_counted_when_skipping(tmp_path, caplog):
     path = write_jsonl(tmp_path / "math.jsonl", [GOOD] + [line for line, _ in BAD_LINES])
     with caplog.at_level("WARNING"):

@@ -177,6 +177,13 @@ def test_format_override(tmp_path, tiny_tokenizer):
         parse_preference_record(record, format="helpsteer3")
     with pytest.raises(ValueError, match="format"):
         PreferenceDataConfig(format="ultrafeedback")
+    # Forced to hh, a prompt/chosen/rejected record is told apart from a broken transcript.
+    explicit = {"prompt": "q", "chosen": "a", "rejected": "b"}
+    with pytest.raises(RecordError, match=r"this record has a 'prompt': drop --data-format or give --data-format "
+                                          r"explicit\)$"):
+        parse_preference_record(explicit, format="hh")
+    with pytest.raises(RecordError, match="a record without 'prompt' must hold HH-RLHF transcripts"):
+        parse_preference_record({"chosen": "a", "rejected": "b"}, format="hh")
 
 
 def test_parquet(tmp_path, tiny_tokenizer):
