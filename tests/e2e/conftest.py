@@ -172,6 +172,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.split("\n")[: text.count("\n")] if line.strip()]
 
 
+def undocumented_keys(records: list[dict], doc: str) -> list[str]:
+    """Metrics keys of ``records`` that ``docs/<doc>`` does not name as `key` (users read the keys there)."""
+    text = (REPO / "docs" / doc).read_text() + (REPO / "docs" / "dpo.md").read_text()  # dpo.md: every trainer's keys
+    return sorted({k for r in records for k in r} - {k for k in {k for r in records for k in r} if f"`{k}`" in text})
+
+
 def last_per_step(records: list[dict]) -> dict[int, dict]:
     """The last record of each step (a resumed run appends the steps it replays)."""
     return {r["step"]: r for r in records}

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.e2e.conftest import undocumented_keys
+
 SAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "megatron_prune", "data", "samples")
 TRAIN = os.path.join(SAMPLES, "hh_rlhf_sample.jsonl")
 HELDOUT = os.path.join(SAMPLES, "hh_rlhf_heldout.jsonl")
@@ -92,6 +94,7 @@ def test_pruned_dpo_learns_on_bundled_data(tmp_path):
         timeout=1200,
     )
     assert [r["step"] for r in records] == list(range(steps))
+    assert not undocumented_keys(records, "dpo.md")
     # Step 0: policy == reference, so every margin is 0 up to float noise (accuracy is chance).
     assert abs(records[0]["margin"]) < 1e-6
     first = statistics.mean(r["loss"] for r in records[:6])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import read_jsonl, run_cmd, torchrun_cmd
+from tests.e2e.conftest import read_jsonl, run_cmd, torchrun_cmd, undocumented_keys
 
 TOY = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--toy-num-prompts", "32",
        "--global-batch-size", "16", "--micro-batch-size", "16", "--seq-length", "64",
@@ -46,6 +46,7 @@ def test_two_steps_tp2_dppo(tmp_path):
                 "rollout_time_s", "reference_time_s", "train_time_s", "policy_tokens"):
         assert key in records[-1], key
     assert records[-1]["kept_completion_fraction"] < 1.0
+    assert not undocumented_keys(records, "dppo.md")
 
 
 # The learning configuration (examples/grpo_cpu.sh): toy prompts without filler (BOS SEP digit), 4-token
