@@ -57,6 +57,10 @@ def run_cli(
             print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}, {versions}; configs:")
             for name, cfg in configs.items():
                 print(f"  {name}: {cfg}")
+            from megatron_prune.lora_config import lora_active
+            from megatron_prune.training.loop import say_resume_notes
+
+            say_resume_notes(configs, lora=lora_active(configs.get("LoRAConfig")))
         return 0
     try:
         check_rendezvous_env()

@@ -73,8 +73,12 @@ class TrainingParts:
     are kept in ``hf_assets/`` of the save directory, so an export finds them."""
 
 
+def _decay_steps(train: TrainConfig) -> int:
+    return max(train.train_iters, train.lr_warmup_iters + 1)
+
+
 def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
-    decay_steps = max(train.train_iters, train.lr_warmup_iters + 1)
+    decay_steps = _decay_steps(train)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if train.lr_warmup_iters else train.lr,
@@ -285,7 +289,8 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *
     _say_flags_changed(meta.get("flags"), parts.extra_meta.get("flags"))
     _apply_optimizer_flags(parts.optimizer)
     if loaded.get("scheduler"):
-        _say_schedule_kept(parts.scheduler, loaded["scheduler"], train_iters=train_iters)
+        _say_schedule_kept({key: getattr(parts.scheduler, key) for key in _SCHEDULE_FLAGS}, loaded["scheduler"],
+                           train_iters=train_iters, override=parts.scheduler.override_opt_param_scheduler)
         parts.scheduler.load_state_dict(loaded["scheduler"])
     objective.load_state_dict(saved_state)
     return int(loaded["iteration"])
@@ -333,7 +338,25 @@ def _apply_optimizer_flags(optimizer) -> None:
                 group["momentum"] = config.sgd_momentum
 
 
-def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict, *, train_iters: int) -> None:
+def say_resume_notes(configs: dict[str, Any], *, lora: bool) -> None:
+    """What the resume of ``--load`` will say about changed flags and the kept schedule, said by a
+    ``--dry-run`` (from the checkpoint's files and this launch's flags, without building a model)."""
+    from megatron_prune.training.session import flag_record
+
+    ckpt, train = configs["CheckpointConfig"], configs["TrainConfig"]
+    if _resumed_objective_state(ckpt, lora=lora) is None:
+        return
+    meta = ckpt_io.read_meta(ckpt.load)
+    _say_flags_changed(meta.get("flags"), flag_record(configs))
+    saved = ckpt_io.read_trainer_state(meta["path"]).get("scheduler") or {}
+    if saved:
+        launch = {"max_lr": train.lr, "min_lr": train.min_lr, "lr_warmup_steps": train.lr_warmup_iters,
+                  "lr_decay_steps": _decay_steps(train), "lr_decay_style": train.lr_decay_style,
+                  "start_wd": train.weight_decay}
+        _say_schedule_kept(launch, saved, train_iters=train.train_iters, override=train.override_opt_param_scheduler)
+
+
+def _say_schedule_kept(launch: dict[str, Any], saved: dict, *, train_iters: int, override: bool) -> None:
     """A resumed run continues the checkpoint's learning-rate schedule (as Megatron does) unless
     ``--override-opt-param-scheduler``: say which, once, for every schedule flag whose value this
     launch changed, instead of ignoring it silently (``--train-iters`` only where it sets a decay
@@ -343,11 +366,11 @@ def _say_schedule_kept(scheduler: OptimizerParamScheduler, saved: dict, *, train
     def named(key: str, value) -> str:
         return f"the decay horizon --train-iters {value}" if key == "lr_decay_steps" else f"{_SCHEDULE_FLAGS[key]} {value}"
 
-    changed = [f"{named(key, getattr(scheduler, key))} (checkpoint: {saved[key]})"
-               for key in keys if key in saved and getattr(scheduler, key) != saved[key]]
+    changed = [f"{named(key, launch[key])} (checkpoint: {saved[key]})"
+               for key in keys if key in saved and launch[key] != saved[key]]
     if not is_logging_rank():
         return
-    if scheduler.override_opt_param_scheduler:
+    if override:
         if changed:
             print("[megatron-prune] resuming with this launch's learning-rate schedule (--override-opt-param-scheduler)"
                   f" from step {saved.get('num_steps', 0)}: " + ", ".join(changed), flush=True)

@@ -251,13 +251,15 @@ def test_resume_says_which_flags_it_changes_or_ignores_and_records_the_applied_l
     """A resumed run continues the checkpoint's learning-rate schedule (Megatron's rule) and says
     which changed flags that ignores; ``lr`` in metrics.jsonl is the rate each step's update used
     (with warm-up the first update uses 0, as in Megatron)."""
-    run = _dpo(tmp_path, "run", "--load", str(script_run), "--train-iters", "3", "--lr", "5e-2",
-               "--prune-position-ratio", "0.5", "--metrics-jsonl", str(tmp_path / "m.jsonl")).check_ok()
-    assert ("resuming continues the checkpoint's learning-rate schedule; ignored: --lr 0.05 (checkpoint: 0.001)"
-            in run.output), run.output[-3000:]
-    # Objective flags may change on resume, but never without a word.
-    assert ("resuming with flags that differ from the checkpoint's run: --prune-position-ratio 0.5 (checkpoint: 1.0)"
-            in run.output), run.output[-3000:]
+    changed = ["--load", str(script_run), "--train-iters", "3", "--lr", "5e-2", "--prune-position-ratio", "0.5"]
+    run = _dpo(tmp_path, "run", *changed, "--metrics-jsonl", str(tmp_path / "m.jsonl")).check_ok()
+    dry = _dpo(tmp_path, "dry", *changed, "--dry-run").check_ok()  # says it before any work
+    for out in (run.output, dry.output):
+        assert ("resuming continues the checkpoint's learning-rate schedule; ignored: --lr 0.05 (checkpoint: 0.001)"
+                in out), out[-3000:]
+        # Objective flags may change on resume, but never without a word.
+        assert ("resuming with flags that differ from the checkpoint's run: --prune-position-ratio 0.5 (checkpoint: "
+                "1.0)" in out), out[-3000:]
     assert [r["lr"] for r in read_jsonl(tmp_path / "m.jsonl")] == [1e-3]
     _dpo(tmp_path, "warm", "--train-iters", "3", "--lr-warmup-iters", "2",
          "--metrics-jsonl", str(tmp_path / "w.jsonl")).check_ok()
