@@ -117,7 +117,8 @@ def _under_torchrun() -> bool:
 def _record_for_torchrun(message: str) -> None:
     """Under torchrun: hand ``message`` to the launcher's failure report (its root-cause entry shows
     it instead of a pointer to the elastic docs) and repeat it once the launcher has printed that
-    report and exited, so the message is the last thing on the terminal."""
+    report and exited, so the message is the last line of the job's log (a detached process prints
+    it, so in an interactive shell it can follow the prompt)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
