@@ -107,7 +107,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"wrote {', '.join(d for d in (args.hf_out, args.peft_out) if d)}: {', '.join(files)}")
+        if args.peft_out and base is not None and base.kind != "hf":
+            print(f"note: {args.peft_out}/adapter_config.json names no base_model_name_or_path: {_no_hf_base(base)}")
     return 0
+
+
+def _no_hf_base(base) -> str:
+    """How to load a PEFT export whose frozen base is not an HF directory."""
+    if base.kind == "megatron":
+        return (f"the base is the Megatron checkpoint {base.path}; convert it once (python "
+                f"tools/convert_megatron_to_hf.py --load {base.path} --hf-out BASE_HF) and load the adapters onto "
+                "BASE_HF, or export merged weights with --hf-out DIR --merge-lora")
+    return (f"the base is the built-in preset {base.name!r} (seed {base.seed}), which has no HF directory; export "
+            "merged weights with --hf-out DIR --merge-lora instead")
 
 
 if __name__ == "__main__":

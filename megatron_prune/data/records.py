@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import codecs
 import collections
+import functools
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -248,3 +250,15 @@ class LoadedRecords:
 
     def __getitem__(self, index: int):
         return self.items[index]
+
+    @functools.cached_property
+    def content_sha256(self) -> str:
+        """SHA-256 of the files' bytes in order (not of their paths: a moved copy is the same data).
+        A checkpoint records it, so a resume can tell that its data position meets other records."""
+        digest = hashlib.sha256()
+        for path in self.paths:
+            digest.update(os.path.getsize(path).to_bytes(8, "little"))
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        return digest.hexdigest()

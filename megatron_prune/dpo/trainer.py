@@ -66,7 +66,7 @@ class DPOObjective:
         return {**reduce_metrics(outputs), "pairs": float(self.eval_pairs)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "data_sha256": self.dataset.content_sha256}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sampler" in state:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
+from megatron_prune.data.records import LoadedRecords
 from megatron_prune.data.sampler import EpochSampler
 from megatron_prune.grpo.advantages import group_advantages
 from megatron_prune.grpo.config import DPPOArgs, GRPOConfig, check_prompt_count
@@ -66,7 +67,9 @@ class PromptSource:
     """Indexable prompts of a task plus its reward on completion token ids."""
 
     def __init__(self, *, size: int, get: Callable[[int], Prompt], score: Callable[[Prompt, list[int]], float],
-                 eos_id: int, pad_id: int) -> None:
+                 eos_id: int, pad_id: int, records: LoadedRecords | None = None) -> None:
+        self.records = records
+        """The loaded files the prompts come from (None for the toy tasks, which have none)."""
         self.size = size
         self.get = get
         self.score = score
@@ -118,7 +121,8 @@ def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: in
             completion = completion[:-1]
         return float(reward(tokenizer.decode(completion), prompt.answer))
 
-    return PromptSource(size=len(dataset), get=get, score=score, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    return PromptSource(size=len(dataset), get=get, score=score, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                        records=dataset)
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,6 +330,8 @@ class GRPOObjective:
         rollout) also that rollout, so a resumed run trains on the same completions, weights and
         old log-probs. Collective (gathers the log-probs each rank scored): call it on every rank."""
         state: dict[str, Any] = {"sampler": self.sampler.state_dict(), "dppo": self.pruner.state_dict()}
+        if self.source.records is not None:
+            state["data_sha256"] = self.source.records.content_sha256
         if self.buffer is not None and self._steps_done % self.grpo.updates_per_rollout:
             state["rollout"] = self._buffer_state()
         return state

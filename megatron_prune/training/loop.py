@@ -237,13 +237,21 @@ def check_resumed_data_size(ckpt: CheckpointConfig, *, num_samples: int, kind: s
 
 
 def _check_data_position(saved_state: dict[str, Any], objective: Objective, load: str, *, kind: str | None) -> None:
-    """The saved data position applies to this run's data: same --seed, same number of samples."""
+    """The saved data position applies to this run's data: same --seed, same number of samples;
+    files of other content (same count) are warned about, as a resume may mean to switch them."""
+    state = objective.state_dict()
     saved = (saved_state or {}).get("sampler") or {}
-    mine = objective.state_dict().get("sampler") or {}
+    mine = state.get("sampler") or {}
     if not saved or not mine:
         return
     _check_seed(saved, mine.get("seed"), load)
     _check_num_samples(saved.get("num_samples"), mine.get("num_samples"), load, kind=kind)
+    before, now = (saved_state or {}).get("data_sha256"), state.get("data_sha256")
+    if before and now and before != now and is_logging_rank():
+        print(f"[megatron-prune] WARNING: --load {load}: the training data's files hold other content than the "
+              f"checkpoint's run read (the same {mine.get('num_samples')} samples by count; sha256 {now[:12]} against "
+              f"{before[:12]}), so the resumed data position walks other records; resume with the same files, or "
+              f"--finetune to start a new data order", flush=True)
 
 
 def _check_num_samples(saved: int | None, mine: int | None, load: str, *, kind: str | None) -> None:

@@ -75,8 +75,11 @@ def test_lora_dpo_kill_resume_and_export(tmp_path):
     tool = [sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--load", str(ref_dir / "ckpt")]
     refused = run_cmd([*tool, "--hf-out", str(tmp_path / "plain")], log=tmp_path / "refused.txt", env=launch_env())
     assert refused.returncode == 2 and "--merge-lora" in refused.output
-    run_cmd([*tool, "--hf-out", str(tmp_path / "merged"), "--merge-lora", "--peft-out", str(tmp_path / "peft")],
-            log=tmp_path / "export.txt", env=launch_env()).check_ok()
+    exported = run_cmd([*tool, "--hf-out", str(tmp_path / "merged"), "--merge-lora", "--peft-out",
+                        str(tmp_path / "peft")], log=tmp_path / "export.txt", env=launch_env()).check_ok()
+    assert (f"note: {tmp_path / 'peft'}/adapter_config.json names no base_model_name_or_path: the base is the "
+            "built-in preset 'tiny' (seed 1234), which has no HF directory; export merged weights with --hf-out DIR "
+            "--merge-lora instead") in exported.output, exported.output[-2000:]
     assert (tmp_path / "merged" / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json",
                                                                       "adapter_model.safetensors"]

@@ -76,10 +76,10 @@ def test_lora_dpo_from_converted_checkpoint(tmp_path):
         for key in ("loss", "grad_norm", "margin"):
             assert got[ref["step"]][key] == ref[key], f"step {ref['step']} {key}"
 
-    run_cmd([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--load", str(ckpt),
-             "--hf-out", str(tmp_path / "merged"), "--merge-lora", "--peft-out", str(tmp_path / "peft")],
-            log=tmp_path / "export.txt",
-            env=launch_env()).check_ok()
+    exported = run_cmd([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--load", str(ckpt),
+                        "--hf-out", str(tmp_path / "merged"), "--merge-lora", "--peft-out", str(tmp_path / "peft")],
+                       log=tmp_path / "export.txt", env=launch_env()).check_ok()
+    assert "names no base_model_name_or_path: the base is the Megatron checkpoint" in exported.output
     from safetensors.torch import load_file
 
     merged, original = load_file(tmp_path / "merged" / "model.safetensors"), load_file(hf / "model.safetensors")

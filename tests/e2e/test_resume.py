@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -216,6 +217,21 @@ def test_training_data_of_another_size_is_refused_before_any_model_is_built(tmp_
     assert stopped.value.code == 2
     assert (f"the checkpoint's run trained on {sizes[0]} samples and this run's training data has {sizes[1]}"
             in capsys.readouterr().err)
+
+
+def test_training_files_of_other_content_are_warned_about_and_a_moved_copy_is_not(script_run, tmp_path):
+    """The same number of pairs but other records (here the file reversed): the count check cannot
+    see it, the checkpoint's record of the files' content does; a copy at another path is the same data."""
+    lines = Path(SAMPLE).read_text().splitlines(keepends=True)
+    (tmp_path / "reversed.jsonl").write_text("".join(reversed(lines)))
+    (tmp_path / "copy.jsonl").write_text("".join(lines))
+    warning = "the training data's files hold other content than the checkpoint's run read (the same 400 samples"
+    other = _dpo(tmp_path, "other", "--train-iters", "3", "--load", str(script_run),
+                 "--data-path", str(tmp_path / "reversed.jsonl")).check_ok()
+    assert f"[megatron-prune] WARNING: --load {script_run}: {warning}" in other.output, other.output[-3000:]
+    moved = _dpo(tmp_path, "moved", "--train-iters", "3", "--load", str(script_run),
+                 "--data-path", str(tmp_path / "copy.jsonl")).check_ok()
+    assert warning not in moved.output and "[megatron-prune] step 3/3" in moved.output, moved.output[-3000:]
 
 
 def test_grpo_refuses_a_dpo_checkpoint(script_run, tmp_path):
