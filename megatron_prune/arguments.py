@@ -39,6 +39,45 @@ def refuse_plot_without_matplotlib(parser: argparse.ArgumentParser, plot: str | 
         parser.error("--plot needs matplotlib: pip install -e '.[bench]' (or leave out --plot)")
 
 
+def refuse_unwritable_outputs(parser: argparse.ArgumentParser, **paths: str | None) -> None:
+    """The benchmark tools' output files and folders (``json="--json PATH"``-style keyword per flag,
+    value the path; a name ending in ``_dir`` is a folder): probed by writing while parsing flags, as
+    the trainers probe theirs, not found unwritable after every mode has run."""
+    from megatron_prune.training.session import UsageError, check_writable
+
+    for name, path in paths.items():
+        if not path:
+            continue
+        flag = "--" + name.removesuffix("_dir").replace("_", "-")
+        try:
+            if name.endswith("_dir"):
+                check_writable(flag, path)
+            elif os.path.isdir(path):
+                parser.error(f"{flag} {path}: is a directory")
+            else:
+                check_writable(flag, os.path.dirname(os.path.abspath(path)), file=path)
+        except UsageError as exc:
+            parser.error(str(exc))
+
+
+def refuse_unrunnable_layout(parser: argparse.ArgumentParser, arch, *, tp: int, pp: int, device: str | None) -> None:
+    """The benchmark tools' layout and device, checked while parsing flags as the trainers check
+    theirs (one line, exit 2), instead of a traceback from every worker of every mode."""
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.session import UsageError, check_layout_fits
+
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
+    try:
+        check_layout_fits(arch, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                               sequence_parallel=tp > 1 and arch.is_moe))
+    except UsageError as exc:
+        parser.error(str(exc))
+
+
 def ignore_expected_warnings() -> None:
     """Warnings no user can act on: Megatron's import-time notes about Apex/TE fallbacks, which the
     local spec expects, and the torch deprecations its dist checkpointing triggers (ShardedTensor,

@@ -162,7 +162,8 @@ def _preset_help() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib
+    from megatron_prune.arguments import (ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib,
+                                          refuse_unrunnable_layout, refuse_unwritable_outputs)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--preset", choices=tuple(PRESETS), default="cpu-small",
@@ -214,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     refuse_plot_without_matplotlib(p, args.plot)
+    refuse_unwritable_outputs(p, json=args.json, plot=args.plot, profile_dir=args.profile)
+    refuse_unrunnable_layout(p, build_arch(args), tp=args.tensor_model_parallel_size,
+                             pp=args.pipeline_model_parallel_size, device=args.device)
     if "concat" not in args.modes:
         args.modes = ["concat"] + list(args.modes)
     return args

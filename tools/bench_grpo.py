@@ -47,10 +47,12 @@ rollout of the step's prompts is compared with ``K`` pruned gradients ``g_k`` of
 rollout (the mode's keep rule with ``K`` independent draws): ``grad_rel_mse = mean_k |g_k -
 g|^2 / |g|^2`` (variance plus squared bias) and ``grad_rel_bias = |mean_k g_k - g|^2 / |g|^2``.
 
-Output: a table, ``--json`` (contract: ``modes.<mode>.speedup_vs_grpo`` (median per-step
-wall-clock ratio), ``heldout_reward_final``, ``heldout_reward_at_grpo_time`` (each seed at the
-training time GRPO needed for its final step with that seed, then the mean over seeds),
-``heldout_reward_at_grpo_steps``, ``records`` (one dict per step and seed)), and ``--plot``
+Output: a table, ``--json`` (top level ``config`` and ``modes``; contract, every key under
+``modes.<mode>``: ``modes.<mode>.speedup_vs_grpo`` (median per-step wall-clock ratio),
+``modes.<mode>.heldout_reward_final``, ``modes.<mode>.heldout_reward_at_grpo_time`` (each seed at
+the training time GRPO needed for its final step with that seed, then the mean over seeds),
+``modes.<mode>.heldout_reward_at_grpo_steps``, ``modes.<mode>.records`` (one dict per step and
+seed)), and ``--plot``
 (held-out reward vs cumulative training wall-clock, mean and min-max over seeds, per mode).
 
     python tools/bench_grpo.py --task toy --seeds 5 --steps 40 --json /tmp/g.json --plot /tmp/g.png
@@ -79,7 +81,8 @@ PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_ti
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib
+    from megatron_prune.arguments import (ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib,
+                                          refuse_unrunnable_layout, refuse_unwritable_outputs)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--task", choices=TASKS, default="toy", help="the task trained and evaluated")
@@ -164,6 +167,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "grad_variance_every", "ppo_epochs", "minibatches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.group_size < 2:
+        p.error(f"--group-size must be >= 2, got {args.group_size}: advantages are relative to the group")
+    if args.prompts > args.num_prompts:
+        p.error(f"--prompts {args.prompts} asks for {args.prompts} different prompts a step, but --num-prompts is "
+                f"{args.num_prompts}: lower --prompts or raise --num-prompts")
     if args.kv_cache and args.pipeline_model_parallel_size > 1:
         p.error("--kv-cache needs one pipeline stage (--pipeline-model-parallel-size 1)")
     if "grpo" not in args.modes:
@@ -175,6 +183,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"mode {mode} (--prompt-rate, --completion-rate, --prompt-floor, --completion-floor): {exc}")
     refuse_plot_without_matplotlib(p, args.plot)
+    refuse_unwritable_outputs(p, json=args.json, plot=args.plot)
+    from megatron_prune.model.arch import get_preset
+
+    refuse_unrunnable_layout(p, get_preset("tiny"), tp=args.tensor_model_parallel_size,
+                             pp=args.pipeline_model_parallel_size, device=args.device)
     refuse_bad_data_files(p, "--data-path", args.data_path)
     if args.from_json:
         try:
@@ -200,6 +213,9 @@ def load_earlier(paths: list[str]) -> tuple[dict, dict[str, list[dict]]]:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
             raw["config"], raw["modes"]  # noqa: B018 (a result's two parts)
+            if not raw["modes"] or any(mode not in MODES or not isinstance(summary.get("records"), list)
+                                       for mode, summary in raw["modes"].items()):
+                raise KeyError("records")  # e.g. tools/bench_dpo.py's result: other modes, no per-mode records
         except OSError as exc:
             raise ValueError(f"{path}: {exc.strerror or exc}") from None
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):

@@ -176,9 +176,12 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from megatron_prune.accelerator import detect_kind
+    from megatron_prune.accelerator import AcceleratorError, detect_kind
 
-    kind = args.device = detect_kind(args.device)
+    try:
+        kind = args.device = detect_kind(args.device)
+    except AcceleratorError as exc:
+        raise SystemExit(f"bench_selective_head.py: error: {exc}") from None
     args.dtype = args.dtype or ("float32" if kind == "cpu" else "bfloat16")
     if args.worker:
         print(json.dumps(run_worker(args)))

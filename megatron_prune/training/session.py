@@ -316,11 +316,11 @@ def check_output_paths(configs: dict) -> None:
     ckpt = configs["CheckpointConfig"]
     log = configs.get("LoggingConfig")
     if ckpt.save is not None:
-        _check_writable("--save", ckpt.save)
+        check_writable("--save", ckpt.save)
     if log is not None and log.metrics_jsonl:
-        _check_writable("--metrics-jsonl", os.path.dirname(os.path.abspath(log.metrics_jsonl)), file=log.metrics_jsonl)
+        check_writable("--metrics-jsonl", os.path.dirname(os.path.abspath(log.metrics_jsonl)), file=log.metrics_jsonl)
     if log is not None and log.tensorboard_dir:
-        _check_writable("--tensorboard-dir", log.tensorboard_dir)
+        check_writable("--tensorboard-dir", log.tensorboard_dir)
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError:
@@ -328,7 +328,7 @@ def check_output_paths(configs: dict) -> None:
                              "(pip install tensorboard), or leave out --tensorboard-dir") from None
 
 
-def _check_writable(flag: str, path: str, *, file: str | None = None) -> None:
+def check_writable(flag: str, path: str, *, file: str | None = None) -> None:
     """``path`` is a directory this process can create or write into: probed by creating and
     removing an empty folder in its nearest existing ancestor (permission bits alone let root
     pass where the filesystem refuses, e.g. a read-only mount). ``file`` is what the flag named,

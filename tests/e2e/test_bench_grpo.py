@@ -179,6 +179,7 @@ def _result(path, *, task="toy", seed=1234, modes=("grpo", "dppo"), seeds=(1234,
 @pytest.mark.parametrize("case, expected", [
     ("missing", "--from-json {a}: No such file or directory"),
     ("not-json", "--from-json {a}: not a JSON result of tools/bench_grpo.py"),
+    ("bench-dpo", "--from-json {a}: not a JSON result of tools/bench_grpo.py"),
     ("other-task", "--from-json {b}: another experiment than {a}: task 'toy-binary' (in {a}: 'toy')"),
     ("other-modes", "--from-json {b}: modes ['cppo', 'grpo'], {a}: ['dppo', 'grpo']"),
     ("same-run-twice", "--from-json {b}: mode grpo seed 1234 round 0 is also in {a}"),
@@ -187,11 +188,13 @@ def test_from_json_refuses_files_that_do_not_merge(tmp_path, case, expected):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     if case == "not-json":
         a.write_text("{")
+    elif case == "bench-dpo":  # tools/bench_dpo.py's layout: its own modes, records at the top level
+        a.write_text(json.dumps({"config": {}, "modes": {"concat": {"speedup_vs_concat": 1.0}}, "records": []}))
     elif case != "missing":
         _result(a)
         _result(b, **{"other-task": dict(task="toy-binary", seeds=(1235,)), "other-modes": dict(modes=("grpo", "cppo"),
                       seeds=(1235,)), "same-run-twice": dict(seed=1234)}[case])
-    done = _tool("--from-json", str(a), *([str(b)] if case not in ("missing", "not-json") else []),
+    done = _tool("--from-json", str(a), *([str(b)] if case not in ("missing", "not-json", "bench-dpo") else []),
                  "--json", str(tmp_path / "merged.json"))
     assert done.returncode == 2, done.stderr
     assert expected.format(a=a, b=b) in done.stderr.strip().splitlines()[-1]

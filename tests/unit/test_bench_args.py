@@ -31,3 +31,45 @@ def test_preset_help_describes_every_preset():
     text = bench_dpo._preset_help()
     for name, preset in bench_dpo.PRESETS.items():
         assert f"{name} (hidden {preset['arch']['hidden_size']}, {preset['arch']['num_layers']} layers" in text
+
+
+REFUSED = [
+    pytest.param(bench_dpo, ["--json", "/proc/megatron-prune/x.json"], "--json /proc/megatron-prune/x.json: cannot "
+                 "write into /proc", id="dpo-json-unwritable"),
+    pytest.param(bench_dpo, ["--json", "{tmp}"], "--json {tmp}: is a directory", id="dpo-json-is-a-dir"),
+    pytest.param(bench_dpo, ["--plot", "{tmp}/file.txt/x.png"], "--plot {tmp}/file.txt/x.png: {tmp}/file.txt exists "
+                 "and is not a directory", id="dpo-plot-under-a-file"),
+    pytest.param(bench_dpo, ["--tensor-model-parallel-size", "3"],
+                 "--tensor-model-parallel-size 3 does not divide the model's 4 attention heads", id="dpo-tp"),
+    pytest.param(bench_dpo, ["--pipeline-model-parallel-size", "3"],
+                 "--pipeline-model-parallel-size 3 does not divide the model's 4 layers", id="dpo-pp"),
+    pytest.param(bench_grpo, ["--json", "{tmp}"], "--json {tmp}: is a directory", id="grpo-json-is-a-dir"),
+    pytest.param(bench_grpo, ["--prompts", "8", "--num-prompts", "4"],
+                 "--prompts 8 asks for 8 different prompts a step, but --num-prompts is 4", id="grpo-prompts"),
+    pytest.param(bench_grpo, ["--group-size", "1"], "--group-size must be >= 2, got 1", id="grpo-group-size"),
+    pytest.param(bench_grpo, ["--tensor-model-parallel-size", "3"],
+                 "--tensor-model-parallel-size 3 does not divide the model's 4 attention heads", id="grpo-tp"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, message", REFUSED)
+def test_what_no_worker_could_run_is_refused_while_parsing(tool, argv, message, tmp_path, capsys):
+    """Output paths, the layout against the model and the batch against the prompts: one line
+    while parsing flags (exit 2), before any mode trains or any worker prints a traceback."""
+    (tmp_path / "file.txt").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        tool.parse_args([a.format(tmp=tmp_path) for a in argv])
+    assert exc.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_refused_while_parsing(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    for tool in (bench_dpo, bench_grpo):
+        with pytest.raises(SystemExit) as exc:
+            tool.parse_args(["--device", "cuda"])
+        assert exc.value.code == 2
+        assert "--device cuda: no CUDA device here" in capsys.readouterr().err
