@@ -312,8 +312,8 @@ GROUPS_AFTER_RESUME = textwrap.dedent(
 
     real_resume = loop.resume
 
-    def resume(parts, objective, ckpt):
-        start = real_resume(parts, objective, ckpt)
+    def resume(parts, objective, ckpt, **kwargs):
+        start = real_resume(parts, objective, ckpt, **kwargs)
         for inner in getattr(parts.optimizer, "chained_optimizers", [parts.optimizer]):
             for group in inner.optimizer.param_groups:
                 print("PARAM GROUP", tuple(group["betas"]), group["eps"], flush=True)
