@@ -10,6 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The project's environment (created by examples/quickstart.sh), unless one is active already.
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
+if [ "${DRY_RUN:-0}" = "1" ]; then  # print the command with placeholders for what is not set
+  HF_MODEL=${HF_MODEL:-/models/Qwen3-4B}; DATA=${DATA:-/data/prefs.jsonl}
+fi
 HF_MODEL=${HF_MODEL:?set HF_MODEL to a local HF directory, e.g. /models/Qwen3-4B}
 DATA=${DATA:?set DATA to a preference file (JSONL/Parquet)}
 GPUS=${GPUS:-8}; TP=${TP:-2}; PP=${PP:-1}

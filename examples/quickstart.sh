@@ -19,6 +19,7 @@ GBS=${GBS:-16}
 MBS=${MBS:-4}
 EVAL_INTERVAL=${EVAL_INTERVAL:-20}
 OUT=${OUT:-outputs/quickstart}
+WARMUP=$(( STEPS > 4 ? 2 : STEPS / 2 ))  # 2 warm-up steps, fewer for a run of a few steps
 
 SAMPLES=megatron_prune/data/samples
 CMD=(torchrun --nproc-per-node "$NPROC" -m megatron_prune.dpo
@@ -28,7 +29,7 @@ CMD=(torchrun --nproc-per-node "$NPROC" -m megatron_prune.dpo
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
   --train-iters "$STEPS" --global-batch-size "$GBS" --micro-batch-size "$MBS"
   --seq-length 256 --max-prompt-length 128
-  --optimizer adam --lr 1e-3 --lr-warmup-iters 2 --clip-grad 1.0
+  --optimizer adam --lr 1e-3 --lr-warmup-iters "$WARMUP" --clip-grad 1.0
   --prune-position-ratio 0.6 --prune-seq-min-ratio 0.5 --prune-branch
   --dpo-beta 1.0 --device cpu
   --metrics-jsonl "$OUT/metrics.jsonl")

@@ -60,22 +60,31 @@ def refuse_unwritable_outputs(parser: argparse.ArgumentParser, **paths: str | No
             parser.error(str(exc))
 
 
-def refuse_unrunnable_layout(parser: argparse.ArgumentParser, arch, *, tp: int, pp: int, device: str | None) -> None:
-    """The benchmark tools' layout and device, checked while parsing flags as the trainers check
-    theirs (one line, exit 2), instead of a traceback from every worker of every mode."""
+def refuse_unrunnable_layout(parser: argparse.ArgumentParser, arch, *, tp: int, pp: int) -> None:
+    """The benchmark tools' layout against the model, checked while parsing flags as the trainers
+    check theirs (one line, exit 2), instead of a traceback from every worker of every mode."""
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.session import UsageError, check_layout_fits
 
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
     try:
         check_layout_fits(arch, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                sequence_parallel=tp > 1 and arch.is_moe))
     except UsageError as exc:
         parser.error(str(exc))
+
+
+def exit_without_device(prog: str, device: str | None) -> None:
+    """A benchmark tool's ``--device cuda`` on a machine without CUDA: one line, exit 2, before
+    any worker starts (checked when the tool runs, not while parsing: its GPU commands still parse
+    on a CPU machine)."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{prog}: error: --device cuda: no CUDA device here (torch.cuda.is_available() is False); use "
+              "--device cpu", file=sys.stderr)
+        sys.exit(2)
 
 
 def ignore_expected_warnings() -> None:

@@ -217,7 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     refuse_plot_without_matplotlib(p, args.plot)
     refuse_unwritable_outputs(p, json=args.json, plot=args.plot, profile_dir=args.profile)
     refuse_unrunnable_layout(p, build_arch(args), tp=args.tensor_model_parallel_size,
-                             pp=args.pipeline_model_parallel_size, device=args.device)
+                             pp=args.pipeline_model_parallel_size)
     if "concat" not in args.modes:
         args.modes = ["concat"] + list(args.modes)
     return args
@@ -707,6 +707,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         run_worker(args)
         return {}
+    from megatron_prune.arguments import exit_without_device
+
+    exit_without_device("bench_dpo.py", args.device)
     from megatron_prune.model.arch import ModelArch
     from megatron_prune.model.provider import padded_vocab_size
 

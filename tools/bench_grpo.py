@@ -187,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron_prune.model.arch import get_preset
 
     refuse_unrunnable_layout(p, get_preset("tiny"), tp=args.tensor_model_parallel_size,
-                             pp=args.pipeline_model_parallel_size, device=args.device)
+                             pp=args.pipeline_model_parallel_size)
     refuse_bad_data_files(p, "--data-path", args.data_path)
     if args.from_json:
         try:
@@ -751,6 +751,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker_out:
         run_worker(args)
         return {}
+    from megatron_prune.arguments import exit_without_device
+
+    exit_without_device("bench_grpo.py", args.device)
     worker_argv = [a for a in argv]
     for flag in ("--json", "--plot"):
         if flag in worker_argv:

@@ -416,3 +416,8 @@ def passes_to_dict(passes: list[Pass]) -> list[dict]:
                                                for mb in p.microbatches],
              **({} if p.adapters else {"adapters": False})}
             for p in passes]
+
+
+if __name__ == "__main__":  # a library of tools/bench_dpo.py: say so instead of exiting silently
+    print(f"{__doc__.strip()}\n\nThis file is a library of tools/bench_dpo.py, which prints these figures beside the "
+          "measured ones; run: python tools/bench_dpo.py --help")

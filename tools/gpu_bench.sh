@@ -17,7 +17,10 @@
 #
 #   bash tools/gpu_bench.sh                 # from the repository root
 #   OUT=/tmp/res PYTHON=python3 BUDGET_S=480 bash tools/gpu_bench.sh
-#   DRY_RUN=1 bash tools/gpu_bench.sh       # print the commands only
+#   DRY_RUN=1 bash tools/gpu_bench.sh       # print the commands only (writes nothing)
+#
+# Exit status: 0 when every step that started exited 0; 1 when one failed or was cut short by its
+# timeout (summary.txt says which); 2 for an unknown name in STEPS or a machine that cannot run it.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./bench_out}"
@@ -26,10 +29,24 @@ DRY_RUN="${DRY_RUN:-0}"
 BUDGET_S="${BUDGET_S:-840}"
 MIN_STEP_S="${MIN_STEP_S:-60}"
 STEPS="${STEPS:-}"
-mkdir -p "$OUT"
+KNOWN_STEPS="pytest-gpu qwen3-0.6b qwen3-4b-slice-lora64 qwen3-4b-slice qwen3-30b-a3b-slice"
+for step in $STEPS; do
+  if [[ " $KNOWN_STEPS " != *" $step "* ]]; then
+    echo "gpu_bench: STEPS names an unknown step '$step'; the steps are: $KNOWN_STEPS" >&2
+    exit 2
+  fi
+done
 export PYTHONWARNINGS=ignore PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-: > "$OUT/summary.txt"
+if [ "$DRY_RUN" != 1 ]; then
+  mkdir -p "$OUT"
+  : > "$OUT/summary.txt"
+fi
 START=$SECONDS
+FAILED=0
+
+say() {  # print a line, and keep it in summary.txt unless this is a dry run
+  if [ "$DRY_RUN" = 1 ]; then echo "$1"; else echo "$1" | tee -a "$OUT/summary.txt"; fi
+}
 
 run() {  # run NAME TIMEOUT_S CMD...: print it, run it under a timeout within the budget, log it
   local name=$1 limit=$2; shift 2
@@ -38,16 +55,17 @@ run() {  # run NAME TIMEOUT_S CMD...: print it, run it under a timeout within th
   fi
   local left=$((BUDGET_S - (SECONDS - START)))
   if [ "$DRY_RUN" != 1 ] && [ "$left" -lt "$MIN_STEP_S" ]; then
-    echo "- [$name] skipped: ${left}s of the ${BUDGET_S}s budget left" | tee -a "$OUT/summary.txt"
+    say "- [$name] skipped: ${left}s of the ${BUDGET_S}s budget left"
     return 0
   fi
   [ "$left" -lt "$limit" ] && [ "$DRY_RUN" != 1 ] && limit=$left
-  echo "+ [$name, timeout ${limit}s] $*" | tee -a "$OUT/summary.txt"
+  say "+ [$name, timeout ${limit}s] $*"
   if [ "$DRY_RUN" = 1 ]; then return 0; fi
   local t0=$SECONDS
   timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "  -> $name: exit $rc after $((SECONDS - t0))s (log: $OUT/$name.log)" | tee -a "$OUT/summary.txt"
+  [ "$rc" -ne 0 ] && FAILED=1
+  say "  -> $name: exit $rc after $((SECONDS - t0))s (log: $OUT/$name.log)"
   tail -n 14 "$OUT/$name.log"
 }
 
@@ -93,4 +111,7 @@ run qwen3-4b-slice 170 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-4b-slice 
 run qwen3-30b-a3b-slice 200 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-30b-a3b-slice --memory-steps 1 --timeout 90 \
   --modes concat branch position_branch \
   --json "$OUT/qwen3-30b-a3b-slice.json" --plot "$OUT/qwen3-30b-a3b-slice.png"
-echo "results in $OUT:"; ls -l "$OUT"
+if [ "$DRY_RUN" != 1 ]; then
+  echo "results in $OUT:"; ls -l "$OUT"
+fi
+exit "$FAILED"

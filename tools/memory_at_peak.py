@@ -71,3 +71,8 @@ def format_live_at_peak(peak: int, groups: list[tuple[str, int]], *, rows: int =
     if rest:
         lines.append(f"  {rest / 2**20:9.2f} MiB  {100 * rest / max(peak, 1):5.1f}%  ({len(groups) - rows} more)")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # a library of tools/bench_dpo.py: say so instead of exiting silently
+    print(f"{__doc__.strip()}\n\nThis file is a library of tools/bench_dpo.py, which prints these figures beside the "
+          "measured ones; run: python tools/bench_dpo.py --help")

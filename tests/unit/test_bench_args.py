@@ -63,13 +63,18 @@ def test_what_no_worker_could_run_is_refused_while_parsing(tool, argv, message, 
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
-def test_cuda_without_a_gpu_is_refused_while_parsing(capsys):
+def test_cuda_without_a_gpu_is_refused_before_any_worker(monkeypatch, capsys):
+    """Parsed (the GPU script's commands parse anywhere), then refused when the tool runs."""
+    import subprocess
+
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: --device cuda is valid here")
-    for tool in (bench_dpo, bench_grpo):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a worker started"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a worker started"))
+    for tool, name in ((bench_dpo, "bench_dpo.py"), (bench_grpo, "bench_grpo.py")):
+        assert tool.parse_args(["--device", "cuda"]).device == "cuda"
         with pytest.raises(SystemExit) as exc:
-            tool.parse_args(["--device", "cuda"])
+            tool.main(["--device", "cuda"])
         assert exc.value.code == 2
-        assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+        assert f"{name}: error: --device cuda: no CUDA device here" in capsys.readouterr().err
