@@ -21,6 +21,7 @@ cd "$(dirname "$0")/../.."
 source examples/ascend/env.sh
 ascend_setup_env
 
+[ "${DRY_RUN:-0}" = "1" ] && HF_MODEL=${HF_MODEL:-/models/Qwen3-4B}  # a dry run prints a placeholder
 HF_MODEL=${HF_MODEL:?set HF_MODEL to a local HF model directory, e.g. /models/Qwen3-4B}
 TASK=${TASK:-gsm8k}; DATA=${DATA:-megatron_prune/data/samples/gsm8k_sample.jsonl}
 TP=${TP:-2}; PP=${PP:-1}
