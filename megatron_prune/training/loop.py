@@ -73,23 +73,21 @@ class TrainingParts:
     are kept in ``hf_assets/`` of the save directory, so an export finds them."""
 
 
-def _decay_steps(train: TrainConfig) -> int:
-    return max(train.train_iters, train.lr_warmup_iters + 1)
+def _schedule_of(train: TrainConfig) -> dict[str, Any]:
+    """The schedule fields (:data:`_SCHEDULE_FLAGS`' keys) this launch's flags set."""
+    return {"max_lr": train.lr, "min_lr": train.min_lr, "lr_warmup_steps": train.lr_warmup_iters,
+            "lr_decay_steps": max(train.train_iters, train.lr_warmup_iters + 1),
+            "lr_decay_style": train.lr_decay_style, "start_wd": train.weight_decay}
 
 
 def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
-    decay_steps = _decay_steps(train)
+    schedule = _schedule_of(train)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if train.lr_warmup_iters else train.lr,
-        max_lr=train.lr,
-        min_lr=train.min_lr,
-        lr_warmup_steps=train.lr_warmup_iters,
-        lr_decay_steps=decay_steps,
-        lr_decay_style=train.lr_decay_style,
-        start_wd=train.weight_decay,
+        **schedule,
         end_wd=train.weight_decay,
-        wd_incr_steps=decay_steps,
+        wd_incr_steps=schedule["lr_decay_steps"],
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=not train.override_opt_param_scheduler,
         override_opt_param_scheduler=train.override_opt_param_scheduler,
@@ -195,16 +193,20 @@ def _check_iteration(iteration: int, train_iters: int, load: str) -> None:
                          f"{train_iters}: nothing to train; raise --train-iters above {iteration} to train further")
 
 
-def _resumed_objective_state(ckpt: CheckpointConfig, *, lora: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The checkpoint's meta.json and the objective state (data position, samplers) that ``--load``
-    will resume, or None for a fresh start or a weights-only start (``--finetune``, a checkpoint
-    without optimizer, a LoRA base)."""
+def _resumed_state(ckpt: CheckpointConfig, *, lora: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The checkpoint's meta.json and trainer state (``trainer_state.pt``: the objective's data
+    position and samplers, the schedule) that ``--load`` will resume, or None for a fresh start or
+    a weights-only start (``--finetune``, a checkpoint without optimizer, a LoRA base)."""
     if not ckpt.load or ckpt.finetune:
         return None
     meta = ckpt_io.read_meta(ckpt.load)
     if not meta.get("has_optimizer") or (lora and not meta.get("lora")):
         return None
-    return meta, ckpt_io.read_trainer_state(meta["path"]).get("trainer", {}).get("objective", {})
+    return meta, ckpt_io.read_trainer_state(meta["path"])
+
+
+def _objective_state(state: dict[str, Any]) -> dict[str, Any]:
+    return state.get("trainer", {}).get("objective", {})
 
 
 def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters: int, lora: bool,
@@ -215,10 +217,10 @@ def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters
     checked before any rank starts (also under ``--dry-run``). The data size needs the loaded data:
     the trainers check it with :func:`check_resumed_data_size` as soon as the data is read, before
     any model is built. A weights-only start resumes nothing and is not checked."""
-    resumed = _resumed_objective_state(ckpt, lora=lora)
+    resumed = _resumed_state(ckpt, lora=lora)
     if resumed is None:
         return
-    meta, saved = resumed
+    meta, saved = resumed[0], _objective_state(resumed[1])
     _check_same_trainer(meta, kind, ckpt.load)
     problem = None if optimizer is None else ckpt_io.optimizer_mismatch(meta, optimizer)
     if problem:
@@ -230,8 +232,8 @@ def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters
 def check_resumed_data_size(ckpt: CheckpointConfig, *, num_samples: int, kind: str, lora: bool) -> None:
     """The training data has as many samples as the data ``--load`` resumes a position in (the
     refusal :func:`resume` would make after building the model, made before it)."""
-    resumed = _resumed_objective_state(ckpt, lora=lora)
-    sampler = (resumed[1].get("sampler") if resumed else None) or {}
+    resumed = _resumed_state(ckpt, lora=lora)
+    sampler = (_objective_state(resumed[1]).get("sampler") if resumed else None) or {}
     if sampler:
         _check_num_samples(sampler.get("num_samples"), num_samples, ckpt.load, kind=kind)
 
@@ -352,16 +354,14 @@ def say_resume_notes(configs: dict[str, Any], *, lora: bool) -> None:
     from megatron_prune.training.session import flag_record
 
     ckpt, train = configs["CheckpointConfig"], configs["TrainConfig"]
-    if _resumed_objective_state(ckpt, lora=lora) is None:
+    resumed = _resumed_state(ckpt, lora=lora)
+    if resumed is None:
         return
-    meta = ckpt_io.read_meta(ckpt.load)
+    meta, state = resumed
     _say_flags_changed(meta.get("flags"), flag_record(configs))
-    saved = ckpt_io.read_trainer_state(meta["path"]).get("scheduler") or {}
-    if saved:
-        launch = {"max_lr": train.lr, "min_lr": train.min_lr, "lr_warmup_steps": train.lr_warmup_iters,
-                  "lr_decay_steps": _decay_steps(train), "lr_decay_style": train.lr_decay_style,
-                  "start_wd": train.weight_decay}
-        _say_schedule_kept(launch, saved, train_iters=train.train_iters, override=train.override_opt_param_scheduler)
+    if state.get("scheduler"):
+        _say_schedule_kept(_schedule_of(train), state["scheduler"], train_iters=train.train_iters,
+                           override=train.override_opt_param_scheduler)
 
 
 def _say_schedule_kept(launch: dict[str, Any], saved: dict, *, train_iters: int, override: bool) -> None:
