@@ -183,6 +183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-steps", type=int, default=3,
                    help="timed steps replayed (same pruning draws) to measure peak memory (default: 3)")
     p.add_argument("--recompute-activations", action="store_true", help="full activation recompute")
+    p.add_argument("--skip-invalid-records", action="store_true",
+                   help="skip (count and log) records that are malformed or unusable at --max-seq-length, e.g. "
+                        "responses identical after truncation, instead of stopping at the first one")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train LoRA adapters of this rank (alpha = rank) on every linear, adapter-off reference; "
                         "0 = full-parameter training with an online reference")
@@ -240,9 +243,11 @@ def load_pairs(args, vocab_size: int):
     tok = load_tokenizer("tiny")
     ds = PreferenceDataset(args.data_path or [HH_RLHF_SAMPLE], tokenizer=tok,
                            config=PreferenceDataConfig(max_seq_length=args.max_seq_length,
-                                                       max_prompt_length=args.max_prompt_length))
+                                                       max_prompt_length=args.max_prompt_length,
+                                                       skip_invalid=args.skip_invalid_records))
     if len(ds) < args.pairs:
-        raise SystemExit(f"the data has {len(ds)} pairs, fewer than --pairs {args.pairs}")
+        raise SystemExit(f"bench_dpo.py: the data has {len(ds)} usable pairs at --max-seq-length "
+                         f"{args.max_seq_length}, fewer than --pairs {args.pairs}")
     ids = random.Random(SEED).sample(range(len(ds)), args.pairs)
 
     def remap(seq):  # spread the tiny tokenizer's ids over the model vocabulary; keep pad fixed
@@ -254,6 +259,17 @@ def load_pairs(args, vocab_size: int):
         out.append((i, dataclasses.replace(pr, prompt_ids=remap(pr.prompt_ids), chosen_ids=remap(pr.chosen_ids),
                                            rejected_ids=remap(pr.rejected_ids))))
     return out, tok.pad_id
+
+
+def check_pairs(args) -> None:
+    """Load the pairs once before any worker starts, so bad data stops the tool in one line."""
+    from megatron_prune.data.records import DataError
+
+    try:
+        load_pairs(args, build_arch(args).vocab_size)
+    except DataError as err:
+        hint = "" if args.skip_invalid_records else "; pass --skip-invalid-records to skip such records"
+        raise SystemExit(f"bench_dpo.py: {err}{hint}") from None
 
 
 # --------------------------------------------------------------------------------------- worker
@@ -524,6 +540,8 @@ def launch(args, mode: str, out_path: str, *, lora_rank: int | None = None) -> N
         worker += ["--data-path", *args.data_path]
     if args.recompute_activations:
         worker.append("--recompute-activations")
+    if args.skip_invalid_records:
+        worker.append("--skip-invalid-records")
     if args.profile:
         worker += ["--profile", args.profile]
     nproc = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
@@ -710,6 +728,7 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_prune.arguments import exit_without_device
 
     exit_without_device("bench_dpo.py", args.device)
+    check_pairs(args)
     from megatron_prune.model.arch import ModelArch
     from megatron_prune.model.provider import padded_vocab_size
 

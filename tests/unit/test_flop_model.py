@@ -216,12 +216,33 @@ def test_prompt_limit_follows_a_short_max_seq_length_and_is_checked(capsys):
 
 
 def test_a_failed_mode_fails_the_run(tmp_path, capsys):
-    broken = tmp_path / "broken.jsonl"  # a data file the flags accept and the worker cannot read
-    broken.write_text("not a JSON record\n")
-    with pytest.raises(SystemExit, match="failed.*concat"):
-        bench_dpo.main(["--modes", "concat", "--data-path", str(broken), "--steps", "1", "--warmup", "0",
+    with pytest.raises(SystemExit, match="failed.*concat"):  # a worker killed by --timeout
+        bench_dpo.main(["--modes", "concat", "--steps", "1", "--warmup", "0", "--timeout", "0.5",
                         "--json", str(tmp_path / "out.json")])
     assert "concat: FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "broken.jsonl:1: malformed json"),
+    (["--skip-invalid-records"], "broken.jsonl: no usable preference pairs"),
+])
+def test_bad_data_stops_the_tool_in_one_line_before_any_worker(tmp_path, monkeypatch, extra, message):
+    broken = tmp_path / "broken.jsonl"  # a data file the flags accept and no worker could read
+    broken.write_text("not a JSON record\n")
+    monkeypatch.setattr(bench_dpo, "launch", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(SystemExit) as exc:
+        bench_dpo.main(["--modes", "concat", "--data-path", str(broken), *extra])
+    assert message in str(exc.value) and str(exc.value).startswith("bench_dpo.py: ")
+    assert ("--skip-invalid-records" in str(exc.value)) == (not extra)
+
+
+def test_records_unusable_at_a_short_max_seq_length_are_named_or_skipped(capsys):
+    args = bench_dpo.parse_args(["--max-seq-length", "16", "--pairs", "4"])
+    with pytest.raises(SystemExit, match=r"hh_rlhf_sample.jsonl:\d+: identical responses.*--skip-invalid-records"):
+        bench_dpo.check_pairs(args)
+    args = bench_dpo.parse_args(["--max-seq-length", "16", "--pairs", "4", "--skip-invalid-records"])
+    pairs, _ = bench_dpo.load_pairs(args, 1000)
+    assert len(pairs) == 4 and all(p.chosen_ids != p.rejected_ids for _, p in pairs)
 
 
 def test_a_missing_data_file_is_refused_before_any_mode_runs(tmp_path, capsys):
