@@ -6,7 +6,7 @@ import array
 import hashlib
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,13 @@ def _fingerprint(dataset: PreferenceDataset, extra: str) -> str:
     return h.hexdigest()[:16]
 
 
+def reference_table_key(dataset: PreferenceDataset, *, arch, identity: str, seed: int, bf16: bool) -> str:
+    """Key of a precomputed reference table: the tokens (see :func:`_fingerprint`), the
+    architecture, the reference's identity, the seed (a preset's initialisation) and the precision
+    it was scored in (bf16 log-probs are not fp32's: the step-0 log-ratio would not be 0)."""
+    return _fingerprint(dataset, f"{arch.to_dict()}|{identity}|{seed}|{'bf16' if bf16 else 'fp32'}")
+
+
 def reference_identity(ref_meta: dict, *, ref_source: str | None, lora_base: dict | None,
                        adapter_off_base: bool) -> str:
     """What a precomputed reference table was scored with, by content, not by path: the LoRA
@@ -127,9 +134,29 @@ def reference_identity(ref_meta: dict, *, ref_source: str | None, lora_base: dic
     return "initialisation"
 
 
+def reference_cache_dir(dpo: DPOConfig, ckpt: CheckpointConfig) -> str:
+    """Where ``--ref-mode precomputed`` keeps its tables: ``--ref-cache``, else ``ref_logps`` under
+    ``--save``, else beside the first training file."""
+    return dpo.ref_cache or os.path.join(ckpt.save or os.path.dirname(os.path.abspath(dpo.data_path[0])), "ref_logps")
+
+
+def check_reference_cache_writable(dpo: DPOConfig, ckpt: CheckpointConfig, *, table: str | None = None) -> None:
+    """UsageError unless the reference cache can be written, checked before the reference pass
+    that fills it (``table``: the one file it would write, when known). A folder that already
+    holds tables may be read-only: a shared cache is reused, never written."""
+    cache_dir = reference_cache_dir(dpo, ckpt)
+    if table is None and os.path.isdir(cache_dir) and any(
+            n.startswith("ref_logps_") and n.endswith(".pt") for n in os.listdir(cache_dir)):
+        return
+    flag = "--ref-cache" if dpo.ref_cache else "--ref-cache (default: ref_logps under --save, else beside --data-path)"
+    session.check_writable(flag, cache_dir, file=table)
+
+
 def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cache_dir: str,
-                         fingerprint: str, batch: int) -> dict[tuple[int, int], torch.Tensor]:
-    """Reference log-probs of every response token of ``dataset``, cached on disk and reused.
+                         fingerprint: str, batch: int,
+                         writable: Callable[[str], None] | None = None) -> dict[tuple[int, int], torch.Tensor]:
+    """Reference log-probs of every response token of ``dataset``, cached on disk and reused;
+    ``writable(path)`` raises before the pass when the table could not be stored.
 
     Computed with the starting policy (which is the reference) before training; every rank
     receives the whole table, because a pair may land on any DP rank in a later step.
@@ -144,6 +171,8 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
         if is_logging_rank():
             print(f"[megatron-prune] reusing reference log-probs {path}", flush=True)
         return table
+    if writable is not None:
+        writable(path)
     table: dict[tuple[int, int], torch.Tensor] = {}
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -195,6 +224,8 @@ def check_dpo_flags(configs: dict[str, Any]) -> session.LaunchChecks:
         ref_mode = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
     except ValueError as exc:
         raise session.UsageError(str(exc)) from None
+    if ref_mode == "precomputed":
+        check_reference_cache_writable(dpo, configs["CheckpointConfig"])
     arch, lora_base = session.resolve_model_and_base(configs, kind="dpo")
     spec, tokenizer = session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
     return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec,
@@ -267,14 +298,14 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         eval_runner = DPOStep(settings=off, policy=parts.model, reference=reference)
     else:
         reference = make_reference()
-        cache_dir = dpo.ref_cache or os.path.join(ckpt_cfg.save or os.path.dirname(os.path.abspath(dpo.data_path[0])),
-                                                  "ref_logps")
+        cache_dir = reference_cache_dir(dpo, ckpt_cfg)
         identity = reference_identity(ref_meta, ref_source=ref_source, lora_base=lora_base,
                                       adapter_off_base=lora_on and not dpo.ref_load)
-        fp = _fingerprint(dataset, f"{arch.to_dict()}|{identity}|{train_cfg.seed}")
+        fp = reference_table_key(dataset, arch=arch, identity=identity, seed=train_cfg.seed, bf16=model_cfg.bf16)
         precompute_off = DPOStep(settings=off, policy=parts.model, reference=reference)
         table = precompute_reference(runner_off=precompute_off, dataset=dataset, cache_dir=cache_dir,
-                                     fingerprint=fp, batch=train_cfg.micro_batch_size)
+                                     fingerprint=fp, batch=train_cfg.micro_batch_size,
+                                     writable=lambda path: check_reference_cache_writable(dpo, ckpt_cfg, table=path))
         eval_runner = precompute_off if eval_dataset is not None else None
         if eval_dataset is None:
             del reference

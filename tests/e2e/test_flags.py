@@ -106,6 +106,13 @@ BAD = [
     pytest.param(["--tensorboard-dir", "tb"], 1, "--tensorboard-dir tb needs the tensorboard package", id="no-tensorboard",
                  marks=pytest.mark.skipif(__import__("importlib").util.find_spec("tensorboard") is not None,
                                           reason="tensorboard is installed here")),
+    pytest.param(["--ref-mode", "precomputed", "--ref-cache", "/proc/megatron-prune-cache"], 1,
+                 "--ref-cache /proc/megatron-prune-cache: cannot write into /proc", id="ref-cache-unwritable",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")),
+    pytest.param(["--ref-mode", "precomputed", "--save", "/proc/megatron-prune-save"], 1,
+                 "--ref-cache (default: ref_logps under --save, else beside --data-path) "
+                 "/proc/megatron-prune-save/ref_logps: cannot write into /proc", id="ref-cache-default-unwritable",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")),
     pytest.param(["--metrics-jsonl", "/proc/megatron-prune/m.jsonl"], 1,
                  "--metrics-jsonl /proc/megatron-prune/m.jsonl: cannot write into /proc", id="metrics-unwritable",
                  marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")),

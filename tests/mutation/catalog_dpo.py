@@ -338,6 +338,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/test_ref_cache_key.py"],
     },
     {
+        "name": "dpo-ref-cache-key-ignores-precision",
+        "why": "the reference cache key leaves out the precision: a table scored under --bf16 is reused by an fp32 "
+               "run (or the other way round), so the step-0 log-ratio is not 0",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "{seed}|{'bf16' if bf16 else 'fp32'}",
+        "new": "{seed}",
+        "tests": ["tests/unit/test_ref_cache_key.py"],
+    },
+    {
         "name": "dpo-sequence-pruning-keeps-suffix",
         "why": "sequence pruning keeps each response's last tokens, scored without the context that was cut",
         "file": "megatron_prune/dpo/batch.py",

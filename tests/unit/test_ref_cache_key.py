@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 
 from megatron_prune.data.preference import PreferencePair
-from megatron_prune.dpo.trainer import _fingerprint
+from megatron_prune.dpo.trainer import _fingerprint, reference_table_key
 
 
 def _data(*pairs: tuple[list[int], list[int], list[int]], source: str = "a.jsonl"):
@@ -50,3 +50,17 @@ def test_reference_is_identified_by_its_weights_not_its_path(tmp_path):
     keys = {reference_identity({"reference_load": None, "reference_hf_model": None}, ref_source=None, lora_base=b,
                                adapter_off_base=True) for b in bases}
     assert len(keys) == 2
+
+
+def test_key_changes_with_the_precision_seed_architecture_and_reference():
+    from megatron_prune.model.arch import get_preset
+
+    data = _data(([1, 2, 3], [4, 5], [6]))
+    tiny = get_preset("tiny")
+    key = reference_table_key(data, arch=tiny, identity="initialisation", seed=1, bf16=False)
+    assert key == reference_table_key(data, arch=tiny, identity="initialisation", seed=1, bf16=False)
+    others = [reference_table_key(data, arch=tiny, identity="initialisation", seed=1, bf16=True),
+              reference_table_key(data, arch=tiny, identity="initialisation", seed=2, bf16=False),
+              reference_table_key(data, arch=tiny, identity="hf:abc", seed=1, bf16=False),
+              reference_table_key(data, arch=get_preset("tiny-tied"), identity="initialisation", seed=1, bf16=False)]
+    assert key not in others and len(set(others)) == len(others)
