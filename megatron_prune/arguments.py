@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -226,6 +227,18 @@ def _base_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: NaN and infinity are refused at parse time (no flag
+    means anything by them, and comparisons like ``x < 0`` let them through)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -265,7 +278,8 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str, 
                                    help=f"Turn {flag} off (default: {_shown(bool(shown))}).")
             continue
         suffix = "" if shown is None or shown == [] else f" (default: {_shown(shown)})"
-        kwargs: dict[str, Any] = dict(dest=dest, type=base, default=default, help=f"{help_text}{suffix}")
+        kwargs: dict[str, Any] = dict(dest=dest, type=finite_float if base is float else base, default=default,
+                                      help=f"{help_text}{suffix}")
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]  # argparse shows them as {a,b,...}
         else:

@@ -7,6 +7,7 @@ translate into the component configs of :mod:`megatron_prune.grpo` (``AdvantageC
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -90,8 +91,8 @@ class GRPOConfig:
         for name in ("toy_num_prompts", "max_new_tokens", "ppo_epochs", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.rollout_micro_batch_size is not None and self.rollout_micro_batch_size < 1:

@@ -15,6 +15,7 @@ tokens, or a constant): dividing by the kept token count would bias the gradient
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,8 @@ class GRPOLossConfig:
             raise ValueError(f"clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         if not self.clip_eps_high >= 0.0:
             raise ValueError(f"clip_eps_high must be >= 0, got {self.clip_eps_high}")
-        if not self.kl_beta >= 0.0:
-            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if not (self.kl_beta >= 0.0 and math.isfinite(self.kl_beta)):
+            raise ValueError(f"kl_beta must be a finite number >= 0, got {self.kl_beta}")
 
 
 def _per_token(value: torch.Tensor, *, like: torch.Tensor, name: str) -> torch.Tensor:

@@ -8,6 +8,7 @@ computes the same function at every expert-parallel layout; the router runs in f
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,8 @@ def moe_config_kwargs(arch: ModelArch, parallel, *, grouped_gemm: bool) -> dict:
     if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
         raise ValueError("a mixture-of-experts model at --tensor-model-parallel-size > 1 needs --sequence-parallel")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-        if getattr(parallel, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(parallel, name)}")
+        if not (getattr(parallel, name) >= 0 and math.isfinite(getattr(parallel, name))):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(parallel, name)}")
     return dict(
         num_moe_experts=arch.num_experts,
         moe_router_topk=arch.num_experts_per_tok,

@@ -181,3 +181,14 @@ def test_bad_arguments_raise(overrides, message):
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
         GRPOLossConfig(**{field: value})
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, -0.1])
+def test_settings_refuse_values_no_run_can_use(value):
+    """The configs refuse NaN and infinity too (code that builds them without the CLI's parser)."""
+    from megatron_prune.grpo.rollout import SamplingSettings
+
+    with pytest.raises(ValueError, match="kl_beta must be a finite number >= 0"):
+        GRPOLossConfig(kl_beta=value)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingSettings(max_new_tokens=4, eos_id=1, pad_id=0, vocab_size=8, seed=0, temperature=value)
