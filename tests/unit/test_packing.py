@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_prune.data import GSM8K_SAMPLE
 from megatron_prune.data.packing import (
     PackedRow,
     pack_sequences,
@@ -22,7 +23,7 @@ from megatron_prune.data.packing import (
     unpack_row,
 )
 
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+GSM8K = Path(GSM8K_SAMPLE)  # the bundled 300 GSM8K problems
 
 
 def check_plan(plan, lengths, capacity):
@@ -154,11 +155,10 @@ def test_pack_tensors_validates():
         unpack(torch.zeros(3, 8), plan)
 
 
-@pytest.mark.skipif(not GSM8K.exists(), reason="GSM8K data not present")
 def test_density_on_gsm8k_lengths():
-    """GSM8K-like lengths (question + answer characters / 4 as a token estimate), 400 records."""
+    """GSM8K lengths (question + answer characters / 4 as a token estimate) of the bundled 300 records."""
     with GSM8K.open() as handle:
-        records = [json.loads(line) for _, line in zip(range(400), handle)]
+        records = [json.loads(line) for _, line in zip(range(300), handle)]
     lengths = [max(1, (len(r["question"]) + len(r["answer"])) // 4) for r in records]
     capacity = 512
     lower_bound = -(-sum(lengths) // capacity)
