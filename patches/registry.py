@@ -106,6 +106,12 @@ def _resolve(patch: Patch) -> tuple[Any, str, Any]:
                 raise AttributeError(parts[-1])
         except AttributeError:
             break
+        if isinstance(owner, type) and parts[-1] not in owner.__dict__:
+            # Patching the subclass would shadow the base's method, and undoing it would leave the
+            # shadow: the target moved, so the patch must be rewritten for where it now lives.
+            raise PatchTargetError(
+                f"patch {patch.name!r}: {patch.target} is now inherited, not defined on {owner.__qualname__}, in "
+                f"{patch.package} {installed_version(patch.package)}; the patch needs updating")
         # Read through __dict__ so staticmethod/classmethod wrappers are preserved.
         value = owner.__dict__[parts[-1]] if isinstance(owner, type) else getattr(owner, parts[-1])
         return owner, parts[-1], value
@@ -190,9 +196,10 @@ def rewrite_source(*replacements: tuple[str, str]) -> Callable[[Any], Any]:
         source = textwrap.dedent(inspect.getsource(func))
         for old, new in replacements:
             if old not in source:
+                package = "mindspeed" if func.__module__.startswith("mindspeed") else "megatron-core"
                 raise PatchTargetError(
                     f"{func.__module__}.{func.__qualname__}: expected text {old!r} not found in "
-                    f"megatron-core {installed_version('megatron-core')}; the patch needs updating"
+                    f"{package} {installed_version(package)}; the patch needs updating"
                 )
             source = source.replace(old, new)
         # staticmethod/classmethod are re-applied below; other decorators are kept.

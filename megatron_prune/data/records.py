@@ -143,11 +143,6 @@ def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] 
         yield from _iter_json(path)
 
 
-def count_records(path: str | os.PathLike) -> int:
-    """Number of records :func:`iter_records` yields for ``path`` (good and bad)."""
-    return sum(1 for _ in iter_records(path))
-
-
 def _iter_json(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
     compressed = path.lower().endswith(".gz")
     try:

@@ -361,13 +361,6 @@ def hf_tensors(rule: TensorRule, *, layer: int | None, tensor: torch.Tensor) -> 
     return dict(zip(rule.names(layer), rule.to_hf(tensor)))
 
 
-def iter_megatron_tensors(hf: Mapping[str, torch.Tensor], arch: ModelArch) -> Iterator[tuple[str, int | None, torch.Tensor]]:
-    """Yield ``(megatron key, layer or None, tensor)`` one at a time (only that tensor's HF inputs read)."""
-    for rule in tensor_rules(arch):
-        for layer in layer_indices(rule, arch):
-            yield rule.megatron_key, layer, megatron_tensor(rule, layer=layer, hf=hf)
-
-
 class PerExpertView(Mapping):
     """A lazy view of HF tensors in which the fused expert layout of newer transformers releases
     (``mlp.experts.gate_up_proj [E, 2I, h]``, ``mlp.experts.down_proj [E, h, I]``) reads as the

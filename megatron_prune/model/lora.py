@@ -186,14 +186,6 @@ def is_lora_model(chunks) -> bool:
     return bool(lora_modules(chunks))
 
 
-def lora_parameters(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) of every adapter weight of ``chunks``."""
-    for c in chunks:
-        for name, p in _unwrap(c).named_parameters():
-            if name.endswith((".lora_A", ".lora_B")):
-                yield name, p
-
-
 def _convert(module: torch.nn.Module, *, name: str, config: LoRAConfig) -> None:
     if type(module) is ColumnParallelLinear:
         module.__class__ = LoRAColumnParallelLinear
@@ -308,11 +300,6 @@ def apply_lora(chunks: list[torch.nn.Module], config: LoRAConfig, *, seed: int) 
             chunk.embedding.register_forward_hook(_first_stage_input_requires_grad)
     init_adapters(chunks, seed=seed)
     return count
-
-
-def set_adapters_enabled(chunks, enabled: bool) -> None:
-    for m in lora_modules(chunks):
-        m.lora_enabled = enabled
 
 
 @contextlib.contextmanager

@@ -23,6 +23,10 @@ def make(n):
 class K:
     def m(self):
         return "cuda"
+
+
+class Sub(K):
+    pass
 '''
 
 
@@ -84,6 +88,15 @@ def test_moved_target_names_symbol_and_version(scratch):
                             group="t", checked_versions=("0.16.1",)))
     with pytest.raises(PatchTargetError, match=r"megatron\._mp_scratch\.vanished.*megatron-core"):
         registry.apply_patches("t")
+
+
+def test_a_method_now_inherited_is_a_moved_target(scratch):
+    """Patching the subclass would shadow the base's method (and a revert would leave the shadow)."""
+    mod, _ = scratch
+    registry.register(Patch(name="inherited", target="megatron._mp_scratch.Sub.m", reason="x", build=_wrap, group="t"))
+    with pytest.raises(PatchTargetError, match=r"megatron\._mp_scratch\.Sub\.m is now inherited, not defined on Sub"):
+        registry.apply_patches("t")
+    assert "m" not in mod.Sub.__dict__ and mod.Sub().m() == "cuda"
 
 
 def test_rewrite_source_function_and_method(scratch):

@@ -28,7 +28,8 @@ def encode(record) -> bytes:
 
 @st.composite
 def valid_line(draw):
-    prompt, chosen, rejected = draw(short_text), "a" + draw(short_text), "b" + draw(short_text)
+    prompt = draw(short_text.filter(str.strip))  # a blank prompt is a bad record ("empty prompt")
+    chosen, rejected = "a" + draw(short_text), "b" + draw(short_text)
     shape = draw(st.sampled_from(["explicit", "messages", "hh", "helpsteer3"]))
     if shape == "explicit":
         return encode({"prompt": prompt, "chosen": chosen, "rejected": rejected})

@@ -83,7 +83,7 @@ def test_other_moe_families_are_refused():
         (dict(expert_model_parallel_size=3), "not divisible"),
         (dict(tensor_model_parallel_size=2), "needs --sequence-parallel"),
         (dict(moe_token_dispatcher="flex"), "dispatcher"),
-        (dict(moe_aux_loss_coeff=-1.0), "must be >= 0"),
+        (dict(moe_aux_loss_coeff=-1.0), "must be a finite number >= 0"),
     ],
 )
 def test_bad_moe_layouts_are_refused(parallel, match):
