@@ -290,8 +290,11 @@ class PruneConfig:
             raise ValueError(f"--prune-branch-chosen-prob must be in (0, 1), got {self.branch_chosen_prob}")
 
     @classmethod
-    def off(cls) -> "PruneConfig":
-        return cls(position_ratio=1.0, seq_min_ratio=1.0, branch=False)
+    def off(cls, *, selective_head: bool = True) -> "PruneConfig":
+        """No pruning of the objective (position, sequence, branch); the head is the run's choice:
+        it is exact either way, and evaluation or a precomputed reference scored with another head
+        than the training pass would differ from it by rounding."""
+        return cls(position_ratio=1.0, seq_min_ratio=1.0, branch=False, selective_head=selective_head)
 
 
 @dataclass(kw_only=True)

@@ -279,8 +279,8 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
                         **session.tokenizer_meta(tokenizer_spec), "flags": session.flag_record(configs)}
     settings = DPOStepSettings(dpo=dpo, prune=prune, seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size,
                                pad_id=tokenizer.pad_id)
-    off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(), seed=train_cfg.seed,
-                          micro_batch_size=train_cfg.micro_batch_size, pad_id=tokenizer.pad_id)
+    off = DPOStepSettings(dpo=dpo, prune=PruneConfig.off(selective_head=prune.selective_head),
+                          seed=train_cfg.seed, micro_batch_size=train_cfg.micro_batch_size, pad_id=tokenizer.pad_id)
 
     def make_reference():
         # Under LoRA the base weights are the starting model, so the adapter-off policy is the
