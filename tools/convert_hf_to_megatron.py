@@ -38,10 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_prune.arguments import tool_logging
 
     tool_logging()
-    from megatron_prune.model.hf_convert import check_save_dir, convert_hf_to_megatron, read_hf_arch
+    from megatron_prune.model.hf_convert import check_hf_weights, check_save_dir, convert_hf_to_megatron, read_hf_arch
 
     try:
-        arch = read_hf_arch(args.hf_dir)  # refuse an unsupported model before starting anything
+        arch = read_hf_arch(args.hf_dir)  # refuse an unsupported model or unreadable weights before starting anything
+        check_hf_weights(args.hf_dir, arch)
         check_save_dir(args.save)
         from megatron_prune.model.provider import ParallelConfig
         from megatron_prune.training.parallel import initialize_distributed, validate_layout

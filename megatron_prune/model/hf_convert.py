@@ -95,12 +95,27 @@ def read_hf_arch(hf_dir: str) -> ModelArch:
     return arch_from_hf_config(read_hf_config(hf_dir), source=os.path.join(hf_dir, "config.json"))
 
 
+@contextlib.contextmanager
+def safe_open_checked(path: str):
+    """safetensors' ``safe_open`` whose errors (a truncated or foreign file) name the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
 def _weight_files(hf_dir: str) -> dict[str, str]:
     """HF tensor name -> safetensors file path."""
     index = os.path.join(hf_dir, SAFETENSORS_INDEX)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map") or {}
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map") or {}
+        except (ValueError, AttributeError) as exc:  # not JSON, or JSON that is not an object
+            raise ValueError(f"{index}: not a safetensors index ({exc})") from None
         if not weight_map:
             raise ValueError(f"{index}: no weight_map")
         files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
@@ -110,9 +125,7 @@ def _weight_files(hf_dir: str) -> dict[str, str]:
         return files
     single = os.path.join(hf_dir, SAFETENSORS_SINGLE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with safe_open_checked(single) as f:
             return {name: single for name in f.keys()}
     legacy = [n for n in os.listdir(hf_dir) if n.startswith("pytorch_model") and n.endswith(".bin")]
     hint = (" (found PyTorch .bin weights: re-save them with save_pretrained(..., safe_serialization=True))"
@@ -134,9 +147,7 @@ class HFCheckpoint(Mapping):
 
     @contextlib.contextmanager
     def _open(self, name: str):
-        from safetensors import safe_open
-
-        with safe_open(self._files[name], framework="pt") as f:
+        with safe_open_checked(self._files[name]) as f:
             yield f
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -158,11 +169,9 @@ class HFCheckpoint(Mapping):
         return sorted(set(self._files.values()))
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        from safetensors import safe_open
-
         shapes = {}
         for path in self.files():
-            with safe_open(path, framework="pt") as f:
+            with safe_open_checked(path) as f:
                 shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if self._files.get(n) == path})
         return shapes
 

@@ -192,3 +192,24 @@ def test_tools_started_without_torchrun_suggest_torchrun_not_a_dry_run(llama_dir
         assert exc.value.code == 2, err
         assert "world size 1 is not divisible" in err and "launch it with torchrun --nproc-per-node N)" in err, err
         assert "--dry-run" not in err, err
+
+
+def test_corrupt_weight_files_are_named_in_one_line(llama_dir, tmp_path, monkeypatch, capsys):
+    """A truncated download or a foreign file under the safetensors name, and a broken index."""
+    truncated = tmp_path / "truncated"
+    shutil.copytree(llama_dir, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    err = _usage_error("convert_hf_to_megatron", ["--hf-dir", str(truncated), "--save", str(tmp_path / "a")],
+                       monkeypatch, capsys)
+    assert f"{weights}: not a readable safetensors file" in err
+    weights.write_bytes(b"<html>not found</html>")
+    err = _usage_error("convert_hf_to_megatron", ["--hf-dir", str(truncated), "--save", str(tmp_path / "a")],
+                       monkeypatch, capsys)
+    assert f"{weights}: not a readable safetensors file" in err
+    index = truncated / "model.safetensors.index.json"
+    index.write_text('{"weight_map": \n')
+    err = _usage_error("convert_hf_to_megatron", ["--hf-dir", str(truncated), "--save", str(tmp_path / "a")],
+                       monkeypatch, capsys)
+    assert f"{index}: not a safetensors index" in err
+    assert not (tmp_path / "a").exists()
