@@ -37,6 +37,7 @@ from megatron_prune.data.records import (
     check_encodable,
     iter_records,
     record_error,
+    refuse_empty_files,
 )
 
 logger = logging.getLogger(__name__)
@@ -167,8 +168,12 @@ def load_math_problems(
     config = config or MathDataConfig()
     policy = SkipPolicy(skip_invalid=config.skip_invalid)
     problems: list[MathProblem] = []
+    records_per_file = {}
     for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        before = len(problems) + policy.total()
         problems.extend(iter_math_problems(path, config=config, policy=policy))
+        records_per_file[os.fspath(path)] = len(problems) + policy.total() - before
+    refuse_empty_files(records_per_file, what="math problems")
     if policy.skipped and os.environ.get("RANK", "0") == "0":  # every rank loads the data; one says so
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d math problems, skipped %d records: %s", len(problems), skipped, dict(policy.skipped))

@@ -68,6 +68,7 @@ from megatron_prune.data.records import (
     first_rank,
     iter_records,
     record_error,
+    refuse_empty_files,
 )
 from megatron_prune.data.tokenizer import (
     PLAIN_GENERATION_PROMPT,
@@ -439,9 +440,13 @@ def load_preference_pairs(
     policy = SkipPolicy(skip_invalid=config.skip_invalid)
     truncated = collections.Counter() if truncated is None else truncated
     pairs: list[PreferencePair] = []
+    records_per_file = {}
     for path in _as_list(paths):
+        before = len(pairs) + policy.total()
         pairs.extend(iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy,
                                            truncated=truncated))
+        records_per_file[os.fspath(path)] = len(pairs) + policy.total() - before
+    refuse_empty_files(records_per_file, what="preference pairs")
     says = first_rank()
     if policy.skipped and says:
         skipped = sum(policy.skipped.values())

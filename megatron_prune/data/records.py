@@ -71,6 +71,10 @@ class SkipPolicy:
         self.skip_invalid = skip_invalid
         self.skipped: collections.Counter[str] = collections.Counter()
 
+    def total(self) -> int:
+        """Records skipped so far, for every reason."""
+        return sum(self.skipped.values())
+
     def handle(self, error: DataError) -> None:
         """Count and log ``error`` when skipping invalid records, otherwise raise it."""
         if not self.skip_invalid:
@@ -221,6 +225,16 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]
         raise DataError(path, None, "unreadable parquet", str(exc)) from exc
     for row_no, record in enumerate(table.to_pylist(), start=1):
         yield row_no, record
+
+
+def refuse_empty_files(records_per_file: dict[str, int], *, what: str) -> None:
+    """DataError naming the files that hold no records at all when others do (a failed download
+    among several files); where every file is empty, :class:`LoadedRecords` says so."""
+    empty = [path for path, n in records_per_file.items() if n == 0]
+    if empty and len(empty) < len(records_per_file):
+        kind = "empty data file" if len(empty) == 1 else "empty data files"
+        raise DataError(", ".join(empty), None, kind,
+                        f"no records to read (expected {what}; the other files hold records)")
 
 
 class LoadedRecords:

@@ -120,6 +120,15 @@ def test_bad_records_are_counted_when_skipping(tmp_path, caplog):
     assert any(f"{path}:2: malformed json" in message for message in caplog.messages)
 
 
+def test_an_empty_file_among_others_is_named(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"\n")
+    with pytest.raises(DataError) as info:
+        MathDataset([GSM8K_SAMPLE, str(empty)])
+    assert str(info.value) == (f"{empty}: empty data file: no records to read (expected math problems; the other "
+                               "files hold records)")
+
+
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(

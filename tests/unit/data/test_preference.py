@@ -501,6 +501,11 @@ def test_empty_file_says_it_is_empty(tmp_path, tiny_tokenizer, name, content):
     with pytest.raises(DataError) as info:
         PreferenceDataset([path, other], tokenizer=tiny_tokenizer)
     assert str(info.value) == f"{path}, {other}: empty data files: no records to read (expected preference pairs)"
+    good = write_jsonl(tmp_path / "good.jsonl", [GOOD])  # an empty file among others is named, not passed over
+    with pytest.raises(DataError) as info:
+        PreferenceDataset([good, path], tokenizer=tiny_tokenizer)
+    assert str(info.value) == (f"{path}: empty data file: no records to read (expected preference pairs; the other "
+                               "files hold records)")
 
 
 def test_directory_as_data_path_says_it_is_a_directory(tmp_path, tiny_tokenizer):
