@@ -117,20 +117,28 @@ def reference_identity(ref_meta: dict, *, ref_source: str | None, lora_base: dic
     base's record (it carries the weights' fingerprint) when the adapter-off policy scores it, else
     the reference checkpoint's or HF directory's weight fingerprint, or, for a preset's
     initialisation, nothing beyond the architecture and seed the key adds. Two bases of one
-    architecture, or new weights written where old ones were, then never share a table."""
+    architecture, or new weights written where old ones were, then never share a table: the
+    weights are hashed whole (the base's record alone samples them), which costs a read of the
+    weights, far less than the reference pass it saves."""
     import json
 
     from megatron_prune.model.lora_base import hf_fingerprint, megatron_fingerprint
 
-    if adapter_off_base:
-        return json.dumps(lora_base, sort_keys=True)
-    if ref_source is not None:
-        from megatron_prune.training.checkpoint import read_meta
+    from megatron_prune.training.checkpoint import read_meta
 
+    if adapter_off_base:
+        record = json.dumps(lora_base, sort_keys=True)
+        if lora_base.get("kind") == "hf":
+            return record + "|hf:" + hf_fingerprint(lora_base["path"], full=True)
+        if lora_base.get("kind") == "megatron":
+            meta = read_meta(lora_base["path"])
+            return record + "|megatron:" + megatron_fingerprint(meta["path"], meta, full=True)
+        return record
+    if ref_source is not None:
         meta = read_meta(ref_source)
-        return "megatron:" + megatron_fingerprint(meta["path"], meta)
+        return "megatron:" + megatron_fingerprint(meta["path"], meta, full=True)
     if ref_meta.get("reference_hf_model"):
-        return "hf:" + hf_fingerprint(ref_meta["reference_hf_model"])
+        return "hf:" + hf_fingerprint(ref_meta["reference_hf_model"], full=True)
     return "initialisation"
 
 

@@ -102,8 +102,23 @@ def _samples(f, begin: int, end: int) -> bytes:
     return out
 
 
-def megatron_fingerprint(ckpt: str, meta: dict) -> str:
-    """A cheap, location-independent fingerprint of the iteration directory ``ckpt`` (``meta``: its meta.json)."""
+def _range_digest(f, begin: int, end: int) -> bytes:
+    """SHA-256 of every byte in [begin, end) of the open file ``f``, read in blocks."""
+    digest = hashlib.sha256()
+    f.seek(begin)
+    left = end - begin
+    while left > 0:
+        block = f.read(min(1 << 24, left))
+        if not block:
+            break
+        digest.update(block)
+        left -= len(block)
+    return digest.digest()
+
+
+def megatron_fingerprint(ckpt: str, meta: dict, *, full: bool = False) -> str:
+    """A cheap, location-independent fingerprint of the iteration directory ``ckpt`` (``meta``: its
+    meta.json); ``full``: of every byte, not samples (slower; what a cache of its outputs needs)."""
     digest = hashlib.sha256()
     digest.update(json.dumps({"arch": meta["arch"], "iteration": meta["iteration"]}, sort_keys=True).encode())
     dist_dir = os.path.join(ckpt, "dist")
@@ -113,7 +128,7 @@ def megatron_fingerprint(ckpt: str, meta: dict) -> str:
             continue  # the tensors' index and data only
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            body = f.read() if name == ".metadata" else _samples(f, 0, size)
+            body = f.read() if name == ".metadata" else (_range_digest if full else _samples)(f, 0, size)
         digest.update(f"{name}|{size}|".encode())
         digest.update(body)
     return "sha256:" + digest.hexdigest()
@@ -125,8 +140,9 @@ def megatron_base(meta: dict) -> BaseSource:
     return BaseSource(kind="megatron", path=ckpt, arch=meta["arch"], fingerprint=megatron_fingerprint(ckpt, meta))
 
 
-def hf_fingerprint(hf_dir: str) -> str:
-    """A cheap, location- and sharding-independent fingerprint of an HF directory's weights."""
+def hf_fingerprint(hf_dir: str, *, full: bool = False) -> str:
+    """A cheap, location- and sharding-independent fingerprint of an HF directory's weights;
+    ``full``: of every byte, not samples (slower; what a cache of its outputs needs)."""
     entries: list[tuple[str, str, list[int], bytes]] = []
     for path in _safetensors_files(hf_dir):
         with open(path, "rb") as f:
@@ -137,7 +153,7 @@ def hf_fingerprint(hf_dir: str) -> str:
                 if name == "__metadata__":
                     continue
                 begin, end = info["data_offsets"]
-                samples = _samples(f, data_start + begin, data_start + end)
+                samples = (_range_digest if full else _samples)(f, data_start + begin, data_start + end)
                 entries.append((name, info["dtype"], list(info["shape"]), samples))
     digest = hashlib.sha256()
     for name, dtype, shape, samples in sorted(entries):

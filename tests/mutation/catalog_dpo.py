@@ -324,7 +324,7 @@ MUTANTS: list[dict] = [
         "why": "the reference cache names an HF reference by its path: new weights written there reuse the table "
                "of the old ones, and a copy of the same weights elsewhere recomputes it",
         "file": "megatron_prune/dpo/trainer.py",
-        "old": 'return "hf:" + hf_fingerprint(ref_meta["reference_hf_model"])',
+        "old": 'return "hf:" + hf_fingerprint(ref_meta["reference_hf_model"], full=True)',
         "new": 'return "hf:" + ref_meta["reference_hf_model"]',
         "tests": ["tests/unit/test_ref_cache_key.py"],
     },
@@ -333,7 +333,7 @@ MUTANTS: list[dict] = [
         "why": "under LoRA the cache key leaves out the base the adapter-off policy scores with: two bases of one "
                "architecture share a table",
         "file": "megatron_prune/dpo/trainer.py",
-        "old": "        return json.dumps(lora_base, sort_keys=True)\n",
+        "old": "        record = json.dumps(lora_base, sort_keys=True)\n",
         "new": '        return "initialisation"\n',
         "tests": ["tests/unit/test_ref_cache_key.py"],
     },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 
 from megatron_prune.data.preference import PreferencePair
@@ -44,6 +45,17 @@ def test_reference_is_identified_by_its_weights_not_its_path(tmp_path):
         return reference_identity(meta, ref_source=None, lora_base=None, adapter_off_base=False, **kw)
 
     assert of(first) == of(copy) != of(other)
+    # One value changed in place, where a sampling fingerprint does not look: a new table.
+    edited = shutil.copytree(first, tmp_path / "edited")
+    weights = edited / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    spans = [info["data_offsets"] for name, info in json.loads(data[8:header]).items() if name != "__metadata__"]
+    begin, end = max(spans, key=lambda span: span[1] - span[0])
+    assert end - begin > 4096
+    data[header + begin + 1500] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert of(edited) != of(first)
     # Under LoRA the adapter-off policy scores the table: its base's record (with the fingerprint).
     bases = [{"kind": "hf", "path": str(first), "fingerprint": "sha256:1"},
              {"kind": "hf", "path": str(first), "fingerprint": "sha256:2"}]
