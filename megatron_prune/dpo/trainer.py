@@ -160,6 +160,21 @@ def check_reference_cache_writable(dpo: DPOConfig, ckpt: CheckpointConfig, *, ta
     session.check_writable(flag, cache_dir, file=table)
 
 
+def check_reference_table(table: Any, dataset: PreferenceDataset, path: str) -> None:
+    """UsageError unless ``table`` holds one log-prob per response token of every pair of
+    ``dataset`` (a file copied or renamed under another table's key is caught here)."""
+    for index, pair in enumerate(dataset.pairs):
+        for branch, ids in ((CHOSEN, pair.chosen_ids), (REJECTED, pair.rejected_ids)):
+            values = table.get((index, branch)) if isinstance(table, dict) else None
+            if not isinstance(values, torch.Tensor) or values.numel() != len(ids):
+                found = "nothing" if values is None else f"{getattr(values, 'numel', lambda: '?')()} values"
+                raise session.UsageError(
+                    f"reference log-probs cache {path} does not match the data: pair {index} ({pair.source}:"
+                    f"{pair.line}) has a {'chosen' if branch == CHOSEN else 'rejected'} response of {len(ids)} "
+                    f"tokens, the table holds {found} for it; delete the file to recompute, or point --ref-cache "
+                    "elsewhere")
+
+
 def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cache_dir: str,
                          fingerprint: str, batch: int,
                          writable: Callable[[str], None] | None = None) -> dict[tuple[int, int], torch.Tensor]:
@@ -176,6 +191,13 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
         except Exception as exc:  # torch raises several types for a truncated or foreign file
             raise session.UsageError(f"reference log-probs cache {path} cannot be read ({exc}); delete it to "
                                      "recompute, or point --ref-cache elsewhere") from None
+        if isinstance(table, dict) and "fingerprint" in table:  # tables stored before it held its key are bare
+            if table["fingerprint"] != fingerprint:
+                raise session.UsageError(
+                    f"reference log-probs cache {path} was stored for key {table['fingerprint']}, not {fingerprint} "
+                    "(a file copied or renamed); delete it to recompute, or point --ref-cache elsewhere")
+            table = table["logps"]
+        check_reference_table(table, dataset, path)
         if is_logging_rank():
             print(f"[megatron-prune] reusing reference log-probs {path}", flush=True)
         return table
@@ -202,7 +224,7 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
     assert not missing, f"reference log-probs missing for {missing[:3]}"
     if dist.get_rank() == 0:
         os.makedirs(cache_dir, exist_ok=True)
-        torch.save(table, path + ".tmp")
+        torch.save({"fingerprint": fingerprint, "logps": table}, path + ".tmp")
         os.replace(path + ".tmp", path)
         print(f"[megatron-prune] stored reference log-probs for {len(dataset)} pairs in {path}", flush=True)
     dist.barrier()

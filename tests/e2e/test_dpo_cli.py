@@ -129,6 +129,15 @@ def test_precomputed_reference_matches_online(tmp_path):
     run_cli(tmp_path / "c" if (tmp_path / "c").mkdir() is None else tmp_path, *common, "--max-prompt-length", "64",
             "--ref-mode", "precomputed", "--ref-cache", str(cache))
     assert len(list(cache.glob("ref_logps_*.pt"))) == 2
+    # A table copied under another table's name is checked against the data it is read for.
+    (shorter,) = set(cache.glob("ref_logps_*.pt")) - {stored}
+    original = shorter.read_bytes()
+    shorter.write_bytes(stored.read_bytes())
+    with pytest.raises(AssertionError, match=r"CLI failed \(2\)") as failed:
+        run_cli(tmp_path / "c", *common, "--max-prompt-length", "64", "--ref-mode", "precomputed",
+                "--ref-cache", str(cache))
+    assert f"reference log-probs cache {shorter} was stored for key {stored.stem[len('ref_logps_'):]}" in str(failed.value)
+    shorter.write_bytes(original)
     # A cache file that cannot be read stops the run in one line naming it.
     stored.write_bytes(stored.read_bytes()[:100])
     with pytest.raises(AssertionError, match=r"CLI failed \(2\)") as failed:

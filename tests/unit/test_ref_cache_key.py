@@ -76,3 +76,20 @@ def test_key_changes_with_the_precision_seed_architecture_and_reference():
               reference_table_key(data, arch=tiny, identity="hf:abc", seed=1, bf16=False),
               reference_table_key(data, arch=get_preset("tiny-tied"), identity="initialisation", seed=1, bf16=False)]
     assert key not in others and len(set(others)) == len(others)
+
+
+def test_a_table_is_checked_against_the_pairs_it_is_read_for():
+    import pytest
+    import torch
+
+    from megatron_prune.dpo.trainer import check_reference_table
+    from megatron_prune.training.session import UsageError
+
+    data = _data(([1, 2, 3], [4, 5], [6]), ([7], [8, 9], [10, 11]))
+    table = {(0, 0): torch.zeros(2), (0, 1): torch.zeros(1), (1, 0): torch.zeros(2), (1, 1): torch.zeros(2)}
+    check_reference_table(table, data, "t.pt")
+    with pytest.raises(UsageError, match=r"t.pt does not match the data: pair 1 \(a.jsonl:1\) has a rejected response "
+                                         r"of 2 tokens, the table holds 3 values for it"):
+        check_reference_table({**table, (1, 1): torch.zeros(3)}, data, "t.pt")
+    with pytest.raises(UsageError, match="pair 1 .* the table holds nothing for it"):
+        check_reference_table({k: v for k, v in table.items() if k[0] == 0}, data, "t.pt")
