@@ -47,6 +47,7 @@ GSM8K_PROMPT_TEMPLATE = '{question}\nLet\'s think step by step and output the fi
 MATH_PROMPT_TEMPLATE = "{question}\nLet's think step by step and output the final answer within \\boxed{}."
 _GSM8K_ANSWER = re.compile(r"^####\s*(.+?)\s*$")
 _NUMBER_WITH_COMMAS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
+_ONE_NUMBER = re.compile(r"^\$?[-+]?(?:\d+(?:\.\d+)?|\.\d+)%?$")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 PathLike = str | os.PathLike
@@ -96,9 +97,11 @@ def gsm8k_answer(answer: str) -> str:
     if match is None:
         raise RecordError("no final answer", "the last line of 'answer' must be '#### <answer>'")
     value = match.group(1)
-    if not re.search(r"\d", value):  # the reward compares numbers: a reference without one can never be matched
-        raise RecordError("no final answer", f"'#### {value[:40]}' is not a number")
-    return value.replace(",", "") if _NUMBER_WITH_COMMAS.match(value) else value
+    plain = value.replace(",", "") if _NUMBER_WITH_COMMAS.match(value) else value
+    # The reward compares one number: a reference like "1/2" or "3 apples and 4 pears" could never be matched.
+    if not _ONE_NUMBER.match(plain):
+        raise RecordError("no final answer", f"'#### {value[:40]}' is not one number (e.g. '#### 72' or '#### -3.5')")
+    return plain
 
 
 def last_boxed(solution: str) -> str:

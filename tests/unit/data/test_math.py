@@ -39,13 +39,27 @@ def test_bundled_gsm8k_sample():
 def test_gsm8k_answer():
     assert gsm8k_answer("step\n#### 1,234") == "1234"
     assert gsm8k_answer("step\n####-5.5\n") == "-5.5"
-    assert gsm8k_answer("#### 3/4") == "3/4"
-    assert gsm8k_answer("####  12,34 ") == "12,34"  # not a thousands-separated number: kept as written
+    assert gsm8k_answer("#### $5") == "$5" and gsm8k_answer("#### 10%") == "10%"
     for bad in ("no answer", "#### \nmore", "####"):
         with pytest.raises(RecordError, match="no final answer"):
             gsm8k_answer(bad)
-    with pytest.raises(RecordError, match="'#### two' is not a number"):  # the reward could never match it
-        gsm8k_answer("step\n#### two")
+    # References the reward could never match (it compares one number): refused, not trained on at reward 0.
+    for bad in ("two", "3/4", "12,34", "3 apples and 4 pears", "1e5", "2:30"):
+        with pytest.raises(RecordError, match=f"'#### {bad}' is not one number"):
+            gsm8k_answer(f"step\n#### {bad}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="0123456789-+.,/$% :e", min_size=1, max_size=12))
+def test_every_accepted_gsm8k_reference_scores_its_own_answer(tail):
+    """What the loader accepts, the reward matches: the reference's own '#### N' earns the reward."""
+    from megatron_prune.grpo.rewards import GSM8KReward
+
+    try:
+        reference = gsm8k_answer(f"work\n#### {tail}")
+    except RecordError:
+        return
+    assert GSM8KReward()(f"The answer:\n#### {tail}", reference) == 1.0
 
 
 def test_math_boxed():
@@ -99,7 +113,7 @@ def test_bad_record_raises_naming_file_and_line(tmp_path, line, reason):
     (b'{"question": "q", "answer": "#### 1"', "malformed json: Expecting ',' delimiter at the end of the line"),
     (b'{"question": "q" "answer": "#### 1"}', "malformed json: Expecting ',' delimiter at character 18 of the line"),
     (b'{"question": " ", "answer": "#### 1"}', "empty field: 'question' is empty"),
-    (b'{"question": "q", "answer": "#### two"}', "no final answer: '#### two' is not a number"),
+    (b'{"question": "q", "answer": "#### two"}', "no final answer: '#### two' is not one number"),
     (b'{"question": "q"}', "missing field 'answer'"),
 ])
 def test_bad_record_message_reads_as_one_sentence(tmp_path, line, message):
