@@ -107,7 +107,7 @@ def _train_one_step_and_export(*, converted: str, trained: str, hf_out: str) -> 
     from megatron_prune.model import hf_convert
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.checkpoint import load_checkpoint, read_arch, save_checkpoint
-    from megatron_prune.training.lm_step import lm_forward_step
+    from tests.distributed.lm_step import lm_forward_step
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
     from megatron_prune.training.step import forward_backward

@@ -61,7 +61,7 @@ def one_step(*, tp=1, pp=1, vpp=None, sp=False, distopt=False, adam=False, prese
     from megatron_prune.model.arch import get_preset
     from megatron_prune.model.global_state import gather_global_state, replica_differences
     from megatron_prune.model.provider import ParallelConfig
-    from megatron_prune.training.lm_step import lm_forward_step
+    from tests.distributed.lm_step import lm_forward_step
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
     from megatron_prune.training.step import forward_backward, reduce_metrics

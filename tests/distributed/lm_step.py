@@ -1,4 +1,4 @@
-"""Next-token language-model forward step (the foundation's smoke objective and parity test)."""
+"""Next-token language-model forward step: the objective of the model-parity tests (no trainer uses it)."""
 
 from __future__ import annotations
 
