@@ -20,6 +20,7 @@ import typing
 from typing import Any
 
 from megatron_prune.config import field_docs, flag_of
+from megatron_prune.ranks import first_rank
 
 __all__ = ["GIVEN", "ToolHelpFormatter", "UsageError", "add_dataclass_group", "build_parser", "configs_from_args",
            "fail_usage", "field_docs", "flag_of", "given_fields", "parse_configs"]
@@ -192,7 +193,7 @@ def fail_usage(exc: Exception | str, *, prefix: str = "megatron-prune: error: ")
     torchrun the message is also repeated after the launcher's own failure report.
     """
     message = f"{prefix}{exc}"
-    if int(os.environ.get("RANK", "0")) == 0:
+    if first_rank():
         print(message, file=sys.stderr, flush=True)
         if _under_torchrun():
             _record_for_torchrun(message)

@@ -39,6 +39,7 @@ from megatron_prune.data.records import (
     record_error,
     refuse_empty_files,
 )
+from megatron_prune.ranks import first_rank
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def load_math_problems(
         problems.extend(iter_math_problems(path, config=config, policy=policy))
         records_per_file[os.fspath(path)] = len(problems) + policy.total() - before
     refuse_empty_files(records_per_file, what="math problems")
-    if policy.skipped and os.environ.get("RANK", "0") == "0":  # every rank loads the data; one says so
+    if policy.skipped and first_rank():  # every rank loads the data; one says so
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d math problems, skipped %d records: %s", len(problems), skipped, dict(policy.skipped))
     return problems, policy.skipped

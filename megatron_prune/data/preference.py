@@ -65,7 +65,6 @@ from megatron_prune.data.records import (
     RecordError,
     SkipPolicy,
     check_encodable,
-    first_rank,
     iter_records,
     record_error,
     refuse_empty_files,
@@ -77,6 +76,7 @@ from megatron_prune.data.tokenizer import (
     Tokenizer,
     validate_messages,
 )
+from megatron_prune.ranks import first_rank
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,8 @@ import re
 import zlib
 from typing import Any, Iterable, Iterator
 
+from megatron_prune.ranks import first_rank
+
 logger = logging.getLogger(__name__)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -87,11 +89,6 @@ class SkipPolicy:
         self.skipped[error.reason] += 1
         if first_rank():
             logger.warning("skipping record %s", error)
-
-
-def first_rank() -> bool:
-    """Every rank reads the same data; this one says what it found (torchrun's rank 0, or no launcher)."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 def check_encodable(texts: Iterable[str]) -> None:

@@ -19,6 +19,7 @@ from megatron_prune.data.sampler import EpochSampler, dp_shard
 from megatron_prune.dpo.batch import CHOSEN, REJECTED
 from megatron_prune.dpo.step import DPOStep, DPOStepSettings
 from megatron_prune.lora_config import lora_active
+from megatron_prune.ranks import first_rank
 from megatron_prune.training import session
 from megatron_prune.training.loop import check_resumed_data_size, train
 from megatron_prune.training.parallel import is_logging_rank
@@ -85,7 +86,7 @@ def heldout_pairs(total: int, *, micro_batch_size: int, dp: int) -> int:
             f"x data-parallel size {dp} = {per_step} that one evaluation needs; add held-out pairs or lower "
             "--micro-batch-size")
     usable = total - total % per_step
-    if usable < total and int(os.environ.get("RANK", "0")) == 0:
+    if usable < total and first_rank():
         print(f"[megatron-prune] held-out data: each evaluation runs {usable} of {total} pairs (whole micro-batches "
               f"of {micro_batch_size} on {dp} data-parallel rank(s)); the last {total - usable} are left out", flush=True)
     return usable
@@ -284,13 +285,13 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
     eval_dataset = PreferenceDataset(dpo.eval_data_path, tokenizer=tokenizer, config=data_cfg) if dpo.eval_data_path else None
     for name, ds in (("training", dataset), ("held-out", eval_dataset)):
         # (truncation is said by the dataset's own warning, once)
-        if ds is not None and ds.skipped and int(os.environ.get("RANK", "0")) == 0:
+        if ds is not None and ds.skipped and first_rank():
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
 
     lora = configs.get("LoRAConfig")
     lora_on = lora_active(lora)
     check_resumed_data_size(ckpt_cfg, num_samples=len(dataset), kind="dpo", lora=lora_on)
-    if len(dataset) < train_cfg.global_batch_size and int(os.environ.get("RANK", "0")) == 0:
+    if len(dataset) < train_cfg.global_batch_size and first_rank():
         print(f"[megatron-prune] training data: {len(dataset)} pairs, fewer than --global-batch-size "
               f"{train_cfg.global_batch_size}: every step holds some pairs more than once", flush=True)
     eval_pairs = 0

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_prune.model.arch import ModelArch
+from megatron_prune.ranks import first_rank
 from megatron_prune.training.parallel import any_rank
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ _warned: set[str] = set()
 
 def _speaks() -> bool:
     """This process is the one that warns: rank 0 (before the process group starts, by torchrun's RANK)."""
-    return dist.get_rank() == 0 if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0
+    return first_rank()
 
 
 def _warn_once(message: str) -> None:

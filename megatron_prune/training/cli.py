@@ -8,6 +8,7 @@ import sys
 from typing import Any, Callable
 
 from megatron_prune.arguments import GIVEN, ignore_expected_warnings, parse_configs
+from megatron_prune.ranks import first_rank
 from megatron_prune.training import exit_conditions  # noqa: F401  (starts the --exit-duration-in-mins clock)
 
 
@@ -53,7 +54,7 @@ def run_cli(
         session.fail_usage(exc)
     dead_flags.warn(ignored)
     if args.dry_run:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first_rank():
             print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}, {versions}; configs:")
             for name, cfg in configs.items():
                 print(f"  {name}: {cfg}")
@@ -69,7 +70,7 @@ def run_cli(
     from megatron_prune.training.checkpoint import CheckpointError
     from megatron_prune.training.loop import NonFiniteError
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if first_rank():
         import torch
 
         print(f"[megatron-prune] {prog}: world {world}, data-parallel {dp}, {versions}, torch {torch.__version__}",
@@ -84,7 +85,7 @@ def run_cli(
         print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first_rank():
             from megatron_prune.training.checkpoint import holds_checkpoint
 
             save = configs["CheckpointConfig"].save
@@ -125,6 +126,6 @@ def _record_failure(exc: Exception) -> None:
 
 
 def _fail_early(exc: Exception) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if first_rank():
         print(f"megatron-prune: error: {exc}", file=sys.stderr, flush=True)
     sys.exit(2)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from megatron_prune.arguments import UsageError
 from megatron_prune.config import PRUNE_PRESETS, flag_of
 from megatron_prune.grpo.config import TOY_TASKS
 from megatron_prune.lora_config import lora_active
+from megatron_prune.ranks import first_rank
 
 __all__ = ["RULES", "Rule", "Setting", "check", "shown", "warn"]
 
@@ -216,7 +216,7 @@ def check(configs: dict[str, Any], given: frozenset[str]) -> list[str]:
 
 def warn(lines: list[str]) -> None:
     """Print each line as a warning, from rank 0 only."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not first_rank():
         return
     for line in lines:
         print(f"megatron-prune: warning: {line}", file=sys.stderr, flush=True)

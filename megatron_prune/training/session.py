@@ -13,6 +13,7 @@ from megatron_prune.config import CheckpointConfig, ModelConfig, TrainConfig
 from megatron_prune.lora_config import lora_active
 from megatron_prune.model.arch import ModelArch, get_preset
 from megatron_prune.model.provider import ParallelConfig
+from megatron_prune.ranks import first_rank
 from megatron_prune.training.loop import TrainingParts, build_scheduler
 from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
 
@@ -246,7 +247,7 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
     check_output_paths(configs)
     has_reference = kind == "dpo" or configs["GRPOConfig"].kl_beta > 0
     notice = finetune_notice(ckpt, ref_load) if has_reference else None
-    if notice and int(os.environ.get("RANK", "0")) == 0:
+    if notice and first_rank():
         print(f"[megatron-prune] {notice}", flush=True)
     return arch, lora_base
 
