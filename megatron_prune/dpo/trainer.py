@@ -74,21 +74,25 @@ class DPOObjective:
             self.sampler.load_state_dict(state["sampler"])
 
 
-def heldout_pairs(total: int, *, micro_batch_size: int, dp: int) -> int:
+def heldout_pairs(total: int, *, micro_batch_size: int, dp: int, interleaved_pp: int = 1) -> int:
     """How many of ``total`` held-out pairs each evaluation runs: whole micro-batches on every
-    data-parallel rank (every rank runs the same microbatches). Too few pairs for one is a usage
-    error before any rank starts; the pairs left out are said once, and each evaluation reports
-    its count as ``eval_pairs``."""
-    per_step = micro_batch_size * dp
+    data-parallel rank (every rank runs the same microbatches), under the interleaved schedule
+    (``interleaved_pp``: the pipeline size) a multiple of the pipeline size of them. Too few pairs
+    for one is a usage error before any rank starts; the pairs left out are said once, and each
+    evaluation reports its count as ``eval_pairs``."""
+    per_step = micro_batch_size * dp * interleaved_pp
+    stages = (f" x --pipeline-model-parallel-size {interleaved_pp} (the interleaved schedule)"
+              if interleaved_pp > 1 else "")
     if total < per_step:
         raise session.UsageError(
             f"--eval-data-path has {total} usable pair(s), fewer than the --micro-batch-size {micro_batch_size} "
-            f"x data-parallel size {dp} = {per_step} that one evaluation needs; add held-out pairs or lower "
+            f"x data-parallel size {dp}{stages} = {per_step} that one evaluation needs; add held-out pairs or lower "
             "--micro-batch-size")
     usable = total - total % per_step
     if usable < total and first_rank():
         print(f"[megatron-prune] held-out data: each evaluation runs {usable} of {total} pairs (whole micro-batches "
-              f"of {micro_batch_size} on {dp} data-parallel rank(s)); the last {total - usable} are left out", flush=True)
+              f"of {micro_batch_size} on {dp} data-parallel rank(s){stages}); the last {total - usable} are left out",
+              flush=True)
     return usable
 
 
@@ -299,7 +303,10 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         from megatron_prune.training.parallel import validate_layout
 
         dp = validate_layout(session.parallel_config(model_cfg), int(os.environ.get("WORLD_SIZE", "1")))
-        eval_pairs = heldout_pairs(len(eval_dataset), micro_batch_size=train_cfg.micro_batch_size, dp=dp)
+        vpp = model_cfg.virtual_pipeline_model_parallel_size or 1
+        interleaved = model_cfg.pipeline_model_parallel_size if vpp > 1 else 1
+        eval_pairs = heldout_pairs(len(eval_dataset), micro_batch_size=train_cfg.micro_batch_size, dp=dp,
+                                   interleaved_pp=interleaved)
 
     parallel = session.start(model_cfg, train_cfg)
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)

@@ -99,14 +99,15 @@ def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, 
 
 
 def check_interleaved_microbatches(model: ModelConfig, train: TrainConfig, *, dp: int) -> None:
-    """Under the interleaved schedule a step's global batch gives every pass at least one
-    microbatch per pipeline stage (DPO's passes take their microbatches from the global batch;
-    GRPO pads its passes with placeholders instead)."""
+    """Under the interleaved schedule every pass of a step runs a multiple of the pipeline size of
+    microbatches, at least one per stage (Megatron's schedule refuses a last group smaller than the
+    pipeline). DPO's passes take their microbatches from the global batch; GRPO pads its passes
+    with placeholders instead."""
     vpp, pp = model.virtual_pipeline_model_parallel_size or 1, model.pipeline_model_parallel_size
     microbatches = train.global_batch_size // (train.micro_batch_size * dp)
-    if vpp > 1 and microbatches < pp:
+    if vpp > 1 and (microbatches < pp or microbatches % pp):
         raise UsageError(
-            f"--virtual-pipeline-model-parallel-size {vpp} needs at least --pipeline-model-parallel-size {pp} "
+            f"--virtual-pipeline-model-parallel-size {vpp} needs a multiple of --pipeline-model-parallel-size {pp} "
             f"microbatches per step; --global-batch-size {train.global_batch_size} / (--micro-batch-size "
             f"{train.micro_batch_size} x data-parallel size {dp}) gives {microbatches}")
 

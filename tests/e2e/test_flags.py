@@ -95,9 +95,14 @@ BAD = [
                  "model's 4 layers", id="layers%ppxvpp"),
     pytest.param(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
                   "--global-batch-size", "2"], 2,
-                 "--virtual-pipeline-model-parallel-size 2 needs at least --pipeline-model-parallel-size 2 "
+                 "--virtual-pipeline-model-parallel-size 2 needs a multiple of --pipeline-model-parallel-size 2 "
                  "microbatches per step; --global-batch-size 2 / (--micro-batch-size 2 x data-parallel size 1) "
                  "gives 1", id="vpp-too-few-microbatches"),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                  "--global-batch-size", "6"], 2,
+                 "--virtual-pipeline-model-parallel-size 2 needs a multiple of --pipeline-model-parallel-size 2 "
+                 "microbatches per step; --global-batch-size 6 / (--micro-batch-size 2 x data-parallel size 1) "
+                 "gives 3", id="vpp-odd-microbatches"),
     pytest.param(["--model-preset", "tiny-moe", "--tensor-model-parallel-size", "2"], 2,
                  "a mixture-of-experts model at --tensor-model-parallel-size > 1 needs --sequence-parallel",
                  id="moe-tp-without-sp"),

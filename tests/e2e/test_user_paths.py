@@ -367,3 +367,17 @@ def test_eval_runs_after_every_eval_interval_steps(tmp_path):
     records, _ = _dpo(tmp_path, "evalint", "--train-iters", "3", "--global-batch-size", "2",
                       "--eval-data-path", str(_heldout(tmp_path, 2)), "--eval-interval", "2")
     assert [r["step"] for r in records if "eval_reward_accuracy" in r] == [1, 2]
+
+
+def test_heldout_pairs_under_the_interleaved_schedule_are_whole_pipeline_groups(capsys):
+    """Megatron's interleaved schedule refuses a last group of microbatches smaller than the
+    pipeline: each evaluation runs a multiple of PP microbatches (3 pairs at PP 2: 2 of them)."""
+    from megatron_prune.dpo.trainer import heldout_pairs
+    from megatron_prune.training.session import UsageError
+
+    assert heldout_pairs(3, micro_batch_size=1, dp=1) == 3
+    assert heldout_pairs(3, micro_batch_size=1, dp=1, interleaved_pp=2) == 2
+    assert "runs 2 of 3 pairs" in capsys.readouterr().out
+    assert heldout_pairs(12, micro_batch_size=2, dp=2, interleaved_pp=2) == 8
+    with pytest.raises(UsageError, match=r"x --pipeline-model-parallel-size 4 \(the interleaved schedule\) = 4"):
+        heldout_pairs(3, micro_batch_size=1, dp=1, interleaved_pp=4)
