@@ -262,7 +262,7 @@ def check_dpo_flags(configs: dict[str, Any]) -> session.LaunchChecks:
     if ref_mode == "precomputed":
         check_reference_cache_writable(dpo, configs["CheckpointConfig"])
     arch, lora_base = session.resolve_model_and_base(configs, kind="dpo")
-    spec, tokenizer = session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"])
+    spec, tokenizer = session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"], arch)
     return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec,
                                 ref_mode=ref_mode)
 
@@ -281,8 +281,6 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
     checked = checked or check_dpo_flags(configs)
     ref_mode, arch, lora_base = checked.ref_mode, checked.arch, checked.lora_base
     tokenizer, tokenizer_spec = checked.tokenizer, checked.tokenizer_spec
-    if tokenizer.vocab_size > arch.vocab_size:
-        raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
     data_cfg = PreferenceDataConfig(max_seq_length=train_cfg.seq_length, max_prompt_length=train_cfg.max_prompt_length,
                                     format=dpo.data_format, skip_invalid=dpo.skip_invalid)
     dataset = PreferenceDataset(dpo.data_path, tokenizer=tokenizer, config=data_cfg)

@@ -62,7 +62,7 @@ def _checks(configs):
                          "to sample with full recompute")
     arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
     spec, tokenizer = ((None, None) if grpo.task in TOY_TASKS
-                       else session.check_tokenizer(model, configs["CheckpointConfig"]))
+                       else session.check_tokenizer(model, configs["CheckpointConfig"], arch))
     return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec)
 
 

@@ -179,16 +179,22 @@ def flag_record(configs: dict) -> dict:
     return record
 
 
-def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> tuple[str, Any]:
-    """The tokenizer the run resolves, as ``(spec, tokenizer)``: loaded to check it (also under
-    ``--dry-run``) and returned so the run neither resolves nor loads it again."""
+def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig, arch: ModelArch) -> tuple[str, Any]:
+    """The tokenizer the run resolves, as ``(spec, tokenizer)``: loaded to check it against the
+    model's vocabulary (also under ``--dry-run``) and returned so the run neither resolves nor
+    loads it again."""
     from megatron_prune.data.tokenizer import TokenizerError, load_tokenizer
 
     name = resolve_tokenizer(model, ckpt)
     try:
-        return name, load_tokenizer(name)
+        tokenizer = load_tokenizer(name)
     except (TokenizerError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise UsageError(f"tokenizer {name} has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}: "
+                         "its ids past the model's vocabulary have no embedding; pass the model's own tokenizer "
+                         "(--tokenizer)")
+    return name, tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +300,12 @@ def check_layout_fits(arch: ModelArch, model: ModelConfig | ParallelConfig) -> N
     if arch.num_attention_heads % tp:
         raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the model's {arch.num_attention_heads} "
                          "attention heads")
+    if arch.intermediate_size % tp:
+        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the model's MLP width "
+                         f"(intermediate_size {arch.intermediate_size})")
+    if arch.is_moe and arch.moe_intermediate_size % tp:
+        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the model's expert MLP width "
+                         f"(moe_intermediate_size {arch.moe_intermediate_size})")
     groups = arch.num_key_value_heads
     if groups % tp and tp % groups:
         raise UsageError(f"--tensor-model-parallel-size {tp} is neither a multiple nor a divisor of the model's "

@@ -213,3 +213,26 @@ def test_corrupt_weight_files_are_named_in_one_line(llama_dir, tmp_path, monkeyp
                        monkeypatch, capsys)
     assert f"{index}: not a safetensors index" in err
     assert not (tmp_path / "a").exists()
+
+
+def test_dry_run_refuses_what_the_hf_model_cannot_run(tmp_path, monkeypatch, capsys):
+    """An MLP width the tensor-parallel size does not split, and a tokenizer larger than the
+    model's vocabulary: both passed --dry-run and failed after the ranks started (a Megatron
+    assertion per rank; the vocabulary check only once the data was read)."""
+    from megatron_prune.data import HH_RLHF_SAMPLE
+    from megatron_prune.dpo.__main__ import main
+
+    hf_dir = make_hf_model("qwen3", str(tmp_path / "qwen3"), seed=4, intermediate_size=91, vocab_size=300)
+    common = ["--hf-model", hf_dir, "--data-path", HH_RLHF_SAMPLE, "--global-batch-size", "2",
+              "--micro-batch-size", "1", "--dry-run"]
+    monkeypatch.setenv("RANK", "0")
+    for world, extra, message in [
+        (2, ["--tensor-model-parallel-size", "2"],
+         "--tensor-model-parallel-size 2 does not divide the model's MLP width (intermediate_size 91)"),
+        (1, ["--tokenizer", "tiny"], "tokenizer tiny has 512 tokens but the model only 300"),
+    ]:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        with pytest.raises(SystemExit) as exc:
+            main([*common, *extra])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err and "Traceback" not in err, err
