@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.ranks import first_rank
@@ -199,8 +200,18 @@ def resume_source(save: str | None, load: str | None, *, can_start_fresh: bool) 
     return load
 
 
+def _cause(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``; for torch's CheckpointException (a BaseException whose text is
+    every rank's traceback) the first failing rank's exception and its rank."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (first, _) = next(iter(sorted(exc.failures.items(), key=lambda item: item[0])))
+        ranks = ", ".join(str(r) for r in sorted(exc.failures))
+        return f"{type(first).__name__}: {first} (on rank {rank}; failed on ranks {ranks})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _unreadable(ckpt: str, part: str, exc: BaseException) -> str:
-    return (f"{os.path.join(ckpt, part)} cannot be read ({type(exc).__name__}: {exc}); if the files are damaged, "
+    return (f"{os.path.join(ckpt, part)} cannot be read ({_cause(exc)}); if the files are damaged, "
             f"--load an earlier checkpoint directory of the same run ({os.path.dirname(ckpt)}/iter_*) or remove "
             f"{os.path.basename(ckpt)} so the newest complete one before it is used")
 
@@ -558,7 +569,13 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
     state = _model_sharded_state_dict(model, adapters_only="lora_base" in (extra_meta or {}))
     if optimizer is not None:
         state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=False)
-    dist_checkpointing.save(state, os.path.join(tmp, "dist"))
+    try:
+        dist_checkpointing.save(state, os.path.join(tmp, "dist"))
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # torch's is a BaseException: it would skip every handler
+        raise CheckpointError(f"--save {root}: writing the checkpoint of iteration {iteration} into {tmp} failed "
+                              f"({_cause(exc)}); the checkpoints published before it are intact") from exc
     rng = {
         "torch": torch.get_rng_state(),
         "tracker": _rng_tracker_states(),
@@ -626,7 +643,7 @@ def load_checkpoint(
         loaded = dist_checkpointing.load(state, os.path.join(ckpt, "dist"))
     except CheckpointError:
         raise
-    except Exception as exc:  # torch's and Megatron's readers raise many types for damaged files
+    except (Exception, CheckpointException) as exc:  # damaged files: many types, torch's a BaseException
         raise CheckpointError(_unreadable(ckpt, "dist/", exc)) from exc
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)

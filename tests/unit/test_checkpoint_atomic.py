@@ -368,3 +368,27 @@ def test_checkpoint_saved_without_an_optimizer_refuses_to_resume_one(tmp_path, s
     assert ckpt.read_meta(str(tmp_path))["has_optimizer"] is False
     with pytest.raises(ckpt.CheckpointError, match="has no optimizer state"):
         ckpt.load_checkpoint(str(tmp_path), model=[], optimizer=object())
+
+
+def test_a_failed_shard_write_names_the_save_directory_and_the_cause(tmp_path, stub_io):
+    """torch's CheckpointException is a BaseException: no handler caught it, and torchrun's report
+    had no cause. Now the run stops with one line naming --save and the first rank's error."""
+    import traceback
+
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _save(tmp_path, 2)
+
+    def disk_full(state, path):
+        error = OSError(28, "No space left on device")
+        raise CheckpointException("save", {1: (error, traceback.StackSummary()), 0: (error, traceback.StackSummary())})
+
+    stub_io.setattr(dist_checkpointing, "save", disk_full)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        _save(tmp_path, 4)
+    assert str(info.value) == (
+        f"--save {tmp_path}: writing the checkpoint of iteration 4 into {tmp_path}/iter_0000004.tmp failed (OSError: "
+        "[Errno 28] No space left on device (on rank 0; failed on ranks 0, 1)); the checkpoints published before it "
+        "are intact")
+    assert ckpt.read_meta(str(tmp_path))["iteration"] == 2
