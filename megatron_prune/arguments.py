@@ -139,7 +139,7 @@ class ToolHelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 _REPEAT_AFTER_LAUNCHER = """
-import os, sys, time
+import os, stat, sys, time
 pid, message = int(sys.argv[1]), sys.argv[2]
 deadline = time.monotonic() + 300
 while time.monotonic() < deadline:
@@ -155,6 +155,8 @@ while time.monotonic() < deadline:
         except PermissionError:
             pass
     time.sleep(0.02)
+if stat.S_ISREG(os.fstat(2).st_mode):  # a log file: append, never overwrite what a script wrote after the launcher
+    os.lseek(2, 0, os.SEEK_END)
 sys.stderr.write(message + "\\n")
 sys.stderr.flush()
 """
@@ -186,14 +188,15 @@ def _record_for_torchrun(message: str) -> None:
 
 
 def fail_usage(exc: Exception | str, *, prefix: str = "megatron-prune: error: ") -> None:
-    """One clear message from rank 0, exit code 2, before any collective.
+    """One clear message from rank 0 (and from the first rank of every other node, whose log is
+    often a file of its own), exit code 2, before any collective.
 
     Every rank finds the same error, but torchrun stops all ranks as soon as one exits: the
     other ranks wait (up to 20 s) so that rank 0 is not killed before it has printed. Under
     torchrun the message is also repeated after the launcher's own failure report.
     """
     message = f"{prefix}{exc}"
-    if first_rank():
+    if first_rank() or (_under_torchrun() and os.environ.get("LOCAL_RANK") == "0"):
         print(message, file=sys.stderr, flush=True)
         if _under_torchrun():
             _record_for_torchrun(message)

@@ -129,3 +129,47 @@ def test_given_fields_are_the_flags_on_the_command_line():
     prune = configs["PruneConfig"]
     assert (prune.position_ratio, prune.branch, prune.branch_chosen_prob) == (0.6, False, 0.5)  # the preset's values
     assert configs["TrainConfig"].lr == 1e-6 and configs["DPOConfig"].data_path == ["a.jsonl", "b.jsonl"]
+
+
+def test_the_repeated_error_line_is_appended_to_a_log_file(tmp_path):
+    """After torchrun exits, a detached process repeats the error line; writing at the launcher's
+    old offset of a redirected log overwrote what the script appended after the launcher."""
+    import subprocess
+    import sys
+
+    from megatron_prune.arguments import _REPEAT_AFTER_LAUNCHER
+
+    log = tmp_path / "log"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(log, "w") as launcher_stderr:  # the job's `> log 2>&1`, its offset where the launcher stopped
+        launcher_stderr.write("torchrun report\n")
+        launcher_stderr.flush()
+        with open(log, "a") as script:  # the script's `echo ... >> log` after the launcher returned
+            script.write("AFTER\n")
+        subprocess.run([sys.executable, "-c", _REPEAT_AFTER_LAUNCHER, str(dead.pid), "megatron-prune: error: x"],
+                       stderr=launcher_stderr, check=True, timeout=60)
+    assert log.read_text().splitlines() == ["torchrun report", "AFTER", "megatron-prune: error: x"]
+
+
+def test_every_nodes_first_rank_says_the_usage_error(monkeypatch, capsys, tmp_path):
+    """Under torchrun on several nodes each node's log is often its own file: the first local rank
+    of every node prints the line (and hands it to its launcher); the other ranks stay quiet."""
+    import pytest
+
+    from megatron_prune import arguments
+
+    started = []
+    monkeypatch.setattr(arguments.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(arguments.time, "sleep", lambda seconds: None)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    for rank, local_rank, speaks in [("0", "0", True), ("2", "0", True), ("3", "1", False)]:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        started.clear()
+        with pytest.raises(SystemExit) as exc:
+            arguments.fail_usage("--lr must be >= 0")
+        assert exc.value.code == 2
+        assert (capsys.readouterr().err == "megatron-prune: error: --lr must be >= 0\n") == speaks
+        assert bool(started) == speaks
