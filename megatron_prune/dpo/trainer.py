@@ -306,7 +306,7 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         eval_pairs = heldout_pairs(len(eval_dataset), micro_batch_size=train_cfg.micro_batch_size, dp=dp,
                                    interleaved_pp=interleaved)
 
-    parallel = session.start(model_cfg, train_cfg)
+    parallel = session.start(model_cfg, train_cfg, configs)
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load, lora_base=lora_base)
     ref_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)

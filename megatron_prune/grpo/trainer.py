@@ -443,7 +443,7 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
     lora = configs.get("LoRAConfig")
     lora_on = lora_active(lora)
     check_resumed_data_size(ckpt_cfg, num_samples=len(source), kind="grpo", lora=lora_on)
-    parallel = session.start(model_cfg, train_cfg)
+    parallel = session.start(model_cfg, train_cfg, configs)
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     reference = None
     if grpo.kl_beta > 0:

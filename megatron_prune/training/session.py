@@ -397,8 +397,9 @@ def tokenizer_meta(spec: str) -> dict[str, str]:
     return {"tokenizer": spec if spec == "tiny" or not os.path.exists(spec) else os.path.abspath(spec)}
 
 
-def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
-    """Choose the device, start torch.distributed and Megatron's parallel state."""
+def start(model: ModelConfig, train: TrainConfig, configs: dict | None = None) -> ParallelConfig:
+    """Choose the device, start torch.distributed and Megatron's parallel state; ``configs``: every
+    rank's flags, checked to be the same before the parallel groups are built."""
     from megatron_prune.training.parallel import initialize_distributed, initialize_model_parallel
 
     kind = set_accelerator(model.device).kind
@@ -407,9 +408,33 @@ def start(model: ModelConfig, train: TrainConfig) -> ParallelConfig:
 
         mindspeed.prepare_ascend()
     initialize_distributed(timeout_minutes=train.distributed_timeout_minutes)
+    if configs is not None:
+        check_same_flags(configs)
     parallel = parallel_config(model)
     initialize_model_parallel(parallel, seed=train.seed)
     return parallel
+
+
+def check_same_flags(configs: dict) -> None:
+    """UsageError on every rank unless every rank was launched with the same flags (nodes started
+    with different commands otherwise build different parallel groups and wait for each other
+    until the timeout, or train with different settings silently). One all-gather."""
+    import torch.distributed as dist
+
+    from megatron_prune.config import flag_of
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = {flag_of(f): repr(getattr(cfg, f.name)) for cfg in configs.values() if dataclasses.is_dataclass(cfg)
+            for f in dataclasses.fields(cfg)}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every):
+        differ = sorted(flag for flag in set(mine) | set(theirs) if every[0].get(flag) != theirs.get(flag))
+        if differ:
+            shown = "; ".join(f"{flag} {theirs.get(flag)} (rank 0: {every[0].get(flag)})" for flag in differ[:4])
+            raise UsageError(f"rank {rank} was launched with other flags than rank 0: {shown}"
+                             f"{' ...' if len(differ) > 4 else ''}; launch every node with the same command")
 
 
 def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, *,

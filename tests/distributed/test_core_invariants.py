@@ -98,3 +98,25 @@ def test_reduce_metrics_pools_sum_and_count():
     from tests.dist import run_distributed
 
     assert run_distributed(_reduce_two_microbatches, 1)[0] == 1.0 / 100
+
+
+def _flags_checked(lr_by_rank: list[float]) -> str | None:
+    import torch.distributed as dist
+
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.training.session import UsageError, check_same_flags
+
+    try:
+        check_same_flags({"TrainConfig": TrainConfig(lr=lr_by_rank[dist.get_rank()])})
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_launched_with_other_flags_stop_with_one_message():
+    """Nodes started with different commands: every rank names the flag and the rank (before,
+    other layouts waited in the first collective until the timeout; other values trained silently)."""
+    assert run_distributed(_flags_checked, world_size=2, lr_by_rank=[1e-5, 1e-5]) == [None, None]
+    message = ("rank 1 was launched with other flags than rank 0: --lr 0.0001 (rank 0: 1e-05); launch every node "
+               "with the same command")
+    assert run_distributed(_flags_checked, world_size=2, lr_by_rank=[1e-5, 1e-4]) == [message, message]
