@@ -43,6 +43,7 @@ from megatron_prune.model.hf_mapping import (
     PerExpertView,
     megatron_shapes,
     megatron_tensor,
+    TensorRule,
     padded_vocab_size,
     tensor_rules,
 )
@@ -454,7 +455,7 @@ def export_config(arch: ModelArch, *, assets: str | None, dtype: torch.dtype) ->
     return config
 
 
-def _load_layer(dist_dir: str, *, metadata: dict, keys: list[str], layer: int | None, num_layers: int) -> dict[str, torch.Tensor]:
+def load_layer(dist_dir: str, *, metadata: dict, keys: list[str], layer: int | None, num_layers: int) -> dict[str, torch.Tensor]:
     """Whole tensors of ``keys`` for one layer (or non-layered keys) from a dist checkpoint. Collective."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -487,20 +488,25 @@ def _check_checkpoint_tensors(metadata: dict, arch: ModelArch, ckpt: str) -> Non
                          "refusing to drop them")
 
 
-def _iter_checkpoint_hf_tensors(dist_dir: str, *, metadata: dict, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors in checkpoint order, reading one layer (or the embedding, or the head) at a time."""
+def export_steps(arch: ModelArch) -> list[tuple[list[TensorRule], int | None]]:
+    """The order in which a streaming export reads a checkpoint, as ``(rules, layer)`` steps: the
+    embedding, then per layer its slice of the layer-stacked keys and the layer's own keys (a MoE
+    model keys its layers one by one; read whole, with ``None``), then the final norm and head.
+    Every rule is in exactly one step (a layer-stacked one once per layer), so one step's tensors
+    are all an export holds at a time."""
     rules = tensor_rules(arch)
-    head = [r for r in rules if r.stack is None and r.layer is None and r.megatron_key != EMBED]
     steps = [([r for r in rules if r.megatron_key == EMBED], None)]
     for layer in range(arch.num_layers):
         steps.append(([r for r in rules if r.layered], layer))
-        # Per-layer keys of a MoE model (read whole: a MoE layer's experts come as one stacked tensor).
         steps.append(([r for r in rules if r.layer == layer], None))
-    steps += [(head, None)]
-    for step_rules, layer in steps:
-        if not step_rules:
-            continue
-        tensors = _load_layer(dist_dir, metadata=metadata, keys=[r.megatron_key for r in step_rules], layer=layer,
+    steps.append(([r for r in rules if r.stack is None and r.layer is None and r.megatron_key != EMBED], None))
+    return [(step_rules, layer) for step_rules, layer in steps if step_rules]
+
+
+def _iter_checkpoint_hf_tensors(dist_dir: str, *, metadata: dict, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors in checkpoint order, reading one layer (or the embedding, or the head) at a time."""
+    for step_rules, layer in export_steps(arch):
+        tensors = load_layer(dist_dir, metadata=metadata, keys=[r.megatron_key for r in step_rules], layer=layer,
                               num_layers=arch.num_layers)
         for rule in step_rules:
             tensor = tensors.pop(rule.megatron_key)

@@ -311,7 +311,7 @@ def _megatron_reader(ckpt: str, *, arch) -> Callable[[str, int | None], Any]:
     """``read(megatron_key, layer)`` from a dist checkpoint, one layer's tensors loaded at a time."""
     from megatron.core import dist_checkpointing
 
-    from megatron_prune.model.hf_convert import _load_layer
+    from megatron_prune.model.hf_convert import load_layer
     from megatron_prune.model.hf_mapping import tensor_rules
 
     dist_dir = os.path.join(ckpt, "dist")
@@ -323,7 +323,7 @@ def _megatron_reader(ckpt: str, *, arch) -> Callable[[str, int | None], Any]:
         if layer not in cache:
             cache.clear()
             keys = [r.megatron_key for r in rules if r.layered == (layer is not None)]
-            cache[layer] = _load_layer(dist_dir, metadata=metadata, keys=keys, layer=layer,
+            cache[layer] = load_layer(dist_dir, metadata=metadata, keys=keys, layer=layer,
                                        num_layers=arch.num_layers)
         return cache[layer][key]
 

@@ -27,7 +27,7 @@ import torch
 
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.lora_config import lora_meta  # noqa: F401 (re-exported)
-from megatron_prune.model.hf_mapping import EMBED, hf_tensors, tensor_rules
+from megatron_prune.model.hf_mapping import hf_tensors, tensor_rules
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +103,14 @@ def _per_key_reader(ckpt: str, *, arch: ModelArch):
     model keys its layers one by one, so a tensor is at most one layer's). Collective."""
     from megatron.core import dist_checkpointing
 
-    from megatron_prune.model.hf_convert import _load_layer
+    from megatron_prune.model.hf_convert import load_layer
 
     dist_dir = os.path.join(ckpt, "dist")
     metadata = dist_checkpointing.load_tensors_metadata(dist_dir)
 
     def read(key: str, layer: int | None) -> torch.Tensor:
         assert layer is None, "a MoE checkpoint has no layer-stacked keys"
-        return _load_layer(dist_dir, metadata=metadata, keys=[key], layer=None, num_layers=arch.num_layers)[key]
+        return load_layer(dist_dir, metadata=metadata, keys=[key], layer=None, num_layers=arch.num_layers)[key]
 
     return read
 
@@ -125,16 +125,11 @@ def _read_experts(read_base, key: str, *, arch: ModelArch, whole: bool) -> torch
 
 def _iter_merged(dist_dir: str, *, adapters: dict, arch: ModelArch, scale: float, read_base,
                  out_dtype: torch.dtype, whole_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    from megatron_prune.model.hf_convert import _load_layer
+    from megatron_prune.model.hf_convert import export_steps, load_layer
 
-    rules = tensor_rules(arch)
-    head = [r for r in rules if not r.layered and r.megatron_key != EMBED]
-    steps = [([r for r in rules if r.megatron_key == EMBED], None)]
-    steps += [([r for r in rules if r.layered], layer) for layer in range(arch.num_layers)]
-    steps += [(head, None)]
-    for step_rules, layer in steps:
+    for step_rules, layer in export_steps(arch):
         keys = [k for r in step_rules for k in adapter_keys(r.megatron_key) if k in adapters]
-        tensors = (_load_layer(dist_dir, metadata=adapters, keys=keys, layer=layer, num_layers=arch.num_layers)
+        tensors = (load_layer(dist_dir, metadata=adapters, keys=keys, layer=layer, num_layers=arch.num_layers)
                    if keys else {})
         for rule in step_rules:
             experts = rule.stack == "expert"
@@ -187,7 +182,7 @@ def peft_tensors(*, dist_dir: str, metadata: dict, arch: ModelArch, targets: lis
     HF modules (``mlp.experts.<e>.{gate,up,down}_proj``), the per-expert layout PEFT reads and,
     under transformers' fused expert tensors, fuses on load itself.
     """
-    from megatron_prune.model.hf_convert import _load_layer
+    from megatron_prune.model.hf_convert import load_layer
 
     adapted = set(_adapted_weight_keys(arch, targets))
     rules = [r for r in tensor_rules(arch) if r.megatron_key in adapted]
@@ -205,13 +200,13 @@ def peft_tensors(*, dist_dir: str, metadata: dict, arch: ModelArch, targets: lis
     stacked = [r for r in rules if r.layered]
     for layer in range(arch.num_layers) if stacked else ():
         keys = [k for r in stacked for k in adapter_keys(r.megatron_key)]
-        tensors = _load_layer(dist_dir, metadata=metadata, keys=keys, layer=layer, num_layers=arch.num_layers)
+        tensors = load_layer(dist_dir, metadata=metadata, keys=keys, layer=layer, num_layers=arch.num_layers)
         for rule in stacked:
             a_key, b_key = adapter_keys(rule.megatron_key)
             add(rule, layer, tensors[a_key], tensors[b_key])
     for rule in (r for r in rules if not r.layered):  # a MoE model keys its layers one by one
         a_key, b_key = adapter_keys(rule.megatron_key)
-        tensors = _load_layer(dist_dir, metadata=metadata, keys=[a_key, b_key], layer=None,
+        tensors = load_layer(dist_dir, metadata=metadata, keys=[a_key, b_key], layer=None,
                               num_layers=arch.num_layers)
         if rule.stack == "expert":
             for expert in range(arch.num_experts):

@@ -338,3 +338,20 @@ def test_compare_logits_kl_is_hf_to_megatron():
 ])
 def test_auto_dtype_reads_either_config_key(config, dtype):
     assert hf_convert.resolve_dtype("auto", config=config) == dtype
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-tied", "tiny-moe"])
+def test_export_steps_read_every_rule_once_a_layer_at_a_time(preset):
+    """The plan both streaming exports (plain and merged LoRA) follow: every rule in one step (a
+    layer-stacked one once per layer), and no step holds more than one layer's keys."""
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.hf_convert import export_steps
+    from megatron_prune.model.hf_mapping import tensor_rules
+
+    arch = get_preset(preset)
+    seen = [(rule.megatron_key, layer) for rules, layer in export_steps(arch) for rule in rules]
+    expected = [(r.megatron_key, layer) for r in tensor_rules(arch)
+                for layer in (range(arch.num_layers) if r.layered else [None])]
+    assert sorted(seen, key=str) == sorted(expected, key=str) and len(set(seen)) == len(seen)
+    for rules, layer in export_steps(arch):
+        assert len({r.layer for r in rules if r.layer is not None}) <= 1
