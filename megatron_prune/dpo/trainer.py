@@ -96,6 +96,13 @@ def heldout_pairs(total: int, *, micro_batch_size: int, dp: int, interleaved_pp:
     return usable
 
 
+def heldout_overlap(train: PreferenceDataset, heldout: PreferenceDataset) -> int:
+    """How many held-out pairs are also training pairs, token for token (the same file passed
+    twice, or a split that leaked)."""
+    seen = {(tuple(p.prompt_ids), tuple(p.chosen_ids), tuple(p.rejected_ids)) for p in train.pairs}
+    return sum((tuple(p.prompt_ids), tuple(p.chosen_ids), tuple(p.rejected_ids)) in seen for p in heldout.pairs)
+
+
 def _fingerprint(dataset: PreferenceDataset, extra: str) -> str:
     """Key of a precomputed reference table: the reference model (``extra``) and the token ids of
     every pair in order. Hashing the tokens, not the files, makes any change that alters what the
@@ -289,6 +296,10 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
         # (truncation is said by the dataset's own warning, once)
         if ds is not None and ds.skipped and first_rank():
             print(f"[megatron-prune] {name} data: {len(ds)} pairs, skipped {dict(ds.skipped)}", flush=True)
+    shared = heldout_overlap(dataset, eval_dataset) if eval_dataset is not None else 0
+    if shared and first_rank():
+        print(f"[megatron-prune] held-out data: {shared} of its {len(eval_dataset)} pairs are also training pairs "
+              "(same tokens); held-out reward accuracy reads high on them", flush=True)
 
     lora = configs.get("LoRAConfig")
     lora_on = lora_active(lora)

@@ -150,10 +150,13 @@ def test_heldout_pairs_left_out_are_said_and_counted(tmp_path):
     records, out = _dpo(tmp_path, "eval3", "--train-iters", "1", "--global-batch-size", "2",
                         "--eval-data-path", str(_heldout(tmp_path, 3)))
     assert "held-out data: each evaluation runs 2 of 3 pairs" in out and "the last 1 are left out" in out, out
+    assert "are also training pairs" not in out
     assert records[-1]["eval_pairs"] == 2 and 0.0 <= records[-1]["eval_reward_accuracy"] <= 1.0, records
     assert "fewer than --global-batch-size" not in out
-    # Training data smaller than a global batch: said, not silent.
-    _, out = _dpo(tmp_path, "train3", "--train-iters", "1", "--data-path", str(_heldout(tmp_path, 3)))
+    # Training data smaller than a global batch: said, not silent; held-out pairs that are training pairs: said.
+    _, out = _dpo(tmp_path, "train3", "--train-iters", "1", "--data-path", str(_heldout(tmp_path, 3)),
+                  "--eval-data-path", str(_heldout(tmp_path, 3)))
+    assert "held-out data: 3 of its 3 pairs are also training pairs (same tokens)" in out, out
     assert "training data: 3 pairs, fewer than --global-batch-size 4: every step holds some pairs more than once" \
         in out, out
 
