@@ -36,8 +36,8 @@ from megatron_prune.data.records import (
     SkipPolicy,
     check_encodable,
     iter_records,
+    read_files,
     record_error,
-    refuse_empty_files,
 )
 from megatron_prune.ranks import first_rank
 
@@ -171,13 +171,9 @@ def load_math_problems(
     """All problems of ``paths`` (files in the given order) and the skip counts per reason."""
     config = config or MathDataConfig()
     policy = SkipPolicy(skip_invalid=config.skip_invalid)
-    problems: list[MathProblem] = []
-    records_per_file = {}
-    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
-        before = len(problems) + policy.total()
-        problems.extend(iter_math_problems(path, config=config, policy=policy))
-        records_per_file[os.fspath(path)] = len(problems) + policy.total() - before
-    refuse_empty_files(records_per_file, what="math problems")
+    problems: list[MathProblem] = read_files(
+        [paths] if isinstance(paths, (str, os.PathLike)) else paths,
+        lambda path: iter_math_problems(path, config=config, policy=policy), policy=policy, what="math problems")
     if policy.skipped and first_rank():  # every rank loads the data; one says so
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d math problems, skipped %d records: %s", len(problems), skipped, dict(policy.skipped))

@@ -66,8 +66,8 @@ from megatron_prune.data.records import (
     SkipPolicy,
     check_encodable,
     iter_records,
+    read_files,
     record_error,
-    refuse_empty_files,
 )
 from megatron_prune.data.tokenizer import (
     PLAIN_GENERATION_PROMPT,
@@ -132,6 +132,25 @@ class PreferencePair:
     rejected_ids: list[int]
     source: str
     line: int
+
+    def tokens(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The pair's token ids, hashable: two pairs with equal tokens are the same pair."""
+        return tuple(self.prompt_ids), tuple(self.chosen_ids), tuple(self.rejected_ids)
+
+
+def same_pairs(pairs: Sequence[PreferencePair],
+               others: Sequence[PreferencePair]) -> list[tuple[PreferencePair, PreferencePair]]:
+    """``(pair, the first of ``others`` with the same token ids)`` for every pair of ``pairs`` that
+    has one (keyed by hash, so only ints are kept for ``others``; the tokens confirm each match)."""
+    first: dict[int, PreferencePair] = {}
+    for other in others:
+        first.setdefault(hash(other.tokens()), other)
+    found = []
+    for pair in pairs:
+        earlier = first.get(hash(pair.tokens()))
+        if earlier is not None and earlier is not pair and earlier.tokens() == pair.tokens():
+            found.append((pair, earlier))
+    return found
 
 
 # --------------------------------------------------------------------------- parsing
@@ -439,14 +458,10 @@ def load_preference_pairs(
     config = config or PreferenceDataConfig()
     policy = SkipPolicy(skip_invalid=config.skip_invalid)
     truncated = collections.Counter() if truncated is None else truncated
-    pairs: list[PreferencePair] = []
-    records_per_file = {}
-    for path in _as_list(paths):
-        before = len(pairs) + policy.total()
-        pairs.extend(iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy,
-                                           truncated=truncated))
-        records_per_file[os.fspath(path)] = len(pairs) + policy.total() - before
-    refuse_empty_files(records_per_file, what="preference pairs")
+    pairs: list[PreferencePair] = read_files(
+        _as_list(paths), lambda path: iter_preference_pairs(path, tokenizer=tokenizer, config=config, policy=policy,
+                                                            truncated=truncated),
+        policy=policy, what="preference pairs")
     says = first_rank()
     if policy.skipped and says:
         skipped = sum(policy.skipped.values())
@@ -466,15 +481,7 @@ def load_preference_pairs(
 
 def _repeated_pairs(pairs: Sequence[PreferencePair]) -> list[tuple[PreferencePair, PreferencePair]]:
     """``(pair, the first pair with the same token ids)`` for every pair that repeats an earlier one."""
-    first: dict[int, PreferencePair] = {}
-    repeats = []
-    for pair in pairs:
-        key = hash((tuple(pair.prompt_ids), tuple(pair.chosen_ids), tuple(pair.rejected_ids)))
-        earlier = first.setdefault(key, pair)
-        if earlier is not pair and (earlier.prompt_ids, earlier.chosen_ids, earlier.rejected_ids) == (
-                pair.prompt_ids, pair.chosen_ids, pair.rejected_ids):
-            repeats.append((pair, earlier))
-    return repeats
+    return same_pairs(pairs, pairs)
 
 
 def _as_list(paths: PathLike | Sequence[PathLike]) -> list[PathLike]:

@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import zlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from megatron_prune.ranks import first_rank
 
@@ -224,14 +224,24 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]
         yield row_no, record
 
 
-def refuse_empty_files(records_per_file: dict[str, int], *, what: str) -> None:
-    """DataError naming the files that hold no records at all when others do (a failed download
-    among several files); where every file is empty, :class:`LoadedRecords` says so."""
+def read_files(paths: Iterable[str | os.PathLike], read: Callable[[str | os.PathLike], Iterable], *,
+               policy: SkipPolicy, what: str) -> list:
+    """Every item ``read(path)`` yields for each of ``paths`` in order (``read`` hands bad records to
+    ``policy``). A file that holds no records at all when others do (a failed download among
+    several files) is a DataError naming it; where every file is empty, :class:`LoadedRecords`
+    says so."""
+    items: list = []
+    records_per_file = {}
+    for path in paths:
+        before = len(items) + policy.total()
+        items.extend(read(path))
+        records_per_file[os.fspath(path)] = len(items) + policy.total() - before
     empty = [path for path, n in records_per_file.items() if n == 0]
     if empty and len(empty) < len(records_per_file):
         kind = "empty data file" if len(empty) == 1 else "empty data files"
         raise DataError(", ".join(empty), None, kind,
                         f"no records to read (expected {what}; the other files hold records)")
+    return items
 
 
 class LoadedRecords:

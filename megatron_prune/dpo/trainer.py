@@ -6,7 +6,7 @@ import array
 import hashlib
 import logging
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_prune.config import CheckpointConfig, DPOConfig, LoggingConfig, ModelConfig, PruneConfig, TrainConfig
-from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset
+from megatron_prune.data.preference import PreferenceDataConfig, PreferenceDataset, same_pairs
 from megatron_prune.data.sampler import EpochSampler, dp_shard
 from megatron_prune.dpo.batch import CHOSEN, REJECTED
 from megatron_prune.dpo.step import DPOStep, DPOStepSettings
@@ -99,8 +99,7 @@ def heldout_pairs(total: int, *, micro_batch_size: int, dp: int, interleaved_pp:
 def heldout_overlap(train: PreferenceDataset, heldout: PreferenceDataset) -> int:
     """How many held-out pairs are also training pairs, token for token (the same file passed
     twice, or a split that leaked)."""
-    seen = {(tuple(p.prompt_ids), tuple(p.chosen_ids), tuple(p.rejected_ids)) for p in train.pairs}
-    return sum((tuple(p.prompt_ids), tuple(p.chosen_ids), tuple(p.rejected_ids)) in seen for p in heldout.pairs)
+    return len(same_pairs(heldout.pairs, train.pairs))
 
 
 def _fingerprint(dataset: PreferenceDataset, extra: str) -> str:
@@ -160,6 +159,10 @@ def reference_cache_dir(dpo: DPOConfig, ckpt: CheckpointConfig) -> str:
     return dpo.ref_cache or os.path.join(ckpt.save or os.path.dirname(os.path.abspath(dpo.data_path[0])), "ref_logps")
 
 
+def reference_table_path(cache_dir: str, fingerprint: str) -> str:
+    return os.path.join(cache_dir, f"ref_logps_{fingerprint}.pt")
+
+
 def check_reference_cache_writable(dpo: DPOConfig, ckpt: CheckpointConfig, *, table: str | None = None) -> None:
     """UsageError unless the reference cache can be written, checked before the reference pass
     that fills it (``table``: the one file it would write, when known). A folder that already
@@ -179,7 +182,7 @@ def check_reference_table(table: Any, dataset: PreferenceDataset, path: str) -> 
         for branch, ids in ((CHOSEN, pair.chosen_ids), (REJECTED, pair.rejected_ids)):
             values = table.get((index, branch)) if isinstance(table, dict) else None
             if not isinstance(values, torch.Tensor) or values.numel() != len(ids):
-                found = "nothing" if values is None else f"{getattr(values, 'numel', lambda: '?')()} values"
+                found = f"{values.numel()} values" if isinstance(values, torch.Tensor) else "nothing"
                 raise session.UsageError(
                     f"reference log-probs cache {path} does not match the data: pair {index} ({pair.source}:"
                     f"{pair.line}) has a {'chosen' if branch == CHOSEN else 'rejected'} response of {len(ids)} "
@@ -188,15 +191,13 @@ def check_reference_table(table: Any, dataset: PreferenceDataset, path: str) -> 
 
 
 def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cache_dir: str,
-                         fingerprint: str, batch: int,
-                         writable: Callable[[str], None] | None = None) -> dict[tuple[int, int], torch.Tensor]:
-    """Reference log-probs of every response token of ``dataset``, cached on disk and reused;
-    ``writable(path)`` raises before the pass when the table could not be stored.
+                         fingerprint: str, batch: int) -> dict[tuple[int, int], torch.Tensor]:
+    """Reference log-probs of every response token of ``dataset``, cached on disk and reused.
 
     Computed with the starting policy (which is the reference) before training; every rank
     receives the whole table, because a pair may land on any DP rank in a later step.
     """
-    path = os.path.join(cache_dir, f"ref_logps_{fingerprint}.pt")
+    path = reference_table_path(cache_dir, fingerprint)
     if os.path.isfile(path):
         try:
             table = torch.load(path)
@@ -213,8 +214,6 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
         if is_logging_rank():
             print(f"[megatron-prune] reusing reference log-probs {path}", flush=True)
         return table
-    if writable is not None:
-        writable(path)
     table: dict[tuple[int, int], torch.Tensor] = {}
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -350,9 +349,10 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
                                       adapter_off_base=lora_on and not dpo.ref_load)
         fp = reference_table_key(dataset, arch=arch, identity=identity, seed=train_cfg.seed, bf16=model_cfg.bf16)
         precompute_off = DPOStep(settings=off, policy=parts.model, reference=reference)
+        if not os.path.isfile(reference_table_path(cache_dir, fp)):  # to be written: checked before the pass
+            check_reference_cache_writable(dpo, ckpt_cfg, table=reference_table_path(cache_dir, fp))
         table = precompute_reference(runner_off=precompute_off, dataset=dataset, cache_dir=cache_dir,
-                                     fingerprint=fp, batch=train_cfg.micro_batch_size,
-                                     writable=lambda path: check_reference_cache_writable(dpo, ckpt_cfg, table=path))
+                                     fingerprint=fp, batch=train_cfg.micro_batch_size)
         eval_runner = precompute_off if eval_dataset is not None else None
         if eval_dataset is None:
             del reference
