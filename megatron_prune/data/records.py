@@ -11,7 +11,8 @@ row number in a Parquet file.
 
 A ``.json`` file (or ``.json.gz``) whose first character is ``[`` is one JSON array of records
 (as exported by ``json.dump`` or ``Dataset.to_json(lines=False)``); any other ``.json`` file is
-read as JSON Lines. A UTF-8 byte order mark at the start of a file is ignored.
+read as JSON Lines (one that holds a single pretty-printed object is one error
+saying so). A UTF-8 byte order mark at the start of a file is ignored.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def _iter_json(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
             if path.lower().endswith(JSON_ARRAY_SUFFIXES) and _first_byte(handle) == b"[":
                 yield from _iter_json_array(path, handle.read())
             else:
-                yield from _iter_json_lines(path, handle)
+                yield from _iter_json_lines(path, handle, may_be_one_object=path.lower().endswith(JSON_ARRAY_SUFFIXES))
     except (EOFError, zlib.error, OSError) as exc:  # gzip.BadGzipFile is an OSError
         raise DataError(path, None, "unreadable gzip" if compressed else "unreadable file", str(exc)) from exc
 
@@ -168,13 +169,39 @@ def _first_byte(handle) -> bytes:
     return head.lstrip()[:1]
 
 
-def _iter_json_lines(path: str, handle) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+def _iter_json_lines(path: str, handle, *, may_be_one_object: bool = False
+                     ) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+    """Records line by line. Where the first record does not parse and ``may_be_one_object`` (a
+    ``.json`` file), a file that parses as one JSON object is a single DataError saying so: read
+    line by line, a pretty-printed object would give one "malformed json" per line."""
+    first = True
     for line_no, raw in enumerate(handle, start=1):
         if line_no == 1:
             raw = raw.removeprefix(codecs.BOM_UTF8)
         if not raw.strip():
             continue
-        yield line_no, _parse_json_line(path, line_no, raw)
+        record = _parse_json_line(path, line_no, raw)
+        if first and may_be_one_object and isinstance(record, DataError) and record.reason == "malformed json":
+            _refuse_one_json_object(path, handle)
+        first = False
+        yield line_no, record
+
+
+def _refuse_one_json_object(path: str, handle) -> None:
+    """DataError when the whole file is one JSON object (pretty-printed, or a dict of columns);
+    otherwise ``handle`` is left where it was."""
+    position = handle.tell()
+    handle.seek(0)
+    try:
+        value = json.loads(handle.read().decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        value = None
+    handle.seek(position)
+    if isinstance(value, dict):
+        columns = value and all(isinstance(column, list) for column in value.values())
+        what = "a dict of columns" if columns else "one JSON object spread over several lines"
+        raise DataError(path, None, "not JSON Lines", f"the file is {what}; write one record per line (JSON "
+                        "Lines), or a JSON array of records")
 
 
 def _iter_json_array(path: str, data: bytes) -> Iterator[tuple[int, dict[str, Any] | DataError]]:

@@ -290,6 +290,31 @@ def test_malformed_json_array_says_how_the_file_was_read(tmp_path, tiny_tokenize
     assert info.value.line is None
 
 
+@pytest.mark.parametrize("name", ["pairs.json", "pairs.json.gz"])
+@pytest.mark.parametrize("layout, what", [
+    ("object", "one JSON object spread over several lines"), ("columns", "a dict of columns")])
+def test_one_pretty_printed_json_object_is_one_error(tmp_path, tiny_tokenizer, name, layout, what):
+    """A .json file holding one indented object (or a dict of columns, as Dataset.to_dict writes)
+    is one error saying what the file is, not a "malformed json" for each of its lines."""
+    value = PAIRS[0] if layout == "object" else {key: [pair[key] for pair in PAIRS[:2]] for key in PAIRS[0]}
+    data = json.dumps(value, indent=2).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert str(info.value) == (f"{path}: not JSON Lines: the file is {what}; write one record per line (JSON Lines), "
+                               "or a JSON array of records")
+
+
+def test_json_lines_with_a_bad_first_line_still_read_line_by_line(tmp_path, tiny_tokenizer):
+    """A bad first line of a JSON Lines .json file is a skip like any other line; the records after
+    it still read (the check for one pretty-printed object must leave the file where it was)."""
+    path = tmp_path / "pairs.json"
+    path.write_bytes(b'{"prompt": "x",\n' + b"".join(json.dumps(r).encode() + b"\n" for r in PAIRS[:3]))
+    dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert [pair.line for pair in dataset] == [2, 3, 4] and dict(dataset.skipped) == {"malformed json": 1}
+
+
 @pytest.mark.parametrize("name, array", [("pairs.jsonl", False), ("pairs.json", True), ("pairs.jsonl.gz", False)])
 def test_utf8_byte_order_mark_is_ignored(tmp_path, tiny_tokenizer, name, array):
     data = json.dumps(PAIRS[:2]).encode() if array else b"".join(json.dumps(r).encode() + b"\n" for r in PAIRS[:2])
