@@ -78,14 +78,15 @@ def refuse_unrunnable_layout(parser: argparse.ArgumentParser, arch, *, tp: int, 
 def exit_without_device(prog: str, device: str | None) -> None:
     """A benchmark tool's ``--device cuda`` on a machine without CUDA: one line, exit 2, before
     any worker starts (checked when the tool runs, not while parsing: its GPU commands still parse
-    on a CPU machine)."""
+    on a CPU machine). The check is the trainers' own (:func:`megatron_prune.accelerator.detect_kind`)."""
     if device != "cuda":
         return
-    import torch
+    from megatron_prune.accelerator import AcceleratorError, detect_kind
 
-    if not torch.cuda.is_available():
-        print(f"{prog}: error: --device cuda: no CUDA device here (torch.cuda.is_available() is False); use "
-              "--device cpu", file=sys.stderr)
+    try:
+        detect_kind("cuda")
+    except AcceleratorError as exc:
+        print(f"{prog}: error: {exc}; use --device cpu", file=sys.stderr)
         sys.exit(2)
 
 

@@ -77,4 +77,5 @@ def test_cuda_without_a_gpu_is_refused_before_any_worker(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exc:
             tool.main(["--device", "cuda"])
         assert exc.value.code == 2
-        assert f"{name}: error: --device cuda: no CUDA device here" in capsys.readouterr().err
+        assert (f"{name}: error: --device cuda was requested but torch.cuda.is_available() is False; "
+                "use --device cpu") in capsys.readouterr().err
