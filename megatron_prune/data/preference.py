@@ -121,6 +121,8 @@ class PreferenceText:
     prompt: list[Message]
     chosen: str
     rejected: str
+    repeated_prompt_removed: bool = False
+    """Both string responses began with the prompt string, and that copy was cut off."""
 
 
 @dataclasses.dataclass
@@ -132,6 +134,8 @@ class PreferencePair:
     rejected_ids: list[int]
     source: str
     line: int
+    repeated_prompt_removed: bool = False
+    """The record's responses repeated the prompt at their start; the loader cut that copy off."""
 
     def tokens(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The pair's token ids, hashable: two pairs with equal tokens are the same pair."""
@@ -286,21 +290,24 @@ def _parse_explicit(record: dict[str, Any]) -> PreferenceText:
     else:
         messages = _messages(prompt, "prompt")
     chosen, rejected = _field(record, "chosen", (str, list)), _field(record, "rejected", (str, list))
+    removed = False
     if isinstance(prompt, str):
-        chosen, rejected = _without_repeated_prompt(prompt, chosen, rejected, is_hh=is_hh)
-    return PreferenceText(messages, _response(chosen, messages, "chosen"), _response(rejected, messages, "rejected"))
+        chosen, rejected, removed = _without_repeated_prompt(prompt, chosen, rejected, is_hh=is_hh)
+    return PreferenceText(messages, _response(chosen, messages, "chosen"), _response(rejected, messages, "rejected"),
+                          repeated_prompt_removed=removed)
 
 
-def _without_repeated_prompt(prompt: str, chosen: Any, rejected: Any, *, is_hh: bool) -> tuple[Any, Any]:
+def _without_repeated_prompt(prompt: str, chosen: Any, rejected: Any, *, is_hh: bool) -> tuple[Any, Any, bool]:
     """String responses that both start with the prompt string (full transcripts beside their
     prompt) lose that copy, as message-list responses lose the prompt's messages; otherwise the
     prompt would be trained twice. Only both together: one response that merely begins with the
-    prompt's words is left as it is."""
+    prompt's words is left as it is. The flag says whether the copy was cut (the loader counts
+    and says it, as a pair whose responses quote the prompt on purpose would lose the quote)."""
     if not (isinstance(chosen, str) and isinstance(rejected, str)
             and chosen.startswith(prompt) and rejected.startswith(prompt)):
-        return chosen, rejected
+        return chosen, rejected, False
     cut = (lambda text: _drop_one_space(text[len(prompt):])) if is_hh else (lambda text: text[len(prompt):])
-    return cut(chosen), cut(rejected)
+    return cut(chosen), cut(rejected), True
 
 
 def _response(value: str | list, prompt: list[Message], name: str) -> str:
@@ -443,7 +450,7 @@ def iter_preference_pairs(
             else:
                 policy.handle(record_error(source, line, exc))
             continue
-        yield PreferencePair(*ids, source=source, line=line)
+        yield PreferencePair(*ids, source=source, line=line, repeated_prompt_removed=text.repeated_prompt_removed)
 
 
 def load_preference_pairs(
@@ -466,6 +473,11 @@ def load_preference_pairs(
     if policy.skipped and says:
         skipped = sum(policy.skipped.values())
         logger.warning("loaded %d preference pairs, skipped %d records: %s", len(pairs), skipped, dict(policy.skipped))
+    cut = [pair for pair in pairs if pair.repeated_prompt_removed]
+    if cut and says:
+        logger.warning("%d preference pairs had responses that both begin with their prompt string (first: %s:%d); "
+                       "that copy of the prompt was removed from both responses", len(cut), cut[0].source,
+                       cut[0].line)
     repeats = _repeated_pairs(pairs)
     if repeats and says:
         later, earlier = repeats[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gzip
 import json
 import re
@@ -69,10 +70,25 @@ def test_explicit_string_responses_that_repeat_the_prompt_lose_that_copy():
     prompt = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Tell me a joke\n\nAssistant:"
     chosen, rejected = prompt + " Why did the chicken...", prompt + " No."
     explicit = parse_preference_record({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    assert explicit == parse_preference_record({"chosen": chosen, "rejected": rejected})
+    assert explicit.repeated_prompt_removed
+    hh = parse_preference_record({"chosen": chosen, "rejected": rejected})
+    assert dataclasses.replace(explicit, repeated_prompt_removed=False) == hh
     assert (explicit.chosen, explicit.rejected) == ("Why did the chicken...", "No.")
     plain = parse_preference_record({"prompt": "Hi there", "chosen": "Hi there Hello!", "rejected": "Hi there Bye."})
-    assert plain == PreferenceText(USER, " Hello!", " Bye.")
+    assert plain == PreferenceText(USER, " Hello!", " Bye.", repeated_prompt_removed=True)
+
+
+def test_removed_prompt_copies_are_counted_and_said(tmp_path, tiny_tokenizer, caplog, monkeypatch):
+    """Cutting the prompt's copy off both responses changes what trains, so the loader says how
+    many pairs it cut and where the first one is."""
+    monkeypatch.setenv("RANK", "0")
+    quoting = {"prompt": "Hi there", "chosen": "Hi there Hello!", "rejected": "Hi there Bye."}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [GOOD, quoting, quoting | {"chosen": "Hi there Hey."}])
+    with caplog.at_level("WARNING"):
+        dataset = PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(max_seq_length=256))
+    assert [pair.repeated_prompt_removed for pair in dataset] == [False, True, True]
+    assert (f"2 preference pairs had responses that both begin with their prompt string (first: {path}:2); that copy "
+            "of the prompt was removed from both responses") in caplog.messages
 
 
 def test_explicit_string_response_that_only_begins_like_the_prompt_is_kept():
