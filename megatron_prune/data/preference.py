@@ -136,6 +136,8 @@ class PreferencePair:
     line: int
     repeated_prompt_removed: bool = False
     """The record's responses repeated the prompt at their start; the loader cut that copy off."""
+    special_text: str | None = None
+    """The first special token's text found in the record (tokenized as that token), if any."""
 
     def tokens(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The pair's token ids, hashable: two pairs with equal tokens are the same pair."""
@@ -450,7 +452,9 @@ def iter_preference_pairs(
             else:
                 policy.handle(record_error(source, line, exc))
             continue
-        yield PreferencePair(*ids, source=source, line=line, repeated_prompt_removed=text.repeated_prompt_removed)
+        special = tokenizer.special_text_in([m["content"] for m in text.prompt] + [text.chosen, text.rejected])
+        yield PreferencePair(*ids, source=source, line=line, repeated_prompt_removed=text.repeated_prompt_removed,
+                             special_text=special)
 
 
 def load_preference_pairs(
@@ -478,6 +482,12 @@ def load_preference_pairs(
         logger.warning("%d preference pairs had responses that both begin with their prompt string (first: %s:%d); "
                        "that copy of the prompt was removed from both responses", len(cut), cut[0].source,
                        cut[0].line)
+    special = [pair for pair in pairs if pair.special_text is not None]
+    if special and says:
+        logger.warning("special-token text in %d preference pairs (first: %s:%d holds %r) is tokenized as that "
+                       "token; records already formatted with a chat template are formatted twice: give "
+                       "plain text or chat messages", len(special), special[0].source, special[0].line,
+                       special[0].special_text)
     repeats = _repeated_pairs(pairs)
     if repeats and says:
         later, earlier = repeats[0]

@@ -107,6 +107,17 @@ class Tokenizer(abc.ABC):
         """The text that follows the generation prompt for an assistant reply ``content``."""
         return " " + content if content else content
 
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """Texts that :meth:`encode` turns into a special token's id wherever they occur (none for
+        SentencePiece, which encodes ``<s>`` in text as plain characters)."""
+        return ()
+
+    def special_text_in(self, texts: Sequence[str]) -> str | None:
+        """The first special token's text found in any of ``texts`` (record text that was already
+        formatted with a chat template holds them), else None."""
+        return next((special for special in self.special_texts for text in texts if special in text), None)
+
 
 def validate_messages(messages: Any) -> None:
     """Raise ValueError unless ``messages`` is a non-empty list of {"role", "content"} dicts."""
@@ -243,6 +254,11 @@ class HFTokenizer(Tokenizer):
 
     def render_response(self, content: str) -> str:
         return content if self.has_chat_template else super().render_response(content)
+
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        special = {token.content for token in self._tok.added_tokens_decoder.values() if token.special}
+        return tuple(sorted(special | set(self._tok.all_special_tokens)))
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -40,6 +40,7 @@ from megatron_prune.grpo.dppo import DPPOPruner, combine_weights
 from megatron_prune.grpo.rollout import Completion, SamplingSettings, generate
 from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
 from megatron_prune.lora_config import lora_active
+from megatron_prune.ranks import first_rank
 from megatron_prune.training import session
 from megatron_prune.training.loop import check_resumed_data_size, train
 from megatron_prune.training.parallel import is_logging_rank
@@ -107,6 +108,13 @@ def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: in
     from megatron_prune.grpo.rewards import get_reward
 
     dataset = MathDataset(paths, config=MathDataConfig(format=task, skip_invalid=skip_invalid))
+    special = [(p, tokenizer.special_text_in([p.prompt_text])) for p in dataset.problems]
+    special = [(p, text) for p, text in special if text is not None]
+    if special and first_rank():
+        problem, text = special[0]
+        logger.warning("special-token text in %d problems (first: %s:%d holds %r) is tokenized as that token; "
+                       "prompts already formatted with a chat template are formatted twice: give plain text",
+                       len(special), problem.source, problem.line, text)
     reward = get_reward(task)
     head = prompt_head_length(tokenizer)
 

@@ -218,3 +218,25 @@ def test_grpo_prompts_keep_bos_and_template_head_when_truncated():
         kept_head = next(n for n in range(24) if short.tokens[n] != whole.tokens[n])
         assert 1 <= kept_head <= len(head)
         assert short.tokens[kept_head:] == whole.tokens[-(24 - kept_head):]
+
+
+def test_grpo_prompts_with_special_token_text_are_counted_and_said(tmp_path, caplog, monkeypatch):
+    """A problem whose text holds a special token's text (already chat-templated) is said once."""
+    import json
+
+    from megatron_prune.data.tokenizer import load_tokenizer
+    from megatron_prune.grpo.trainer import math_source
+
+    from .data.helpers import CHAT_TEMPLATE, save_hf_tokenizer
+
+    monkeypatch.setenv("RANK", "0")
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path / "tok", chat_template=CHAT_TEMPLATE))
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": "2+2=4\n#### 4"}) + "\n"
+                            for q in ("What is 2+2?", "<|user|>What is 2+2?</s><|assistant|>")))
+    with caplog.at_level("WARNING"):
+        source = math_source(task="gsm8k", paths=[str(path)], tokenizer=tokenizer, max_prompt_length=64)
+    assert len(source) == 2
+    assert (f"special-token text in 1 problems (first: {path}:2 holds '</s>') is tokenized as that token; "
+            "prompts already formatted with a chat template are formatted twice: give plain text"
+            ) in caplog.messages

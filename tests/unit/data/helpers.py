@@ -12,3 +12,33 @@ def write_jsonl(path, records) -> str:
             line = record if isinstance(record, bytes) else json.dumps(record, ensure_ascii=False).encode("utf-8")
             handle.write(line + b"\n")
     return str(path)
+
+
+def save_hf_tokenizer(directory, *, chat_template: str | None, bos: bool = True) -> str:
+    """A small byte-level BPE tokenizer with <pad>, <s>, </s> saved as a Hugging Face directory."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(["hello world", "the quick brown fox"] * 10, trainer=trainer)
+    specials = {"bos_token": "<s>", "pad_token": "<pad>"} if bos else {}
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", **specials)
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(str(directory))
+    return str(directory)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)

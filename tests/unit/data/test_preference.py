@@ -25,9 +25,9 @@ from megatron_prune.data.preference import (
     truncate_prompt,
 )
 from megatron_prune.data.records import DataError, RecordError
-from megatron_prune.data.tokenizer import render_plain_template
+from megatron_prune.data.tokenizer import load_tokenizer, render_plain_template
 
-from .helpers import write_jsonl
+from .helpers import CHAT_TEMPLATE, save_hf_tokenizer, write_jsonl
 
 USER = [{"role": "user", "content": "Hi there"}]
 
@@ -517,6 +517,25 @@ def test_repeated_pairs_are_kept_and_counted(tmp_path, tiny_tokenizer, caplog, m
     assert [p.line for p in dataset] == [1, 2, 3, 4] and not dataset.skipped
     assert (f"2 preference pairs repeat an earlier pair token for token (first: {path}:3 repeats {path}:1); kept, "
             "so each trains as often as it appears") in caplog.messages
+
+
+def test_special_token_text_is_counted_and_said(tmp_path, caplog, monkeypatch):
+    """Record text that holds a special token's text (a prompt already rendered with a chat
+    template) becomes that token's id; the loader says how many pairs hold one, and where."""
+    monkeypatch.setenv("RANK", "0")
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path / "tok", chat_template=CHAT_TEMPLATE))
+    templated = {"prompt": "<s><|user|>hello</s><|assistant|>", "chosen": "hello world", "rejected": "the fox"}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "hello", "chosen": "world", "rejected": "fox"},
+                                                  {"prompt": "hello", "chosen": "world</s>", "rejected": "fox"},
+                                                  templated])
+    with caplog.at_level("WARNING"):
+        dataset = PreferenceDataset(path, tokenizer=tokenizer, config=PreferenceDataConfig(max_seq_length=256))
+    assert [pair.special_text for pair in dataset] == [None, "</s>", "</s>"]
+    assert (f"special-token text in 2 preference pairs (first: {path}:2 holds '</s>') is tokenized as that "
+            "token; records already formatted with a chat template are formatted twice: give plain text or chat "
+            "messages") in caplog.messages
+    assert tokenizer.eos_id in dataset[1].chosen_ids[:-1]  # what the warning is about
+    assert load_tokenizer("tiny").special_text_in(["<s> </s>"]) is None  # SentencePiece reads them as text
 
 
 def test_empty_dataset_and_missing_file(tmp_path, tiny_tokenizer):

@@ -23,7 +23,7 @@ from megatron_prune.data.tokenizer import (
     render_plain_template,
 )
 
-from .helpers import write_jsonl
+from .helpers import CHAT_TEMPLATE, save_hf_tokenizer, write_jsonl
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -125,37 +125,8 @@ def test_sentencepiece_file_path(tmp_path):
     assert tokenizer.decode(tokenizer.encode("hello world")).strip() == "hello world"
 
 
-def _save_hf_tokenizer(directory, *, chat_template: str | None, bos: bool = True) -> str:
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(["hello world", "the quick brown fox"] * 10, trainer=trainer)
-    specials = {"bos_token": "<s>", "pad_token": "<pad>"} if bos else {}
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", **specials)
-    if chat_template is not None:
-        hf.chat_template = chat_template
-    hf.save_pretrained(str(directory))
-    return str(directory)
-
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
 def test_hf_directory_with_chat_template(tmp_path):
-    tokenizer = load_tokenizer(_save_hf_tokenizer(tmp_path, chat_template=CHAT_TEMPLATE))
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path, chat_template=CHAT_TEMPLATE))
     assert isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template
     assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 1, 2)
     text = tokenizer.apply_chat_template(MESSAGES[1:2])
@@ -168,7 +139,7 @@ def test_hf_directory_with_chat_template(tmp_path):
 
 
 def test_hf_directory_without_chat_template_uses_plain_template(tmp_path):
-    tokenizer = load_tokenizer(_save_hf_tokenizer(tmp_path, chat_template=None, bos=False))
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path, chat_template=None, bos=False))
     assert not tokenizer.has_chat_template
     assert tokenizer.bos_id is None and tokenizer.pad_id == tokenizer.eos_id
     assert tokenizer.apply_chat_template(MESSAGES) == render_plain_template(MESSAGES)
@@ -208,7 +179,7 @@ def test_missing_or_bad_tokenizer_errors_name_the_path(tmp_path):
 
 
 def test_hf_tokenizer_file_instead_of_its_directory_points_to_the_directory(tmp_path):
-    directory = _save_hf_tokenizer(tmp_path / "tok", chat_template=None)
+    directory = save_hf_tokenizer(tmp_path / "tok", chat_template=None)
     with pytest.raises(TokenizerError) as info:
         load_tokenizer(os.path.join(directory, "tokenizer.json"))
     assert str(info.value) == (f"{directory}/tokenizer.json: a Hugging Face tokenizer file, not a SentencePiece "
@@ -221,7 +192,7 @@ def test_preference_pairs_through_a_chat_template(tmp_path):
         "{% for m in messages %}",
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}",
     )
-    tokenizer = load_tokenizer(_save_hf_tokenizer(tmp_path / "tok", chat_template=strict))
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path / "tok", chat_template=strict))
     records = [
         {"chosen": "\n\nHuman: hello\n\nAssistant: world", "rejected": "\n\nHuman: hello\n\nAssistant: fox"},
         {"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}], "chosen": "a", "rejected": "b"},
