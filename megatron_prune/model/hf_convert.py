@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from megatron_prune.data.tokenizer import HF_TOKENIZER_FILES
 from megatron_prune.model.arch import ModelArch, arch_difference, read_hf_config_file
 from megatron_prune.model.hf_mapping import (
     EMBED,
@@ -328,6 +329,9 @@ def convert_hf_to_megatron(
         if not dist.is_initialized() or dist.get_rank() == 0:
             copied = copy_hf_assets(hf_dir, assets)
             logger.info("copied %s to %s", ", ".join(copied), assets)
+            if not set(copied) & set(HF_TOKENIZER_FILES):
+                logger.warning("%s holds no tokenizer (none of %s): the trainers will need --tokenizer to read "
+                               "text data, and an export will have no tokenizer", hf_dir, ", ".join(HF_TOKENIZER_FILES))
         barrier()
         meta = {
             "hf_conversion": {

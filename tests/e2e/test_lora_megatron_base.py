@@ -40,8 +40,12 @@ def test_lora_dpo_from_converted_checkpoint(tmp_path):
 
     hf, converted = tmp_path / "hf", tmp_path / "converted"
     _tiny_qwen3(hf)
-    run_cmd([sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", str(hf),
-             "--save", str(converted)], log=tmp_path / "convert.txt", env=launch_env()).check_ok()
+    conversion = run_cmd([sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", str(hf),
+                          "--save", str(converted)], log=tmp_path / "convert.txt", env=launch_env()).check_ok()
+    # The model has no tokenizer files; the converter says so (the runs below pass --tokenizer).
+    assert (f"{hf} holds no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json): "
+            "the trainers will need --tokenizer to read text data, and an export will have no tokenizer"
+            ) in conversion.output
 
     run_dpo([*DPO, "--hf-model", str(hf), "--metrics-jsonl", str(tmp_path / "hf.jsonl")],
             log=tmp_path / "hf.txt").check_ok()
