@@ -70,6 +70,28 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron_prune.lora_config import TARGETS, LoRAConfig  # noqa: F401 (re-exported)
 
 
+_dropout_pass: bool | None = None
+"""Whether the model forward now running draws adapter dropout; None outside a model forward."""
+
+
+@contextlib.contextmanager
+def adapter_dropout_pass() -> Iterator[None]:
+    """Around one model forward: adapter dropout runs in it where gradients are on as it starts.
+
+    Decided once per forward, not per layer, because Megatron's full recompute runs each layer's
+    first forward under ``no_grad`` inside a training pass and recomputes it with gradients in
+    backward (restoring the RNG state): judged per layer, the loss would come from a model without
+    dropout and the gradients from one with it. Outside any forward (that recompute) the layer's
+    own grad mode decides.
+    """
+    global _dropout_pass
+    outer, _dropout_pass = _dropout_pass, torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        _dropout_pass = outer
+
+
 class _LoRAMixin:
     """Adapter state and arithmetic shared by the column- and row-parallel LoRA linears."""
 
@@ -88,7 +110,8 @@ class _LoRAMixin:
         self.lora_enabled = True
 
     def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora_dropout and self.training and torch.is_grad_enabled():
+        training_pass = torch.is_grad_enabled() if _dropout_pass is None else _dropout_pass
+        if self.lora_dropout and self.training and training_pass:
             x = F.dropout(x, p=self.lora_dropout, training=True)
         return x
 

@@ -26,6 +26,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from megatron_prune.model.lora import adapter_dropout_pass
 from megatron_prune.model.segments import SegmentLayout
 from megatron_prune.ops import vocab_parallel_logprobs
 
@@ -94,7 +95,8 @@ class SelectiveGPTModel(GPTModel):
         self._selection = token_selection
         self._segment_positions = position_ids if segments is not None else None
         try:
-            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+            with adapter_dropout_pass():
+                return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:
             self._selection = None
             self._segment_positions = None

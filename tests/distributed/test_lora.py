@@ -407,8 +407,10 @@ def grpo_kl_reference() -> dict:
 
 
 def single_rank() -> dict:
+    dropout = {**LORA, "dropout": 0.3}
     return dict(step=lora_step(), ref=reference_checks(), loss=fresh_dpo_loss(), frozen_step=lora_step(),
-                export=export_checks(), grpo=grpo_kl_reference())
+                export=export_checks(), grpo=grpo_kl_reference(), dropout=lora_step(lora=dropout),
+                dropout_recompute=lora_step(parallel=dict(recompute=True), lora=dropout))
 
 
 def layouts(which: str) -> dict:
@@ -504,6 +506,17 @@ def test_only_adapters_train_single_rank(single):
     assert all(float(g.abs().max()) > 0 for g in single["step"]["grads"].values()), "an adapter got no gradient"
     # Deterministic: the same step twice gives the same result bit for bit.
     assert single["frozen_step"]["metrics"] == single["step"]["metrics"]
+
+
+def test_adapter_dropout_under_full_recompute_is_the_same_step(single):
+    """Full recompute runs each layer's first forward without gradients and recomputes it in
+    backward: adapter dropout must act in both, with the same masks, so the loss and the gradients
+    come from one dropped model, the one a run without recompute trains."""
+    plain, recomputed = single["dropout"], single["dropout_recompute"]
+    assert plain["metrics"]["loss"] != single["step"]["metrics"]["loss"], "dropout changed nothing"
+    assert recomputed["metrics"]["loss"] == plain["metrics"]["loss"]
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(recomputed["grads"][name], grad, rtol=1e-6, atol=1e-8, msg=name)
 
 
 @pytest.mark.distributed

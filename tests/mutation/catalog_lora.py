@@ -14,6 +14,15 @@ DPO_LAYOUTS = f"{TESTS}::test_lora_step_is_the_same_in_every_dpo_layout"
 
 MUTANTS: list[dict] = [
     {
+        "name": "lora-dropout-per-layer-grad-mode",
+        "why": "adapter dropout follows each layer's grad mode: under full recompute the first forward (no_grad) "
+               "drops nothing and the recompute in backward does, so the loss and gradients disagree",
+        "file": LORA,
+        "old": "        training_pass = torch.is_grad_enabled() if _dropout_pass is None else _dropout_pass\n",
+        "new": "        training_pass = torch.is_grad_enabled()\n",
+        "tests": [f"{TESTS}::test_adapter_dropout_under_full_recompute_is_the_same_step"],
+    },
+    {
         "name": "lora-up-projection-unscaled",
         "why": "the adapter's product is added without alpha / r, so the model is not the one a merged or PEFT "
                "export describes (the tests use alpha / r = 2)",
@@ -72,7 +81,7 @@ MUTANTS: list[dict] = [
         "why": "adapter dropout also acts in the no-grad passes (the pruned branch, GRPO's old log-probs), which "
                "run in train mode: their log-probs turn noisy and the PPO ratio is not 1 at the first update",
         "file": "megatron_prune/model/lora.py",
-        "old": "if self.lora_dropout and self.training and torch.is_grad_enabled():",
+        "old": "if self.lora_dropout and self.training and training_pass:",
         "new": "if self.lora_dropout and self.training:",
         "tests": ["tests/distributed/test_lora.py::test_adapter_off_reference_is_the_frozen_base"],
     },
