@@ -5,6 +5,7 @@ For rewards shaped ``[num_prompts, G]`` (G completions per prompt),
 (divide by G) with ``eps = 1e-6`` by default, or the sample std (divide by G - 1) with
 ``eps = 1e-4`` as TRL computes it (``--advantage-std sample``); the two differ by a factor
 ``sqrt(G / (G - 1))`` whenever the std is not tiny.
+A group whose rewards are all equal has advantage 0 exactly.
 Advantages are always computed on the *full* group, before any completion-level pruning
 (docs/dppo.md explains why this matters for unbiasedness).
 """
@@ -46,7 +47,11 @@ def group_advantages(rewards: torch.Tensor, *, config: AdvantageConfig | None = 
         raise ValueError("group_size must be >= 1")
     if config.normalize_std and config.unbiased_std and group_size < 2:
         raise ValueError("an unbiased std needs group_size >= 2")
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    # A group of equal rewards has advantage 0 exactly. Its float mean can miss the common value
+    # by a rounding residue (8 x 2/3 in fp32 leaves 6e-8), which the std (that same residue)
+    # would scale up to about 0.06 for every completion of the group.
+    centred = torch.where(zero_variance_groups(rewards)[:, None], 0.0,
+                          rewards - rewards.mean(dim=1, keepdim=True))
     if not config.normalize_std:
         return centred
     std = rewards.std(dim=1, keepdim=True, correction=1 if config.unbiased_std else 0)

@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
 from megatron_prune.data.records import LoadedRecords
 from megatron_prune.data.sampler import EpochSampler
-from megatron_prune.grpo.advantages import group_advantages
+from megatron_prune.grpo.advantages import group_advantages, zero_variance_groups
 from megatron_prune.grpo.config import DPPOArgs, GRPOConfig, check_prompt_count
 from megatron_prune.grpo.dppo import DPPOPruner, combine_weights
 from megatron_prune.grpo.rollout import Completion, SamplingSettings, generate
@@ -279,7 +279,7 @@ class GRPOObjective:
             "accuracy": float((rewards == 1.0).float().mean()) if rewards.numel() else 0.0,
             "kept_prompt_fraction": kept_prompts / num_prompts,
             "kept_completion_fraction": kept_completions / max(kept_prompts * G, 1),
-            "zero_variance_groups": float((rewards.std(dim=1, correction=0) == 0).float().mean()) if kept_prompts else 0.0,
+            "zero_variance_groups": float(zero_variance_groups(rewards).float().mean()) if kept_prompts else 0.0,
             "completion_length": sum(lengths) / max(len(lengths), 1),
             "rollout_tokens": float(sum(lengths)),
         }
