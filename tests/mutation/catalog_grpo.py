@@ -26,6 +26,16 @@ PROMPT_TRUNCATION = f"{MATH_PROMPTS}::test_long_prompts_keep_the_head_and_the_ta
 
 MUTANTS: list[dict] = [
     {
+        "name": "grpo-equal-rewards-keep-rounding-advantage",
+        "why": "a group of equal fractional rewards keeps its float mean's rounding residue, which the std "
+               "scales to an advantage of ~0.06 shared by the whole group",
+        "file": "megatron_prune/grpo/advantages.py",
+        "old": "    centred = torch.where(zero_variance_groups(rewards)[:, None], 0.0,\n"
+               "                          rewards - rewards.mean(dim=1, keepdim=True))\n",
+        "new": "    centred = rewards - rewards.mean(dim=1, keepdim=True)\n",
+        "tests": ["tests/unit/grpo/test_advantages.py::test_equal_fractional_rewards_give_exactly_zero_advantage"],
+    },
+    {
         "name": "dppo-keep-weights-uncorrected",
         "why": "KeepDecision.weights gives kept items weight 1 instead of 1/probability",
         "file": "megatron_prune/grpo/dppo.py",
