@@ -19,12 +19,17 @@ probability). The estimator and its proof of unbiasedness are in docs/dppo.md.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from megatron_prune.ranks import first_rank
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PROMPT_LEVEL",
@@ -392,17 +397,20 @@ class PromptHistory:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict`; the decay and score kind must match this history."""
+        """Restore a :meth:`state_dict`. A resume may change the settings: under another decay the
+        recorded scores go on decaying at the new rate; under another score kind they measure
+        something else, so the history starts empty (every prompt unseen) and a warning says so."""
         missing = {"decay", "score", "ids", "scores", "counts"} - set(state)
         if missing:
             raise ValueError(f"PromptHistory state is missing {sorted(missing)}")
-        if state["decay"] != self.decay or state["score"] != self.score_kind:
-            raise ValueError(
-                f"PromptHistory state has decay={state['decay']}, score={state['score']!r}; this history "
-                f"has decay={self.decay}, score={self.score_kind!r}"
-            )
         if not len(state["ids"]) == len(state["scores"]) == len(state["counts"]):
             raise ValueError("PromptHistory state has ids, scores and counts of different lengths")
+        if state["score"] != self.score_kind:
+            if first_rank():
+                logger.warning("the checkpoint's prompt history scores %r, this run --dppo-history-score %r: the "
+                               "%d recorded prompts start unseen", state["score"], self.score_kind, len(state["ids"]))
+            self._scores, self._counts = {}, {}
+            return
         keys = [_canonical_id(item) for item in state["ids"]]
         self._scores = dict(zip(keys, (float(s) for s in state["scores"])))
         self._counts = dict(zip(keys, (int(c) for c in state["counts"])))
@@ -516,6 +524,6 @@ class DPPOPruner:
         return {"seed": self.seed, "history": self.history.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("seed") != self.seed:
-            raise ValueError(f"DPPO state was saved with seed {state.get('seed')}, this run uses {self.seed}")
+        """The prompt history (its settings may change on resume; see :meth:`PromptHistory.load_state_dict`)."""
+        assert state.get("seed") == self.seed, "a resume that changes --seed is refused at load"
         self.history.load_state_dict(state["history"])

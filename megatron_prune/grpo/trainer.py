@@ -350,7 +350,16 @@ class GRPOObjective:
         if "dppo" in state:
             self.pruner.load_state_dict(state["dppo"])
         if "rollout" in state:
-            self.buffer = self._load_buffer(state["rollout"])
+            saved = state["rollout"]
+            splits = (len(saved["minibatches"]), saved.get("updates_per_rollout", self.grpo.updates_per_rollout))
+            if splits == (self.grpo.minibatches, self.grpo.updates_per_rollout):
+                self.buffer = self._load_buffer(saved)
+            elif is_logging_rank():
+                # Its minibatches and update count no longer map onto this run's steps.
+                logger.warning("the checkpoint stopped inside a rollout split into %d minibatches for %d updates; "
+                               "this run has --minibatches %d and %d updates per rollout (--ppo-epochs %d), so that "
+                               "rollout is not reused", *splits, self.grpo.minibatches, self.grpo.updates_per_rollout,
+                               self.grpo.ppo_epochs)
 
     def _buffer_state(self) -> dict[str, Any]:
         buffer = self.buffer
@@ -368,6 +377,7 @@ class GRPOObjective:
         fields = ("prompt_id", "index", "prompt", "completion", "advantage", "weight")
         return {
             "index": buffer.index, "normalisers": list(buffer.normalisers), "metrics": dict(buffer.metrics),
+            "updates_per_rollout": self.grpo.updates_per_rollout,
             "minibatches": [[{name: getattr(item, name) for name in fields} for item in items]
                             for items in buffer.minibatches],
             "logprobs": scored,

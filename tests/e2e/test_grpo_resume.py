@@ -68,3 +68,22 @@ def test_grpo_sigkill_then_resume_is_bit_exact(tmp_path):
 
     check_resumed_steps(killed=killed, records=read_jsonl(metrics), reference=reference, published=published,
                         keys=SAME)
+
+
+def test_resume_with_another_split_of_the_rollout_or_history_score(tmp_path):
+    """A resume may change --minibatches / --ppo-epochs and the prompt history's score: the saved
+    rollout (split for the old updates) is not reused but rolled out again, the history restarts,
+    and each is said (it crashed on an index or trained half a rollout, and the history refused)."""
+    at = ARGS.index("--save-interval")
+    base = ARGS[:at] + ARGS[at + 2:]
+    args = [*base, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    run_cmd(_grpo([*args, "--exit-interval", "1"]), log=tmp_path / "first.txt").check_ok()
+    changed = [*args, "--minibatches", "2", "--ppo-epochs", "1", "--dppo-history-score", "informative",
+               "--train-iters", "3"]
+    resumed = run_cmd(_grpo(changed), log=tmp_path / "resumed.txt").check_ok()
+    assert ("the checkpoint stopped inside a rollout split into 1 minibatches for 2 updates; this run has "
+            "--minibatches 2 and 2 updates per rollout (--ppo-epochs 1), so that rollout is not reused"
+            ) in resumed.output
+    assert "resumed inside rollout 0: rolling out again with the current policy" in resumed.output
+    assert "--dppo-history-score 'informative': the " in resumed.output
+    assert "saved " in resumed.output and "Traceback" not in resumed.output

@@ -107,8 +107,8 @@ MUTANTS: list[dict] = [
         "name": "grpo-resume-rollout-not-restored",
         "why": "a run resumed inside a rollout rolls out again with the current policy instead of reusing the saved rollout",
         "file": "megatron_prune/grpo/trainer.py",
-        "old": "            self.buffer = self._load_buffer(state[\"rollout\"])",
-        "new": "            pass",
+        "old": "                self.buffer = self._load_buffer(saved)",
+        "new": "                pass",
         "tests": [ROLLOUT_STATE],
     },
     {

@@ -273,10 +273,27 @@ def test_history_state_dict_round_trip_through_torch_save():
     for prompt_id in (5, "q7", (1, 2)):
         assert restored.score(prompt_id) == history.score(prompt_id)
         assert restored.count(prompt_id) == history.count(prompt_id)
-    with pytest.raises(ValueError, match="decay"):
-        PromptHistory(decay=0.5).load_state_dict(history.state_dict())
     with pytest.raises(ValueError, match="missing"):
         restored.load_state_dict({"decay": 0.25})
+
+
+def test_history_resumed_under_other_settings(caplog, monkeypatch):
+    """A resume may change --dppo-history-decay (the scores go on at the new rate) or
+    --dppo-history-score (the scores measured something else: every prompt starts unseen, said)."""
+    monkeypatch.setenv("RANK", "0")
+    history = PromptHistory(decay=0.25, score="std")
+    history.update_batch([5, 6], torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
+    slower = PromptHistory(decay=0.5, score="std")
+    slower.load_state_dict(history.state_dict())
+    assert slower.score(5) == history.score(5) == 0.5
+    slower.update(5, torch.tensor([1.0, 1.0]))
+    assert slower.score(5) == 0.25  # 0.5 * 0.5 + 0.5 * 0: the new decay
+    informative = PromptHistory(decay=0.25, score="informative")
+    with caplog.at_level("WARNING"):
+        informative.load_state_dict(history.state_dict())
+    assert len(informative) == 0 and 5 not in informative
+    assert ("the checkpoint's prompt history scores 'std', this run --dppo-history-score 'informative': the 2 "
+            "recorded prompts start unseen") in caplog.messages
 
 
 def test_pruner_resume_reproduces_decisions():
@@ -294,8 +311,6 @@ def test_pruner_resume_reproduces_decisions():
     c = pruner.select_completions(step=5, prompt_ids=[1, 3], advantages=advantages)
     d = resumed.select_completions(step=5, prompt_ids=[1, 3], advantages=advantages)
     assert torch.equal(c.keep, d.keep)
-    with pytest.raises(ValueError, match="seed"):
-        DPPOPruner(config=config, seed=12).load_state_dict(state)
 
 
 # --- systematic (balanced) draws --------------------------------------------------------------
