@@ -103,7 +103,8 @@ class TrainConfig:
     global_batch_size: int = field(default=8, metadata=_flag("--global-batch-size"))
     """Samples (DPO pairs / GRPO prompts) per optimizer step, over all DP ranks."""
     micro_batch_size: int = field(default=1, metadata=_flag("--micro-batch-size"))
-    """Samples per microbatch per DP rank."""
+    """Samples per microbatch per DP rank: DPO pairs; in GRPO the rows of a training or scoring
+    pass (a completion, a packed row of several, or a prompt's group with --shared-prompt)."""
     seq_length: int = field(default=1024, metadata=_flag("--seq-length"))
     """Maximum tokens of one sequence (prompt + response)."""
     max_prompt_length: int | None = field(default=None, metadata=_flag("--max-prompt-length"))

@@ -47,7 +47,7 @@ def run_cli(
     try:
         versions = session.check_versions(kind)
         dp = session.validate(configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"],
-                              world_size=world)
+                              world_size=world, batch_of_microbatches="GRPOConfig" not in configs)
         checked = extra_checks(configs) if extra_checks is not None else None
         ignored = dead_flags.check(configs, getattr(args, GIVEN))
     except ValueError as exc:

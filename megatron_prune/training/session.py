@@ -78,8 +78,13 @@ def parallel_config(model: ModelConfig) -> ParallelConfig:
     )
 
 
-def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, world_size: int) -> int:
-    """Check flags and layout against the world size; return the data-parallel size."""
+def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, world_size: int,
+             batch_of_microbatches: bool = True) -> int:
+    """Check flags and layout against the world size; return the data-parallel size.
+
+    ``batch_of_microbatches``: the global batch is made of whole microbatches (DPO). GRPO's
+    global batch counts prompts and its microbatches hold completion rows, so there it only has
+    to split over the data-parallel ranks."""
     from megatron_prune.training.parallel import validate_layout
 
     sources = [s for s in (model.model_preset, model.hf_model) if s]
@@ -88,11 +93,14 @@ def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, 
     if not sources and not ckpt.load:
         raise UsageError("no model: give --model-preset, --hf-model or --load")
     dp = validate_layout(parallel_config(model), world_size)
-    if train.global_batch_size % (train.micro_batch_size * dp):
+    if batch_of_microbatches and train.global_batch_size % (train.micro_batch_size * dp):
         raise UsageError(
             f"--global-batch-size {train.global_batch_size} is not divisible by --micro-batch-size "
             f"{train.micro_batch_size} x data-parallel size {dp}"
         )
+    if train.global_batch_size % dp:
+        raise UsageError(f"--global-batch-size {train.global_batch_size} is not divisible by the data-parallel "
+                         f"size {dp}")
     if model.hf_model and not os.path.isdir(model.hf_model):
         raise UsageError(f"--hf-model {model.hf_model}: not a directory")
     return dp

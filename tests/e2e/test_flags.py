@@ -269,9 +269,16 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
             main(["--model-preset", "tiny", *argv, "--dry-run"])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and message in err, err
+    # GRPO's global batch counts prompts and a microbatch holds completion rows: 4 prompts of 16
+    # completions run as rows of 16, which the pairs-per-microbatch rule of DPO would refuse.
+    assert main(["--model-preset", "tiny", "--task", "toy", "--global-batch-size", "4", "--group-size", "16",
+                 "--micro-batch-size", "16", "--dry-run"]) == 0
     monkeypatch.setenv("WORLD_SIZE", "2")  # the interleaved schedule is accepted (its passes get placeholders)
     assert main(["--model-preset", "tiny", "--task", "toy", "--pipeline-model-parallel-size", "2",
                  "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--dry-run"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--model-preset", "tiny", "--task", "toy", "--global-batch-size", "3", "--dry-run"])
+    assert "--global-batch-size 3 is not divisible by the data-parallel size 2" in capsys.readouterr().err
     assert _no_process_group()
 
 
