@@ -88,6 +88,11 @@ def available_rewards() -> list[str]:
 _NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 
 
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+"""The minus sign and the small and fullwidth hyphen-minus, each read as ``-`` (dashes are not:
+an en dash is as often a range or a bullet as a sign)."""
+
+
 def _to_fraction(text: str) -> Fraction | None:
     try:
         return Fraction(text.replace(",", ""))
@@ -115,7 +120,8 @@ def normalize_number(text: str) -> str | None:
     Removes ``$``, ``%``, spaces and thousands commas and drops trailing zeros:
     ``"$1,234.50"`` -> ``"1234.5"``, ``"72.0"`` -> ``"72"``, ``"- 5"`` -> ``"-5"``.
     """
-    cleaned = text.replace("$", "").replace("%", "").replace("\\", "")
+    # Read past, the sign of "−3" (U+2212) was lost and it scored as 3.
+    cleaned = text.translate(_MINUS_SIGNS).replace("$", "").replace("%", "").replace("\\", "")
     cleaned = re.sub(r"(?<=[-+])\s+(?=\d|\.)", "", cleaned.strip())
     match = _NUMBER_RE.search(cleaned)
     if match is None:

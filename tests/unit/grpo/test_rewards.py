@@ -73,6 +73,9 @@ def test_normalize_number(text, expected):
         ("#### ", "#### 72", 0.0),  # malformed: empty answer
         ("I cannot solve this.", "#### 72", 0.0),  # no answer at all
         ("#### -3", "#### -3", 1.0),
+        ("#### \u22123", "#### -3", 1.0),  # the Unicode minus sign is a sign
+        ("#### \u22123", "#### 3", 0.0),  # ... so -3 is not 3
+        ("#### \uff0d3", "#### -3", 1.0),  # fullwidth hyphen-minus
         ("#### 5 #### 6", "#### 6", 1.0),  # the last marker wins
     ],
 )
