@@ -106,6 +106,10 @@ class ModelArch:
             raise ValueError(
                 f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
             )
+        if self.num_experts_per_tok == 1 and self.norm_topk_prob:
+            raise ValueError("num_experts_per_tok 1 with norm_topk_prob true (each token's one expert weighted 1) is "
+                             "not supported: Megatron's top-1 router weights the expert by its softmax probability; "
+                             "models with norm_topk_prob false, or top-k above 1, are")
         if not self.moe_intermediate_size or self.moe_intermediate_size <= 0:
             raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
         if self.decoder_sparse_step < 1:

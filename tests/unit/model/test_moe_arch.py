@@ -100,3 +100,20 @@ def test_expert_parallelism_needs_a_moe_model_and_divides_data_parallel():
         validate_layout(ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2), 2)
     assert validate_layout(ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 4) == 2
 
+
+
+def test_top1_with_renormalised_weight_is_refused_at_the_config(tmp_path):
+    """HF's top-1 router with norm_topk_prob weights the one expert 1; Megatron's top-1 weights it
+    by its probability, so the converter and the trainers refuse it reading config.json (it was
+    a Megatron error naming a flag this project does not have, after --dry-run passed)."""
+    import json
+
+    from megatron_prune.model.hf_convert import read_hf_arch
+
+    (tmp_path / "config.json").write_text(json.dumps(_qwen3_moe_config(num_experts_per_tok=1)))
+    with pytest.raises(ValueError) as exc:
+        read_hf_arch(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(exc.value)
+    assert "num_experts_per_tok 1 with norm_topk_prob true" in str(exc.value)
+    arch = ModelArch.from_hf_config(_qwen3_moe_config(num_experts_per_tok=1, norm_topk_prob=False))
+    assert moe_config_kwargs(arch, ParallelConfig(), grouped_gemm=False)["moe_router_topk"] == 1
