@@ -45,7 +45,9 @@ def validate_layout(parallel: ParallelConfig, world_size: int, *, dry_run_hint: 
     if vpp is not None and (vpp < 2 or pp < 2):
         raise ValueError("--virtual-pipeline-model-parallel-size needs a value >= 2 and pipeline parallelism > 1")
     ep = parallel.expert_model_parallel_size
-    if ep < 1 or (world_size // (tp * pp)) % ep:
+    if ep < 1:
+        raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if (world_size // (tp * pp)) % ep:
         raise ValueError(
             f"--expert-model-parallel-size ({ep}) must divide the data-parallel size "
             f"{world_size // (tp * pp)} (experts are spread over data-parallel ranks)"

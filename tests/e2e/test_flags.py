@@ -83,6 +83,8 @@ BAD = [
                  id="ref-load-missing"),
     pytest.param(["--load", "no-such-ckpt", "--save", "other-dir"], 1, "--load no-such-ckpt: directory does not exist",
                  id="load-missing"),
+    pytest.param(["--expert-model-parallel-size", "0"], 2, "--expert-model-parallel-size must be >= 1, got 0",
+                 id="ep=0"),
     pytest.param(["--expert-model-parallel-size", "2", "--global-batch-size", "4"], 2,
                  "--expert-model-parallel-size 2 needs a mixture-of-experts model; qwen3 is dense", id="ep-on-dense"),
     # The layout against the architecture (tiny: 4 heads, 2 key-value heads, 4 layers).
