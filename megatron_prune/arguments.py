@@ -17,7 +17,7 @@ import sys
 import time
 import types
 import typing
-from typing import Any
+from typing import Any, Callable
 
 from megatron_prune.config import field_docs, flag_of
 from megatron_prune.ranks import first_rank
@@ -75,7 +75,7 @@ def refuse_unrunnable_layout(parser: argparse.ArgumentParser, arch, *, tp: int, 
         parser.error(str(exc))
 
 
-def exit_without_device(prog: str, device: str | None) -> None:
+def exit_without_device(prog: str, device: str | None, *, flag: str = "--device") -> None:
     """A benchmark tool's ``--device cuda`` on a machine without CUDA: one line, exit 2, before
     any worker starts (checked when the tool runs, not while parsing: its GPU commands still parse
     on a CPU machine). The check is the trainers' own (:func:`megatron_prune.accelerator.detect_kind`)."""
@@ -86,7 +86,7 @@ def exit_without_device(prog: str, device: str | None) -> None:
     try:
         detect_kind("cuda")
     except AcceleratorError as exc:
-        print(f"{prog}: error: {exc}; use --device cpu", file=sys.stderr)
+        print(f"{prog}: error: {str(exc).replace('--device', flag, 1)}; use {flag} cpu", file=sys.stderr)
         sys.exit(2)
 
 
@@ -242,6 +242,40 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def at_least(minimum: float, kind: type = int) -> Callable[[str], int | float]:
+    """argparse type of a tool's count or amount: an int (or, with ``kind=float``, a finite float)
+    of at least ``minimum``, refused at parse time with the flag named (a zero count failed later
+    with a ZeroDivisionError or inside a worker)."""
+
+    def parse(text: str) -> int | float:
+        if kind is int:
+            try:
+                value = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        else:
+            value = finite_float(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} >= {minimum}"
+    return parse
+
+
+def above(minimum: float) -> Callable[[str], float]:
+    """argparse type: a finite float above ``minimum`` (a timeout, a temperature)."""
+
+    def parse(text: str) -> float:
+        value = finite_float(text)
+        if value <= minimum:
+            raise argparse.ArgumentTypeError(f"must be > {minimum}, got {text}")
+        return value
+
+    parse.__name__ = f"float > {minimum}"
+    return parse
 
 
 def _shown(value: Any) -> str:

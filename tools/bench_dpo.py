@@ -162,7 +162,8 @@ def _preset_help() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import (ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib,
+    from megatron_prune.arguments import (ToolHelpFormatter, above, at_least, refuse_bad_data_files,
+                                          refuse_plot_without_matplotlib,
                                           refuse_unrunnable_layout, refuse_unwritable_outputs)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
@@ -171,33 +172,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
                    help="modes to run, in this order (concat is always added and runs first: ratios are against it)")
     p.add_argument("--data-path", nargs="+", default=None, help="preference files (default: bundled HH-RLHF sample)")
-    p.add_argument("--pairs", type=int, help="pairs per step (default: preset)")
-    p.add_argument("--micro-batch-size", type=int, help="pairs per microbatch (default: preset)")
-    p.add_argument("--max-seq-length", type=int, help="longest prompt+response (default: preset)")
-    p.add_argument("--max-prompt-length", type=int,
+    p.add_argument("--pairs", type=at_least(1), help="pairs per step (default: preset)")
+    p.add_argument("--micro-batch-size", type=at_least(1), help="pairs per microbatch (default: preset)")
+    p.add_argument("--max-seq-length", type=at_least(2), help="longest prompt+response (default: preset)")
+    p.add_argument("--max-prompt-length", type=at_least(1),
                    help="longest prompt kept (default: the preset's, at most 5/8 of --max-seq-length)")
-    p.add_argument("--warmup", type=int, help="untimed steps (default: preset)")
-    p.add_argument("--steps", type=int, help="timed steps (default: preset)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--warmup", type=at_least(0), help="untimed steps (default: preset)")
+    p.add_argument("--steps", type=at_least(1), help="timed steps (default: preset)")
+    p.add_argument("--rounds", type=at_least(1), default=1,
                    help="run every mode this many times, interleaved, pooling the steps (noisy machines)")
-    p.add_argument("--memory-steps", type=int, default=3,
+    p.add_argument("--memory-steps", type=at_least(1), default=3,
                    help="timed steps replayed (same pruning draws) to measure peak memory (default: 3)")
     p.add_argument("--recompute-activations", action="store_true", help="full activation recompute")
     p.add_argument("--skip-invalid-records", action="store_true",
                    help="skip (count and log) records that are malformed or unusable at --max-seq-length, e.g. "
                         "responses identical after truncation, instead of stopping at the first one")
-    p.add_argument("--lora-rank", type=int, default=0,
+    p.add_argument("--lora-rank", type=at_least(0), default=0,
                    help="train LoRA adapters of this rank (alpha = rank) on every linear, adapter-off reference; "
                         "0 = full-parameter training with an online reference")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-model-parallel-size", type=at_least(1), default=1,
                    help="TP of every mode's run (above 1 the tool starts torchrun itself)")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+    p.add_argument("--pipeline-model-parallel-size", type=at_least(1), default=1,
                    help="PP of every mode's run (above 1 the tool starts torchrun itself)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="default: preset")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every mode)")
     p.add_argument("--plot", metavar="PATH", help="PNG bar chart of speedup and memory ratio vs the model")
     p.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table of one step per mode")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per mode before it is killed")
+    p.add_argument("--timeout", type=above(0), default=900.0, help="seconds per mode before it is killed")
     p.add_argument("--worker", choices=tuple(MODES), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -211,12 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.max_prompt_length < args.max_seq_length:
         p.error(f"--max-prompt-length ({args.max_prompt_length}) must be in [1, --max-seq-length "
                 f"({args.max_seq_length}))")
-    if args.steps < 1 or args.warmup < 0 or args.memory_steps < 1 or args.rounds < 1:
-        p.error("--steps, --memory-steps and --rounds must be >= 1 and --warmup >= 0")
     if args.pairs % args.micro_batch_size:
         p.error(f"--pairs ({args.pairs}) must be a multiple of --micro-batch-size ({args.micro_batch_size})")
-    if args.lora_rank < 0:
-        p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     refuse_plot_without_matplotlib(p, args.plot)
     refuse_unwritable_outputs(p, json=args.json, plot=args.plot, profile_dir=args.profile)
     refuse_unrunnable_layout(p, build_arch(args), tp=args.tensor_model_parallel_size,

@@ -81,33 +81,35 @@ PHASES = ("rollout_time_s", "reference_time_s", "old_logprob_time_s", "update_ti
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import (ToolHelpFormatter, refuse_bad_data_files, refuse_plot_without_matplotlib,
+    from megatron_prune.arguments import (ToolHelpFormatter, above, at_least, refuse_bad_data_files,
+                                          refuse_plot_without_matplotlib,
                                           refuse_unrunnable_layout, refuse_unwritable_outputs)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--task", choices=TASKS, default="toy", help="the task trained and evaluated")
     p.add_argument("--modes", nargs="+", choices=MODES, default=[m for m in MODES if not m.endswith(SHARED_SUFFIX)],
                    help="modes to run (grpo is always added: it is the baseline)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds (policy initialisation, prompts and draws)")
+    p.add_argument("--seeds", type=at_least(1), default=3, help="seeds (policy initialisation, prompts and draws)")
     p.add_argument("--seed", type=int, default=1234, help="first seed; seeds are seed, seed+1, ...")
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps (other modes: see --match-time)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--steps", type=at_least(1), default=40, help="GRPO steps (other modes: see --match-time)")
+    p.add_argument("--rounds", type=at_least(1), default=1,
                    help="repeat every (seed, mode) run this many times, interleaved (timing on noisy machines)")
     p.add_argument("--match-time", action=argparse.BooleanOptionalAction, default=True,
                    help="train other modes until their training time reaches GRPO's (same seed and round)")
-    p.add_argument("--max-step-factor", type=float, default=4.0, help="with --match-time: at most this x --steps")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step (global batch)")
-    p.add_argument("--num-prompts", type=int, default=64,
+    p.add_argument("--max-step-factor", type=at_least(1.0, float), default=4.0, help="with --match-time: at most this x --steps")
+    p.add_argument("--prompts", type=at_least(1), default=32, help="prompts per step (global batch)")
+    p.add_argument("--num-prompts", type=at_least(1), default=64,
                    help="training prompt set (gsm8k: the first N problems; they recur, so prompt pruning has history)")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 4 (toy tasks), 64 (gsm8k)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per training microbatch (default: --prompts)")
-    p.add_argument("--rollout-micro-batch-size", type=int, default=None,
+    p.add_argument("--group-size", type=at_least(2), default=8,
+                   help="completions per prompt (G; at least 2: advantages are relative to the group)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="default: 4 (toy tasks), 64 (gsm8k)")
+    p.add_argument("--micro-batch-size", type=at_least(1), default=None, help="rows per training microbatch (default: --prompts)")
+    p.add_argument("--rollout-micro-batch-size", type=at_least(1), default=None,
                    help="prompts per rollout forward (default: the trainer's)")
-    p.add_argument("--seq-length", type=int, default=None, help="packing capacity (default: 64 toy, 512 gsm8k)")
-    p.add_argument("--toy-prompt-length", type=int, default=3, help="prompt tokens of the toy tasks")
+    p.add_argument("--seq-length", type=at_least(2), default=None, help="packing capacity (default: 64 toy, 512 gsm8k)")
+    p.add_argument("--toy-prompt-length", type=at_least(3), default=3, help="prompt tokens of the toy tasks")
     p.add_argument("--data-path", nargs="+", default=None, help="gsm8k problems (default: the bundled sample)")
-    p.add_argument("--max-prompt-length", type=int, default=256, help="gsm8k prompts keep their last N tokens")
+    p.add_argument("--max-prompt-length", type=at_least(1), default=256, help="gsm8k prompts keep their last N tokens")
     p.add_argument("--prompt-rate", type=float, default=0.5, help="r_q of dppo and dppo_prompt")
     p.add_argument("--completion-rate", type=float, default=0.5, help="r_o of dppo, dppo_completion and cppo")
     p.add_argument("--dppo-sampling", default=None, choices=("independent", "systematic"),
@@ -122,35 +124,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-skip-zero-advantage", dest="skip_zero_advantage", action="store_false",
                    help="train zero-advantage completions too (the trainer's --no-skip-zero-advantage; by default "
                         "every mode leaves them out when --kl-beta is 0, which is exact)")
-    p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate of every mode")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = none)")
-    p.add_argument("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
-    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's rollout")
-    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per PPO epoch")
-    p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    p.add_argument("--lr", type=above(0), default=5e-3, help="Adam learning rate of every mode")
+    p.add_argument("--clip-grad", type=at_least(0.0, float), default=1.0, help="global gradient-norm clip (0 = none)")
+    p.add_argument("--kl-beta", type=at_least(0.0, float), default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
+    p.add_argument("--ppo-epochs", type=at_least(1), default=1, help="passes over each step's rollout")
+    p.add_argument("--minibatches", type=at_least(1), default=1, help="optimizer steps per PPO epoch")
+    p.add_argument("--temperature", type=above(0), default=1.0, help="rollout sampling temperature")
     p.add_argument("--kv-cache", action="store_true", help="KV-cached rollout (one pipeline stage)")
-    p.add_argument("--eval-every", type=int, default=5,
+    p.add_argument("--eval-every", type=at_least(1), default=5,
                    help="held-out evaluation every N steps (not counted in training time)")
-    p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts")
-    p.add_argument("--eval-samples", type=int, default=4, help="fixed-seed samples per held-out prompt")
-    p.add_argument("--eval-temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--grad-variance", type=int, default=0, metavar="K",
+    p.add_argument("--eval-prompts", type=at_least(1), default=64, help="held-out prompts")
+    p.add_argument("--eval-samples", type=at_least(1), default=4, help="fixed-seed samples per held-out prompt")
+    p.add_argument("--eval-temperature", type=at_least(0.0, float), default=1.0, help="0 = greedy")
+    p.add_argument("--grad-variance", type=at_least(0), default=0, metavar="K",
                    help="pruned-gradient draws compared with the unpruned gradient on sampled steps (0 = off)")
-    p.add_argument("--grad-variance-every", type=int, default=10, help="with --grad-variance: every N steps")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+    p.add_argument("--grad-variance-every", type=at_least(1), default=10, help="with --grad-variance: every N steps")
+    p.add_argument("--tensor-model-parallel-size", type=at_least(1), default=1,
                    help="TP of every run (above 1 the tool starts torchrun itself)")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+    p.add_argument("--pipeline-model-parallel-size", type=at_least(1), default=1,
                    help="PP of every run (above 1 the tool starts torchrun itself)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="accelerator of every run")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (CPU)")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch intra-op threads per rank (CPU)")
     p.add_argument("--json", metavar="PATH", help="write the results (rewritten after every run)")
     p.add_argument("--plot", metavar="PATH", help="PNG: held-out reward vs cumulative training time")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per (round, seed) process")
+    p.add_argument("--timeout", type=above(0), default=3600.0, help="seconds per (round, seed) process")
     p.add_argument("--from-json", metavar="PATH", nargs="+",
                    help="summarise and plot the records of earlier runs' JSON files (e.g. two batches of seeds) "
                         "instead of running; the files must hold the same experiment (config and modes; only seeds, "
                         "rounds, host and times may differ) and no (seed, round) run twice")
-    p.add_argument("--seeds-per-process", type=int, default=1,
+    p.add_argument("--seeds-per-process", type=at_least(1), default=1,
                    help="seeds trained one after another in one worker process (saves start-up time)")
     p.add_argument("--worker-seeds", help=argparse.SUPPRESS)
     p.add_argument("--worker-round", type=int, default=0, help=argparse.SUPPRESS)
@@ -163,12 +165,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seq_length = 64 if toy else 512
     if args.micro_batch_size is None:
         args.micro_batch_size = args.prompts
-    for name in ("seeds", "seeds_per_process", "steps", "rounds", "prompts", "group_size", "eval_every", "eval_prompts", "eval_samples",
-                 "grad_variance_every", "ppo_epochs", "minibatches"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.group_size < 2:
-        p.error(f"--group-size must be >= 2, got {args.group_size}: advantages are relative to the group")
     if args.prompts > args.num_prompts:
         p.error(f"--prompts {args.prompts} asks for {args.prompts} different prompts a step, but --num-prompts is "
                 f"{args.num_prompts}: lower --prompts or raise --num-prompts")

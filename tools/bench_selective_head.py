@@ -35,30 +35,28 @@ QWEN3_VOCAB = 151936
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter
+    from megatron_prune.arguments import ToolHelpFormatter, at_least, finite_float
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"), help="where the head runs")
-    p.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB, help="vocabulary (default: Qwen3's)")
-    p.add_argument("--hidden-size", type=int, default=1024, help="hidden size h of the head's input")
+    p.add_argument("--vocab-size", type=at_least(1), default=QWEN3_VOCAB, help="vocabulary (default: Qwen3's)")
+    p.add_argument("--hidden-size", type=at_least(1), default=1024, help="hidden size h of the head's input")
     p.add_argument(
-        "--seq-lens", type=int, nargs="+", default=None,
+        "--seq-lens", type=at_least(1), nargs="+", default=None,
         help="positions T per run (default: 256 512 1024 on CPU, 2048 4096 8192 on GPU/NPU)",
     )
-    p.add_argument("--scored-fraction", type=float, default=0.5, help="fraction of positions scored")
-    p.add_argument("--chunk-size", type=int, default=4096, help="vocabulary rows per block of the fused op")
+    p.add_argument("--scored-fraction", type=finite_float, default=0.5, help="fraction of positions scored")
+    p.add_argument("--chunk-size", type=at_least(1), default=4096, help="vocabulary rows per block of the fused op")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default: float32 on CPU, bfloat16 on GPU/NPU")
-    p.add_argument("--iters", type=int, default=1, help="timed forward+backward iterations per run")
+    p.add_argument("--iters", type=at_least(1), default=1, help="timed forward+backward iterations per run")
     p.add_argument("--seed", type=int, default=0, help="seed of the random hidden states and labels")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--worker-seq-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not 0 < args.scored_fraction <= 1:
-        raise SystemExit(f"--scored-fraction must be in (0, 1]; got {args.scored_fraction}")
-    if args.iters < 1:
-        raise SystemExit(f"--iters must be >= 1; got {args.iters}")
+        p.error(f"--scored-fraction must be in (0, 1], got {args.scored_fraction}")
     return args
 
 

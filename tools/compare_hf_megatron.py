@@ -20,7 +20,7 @@ import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron_prune.arguments import ToolHelpFormatter
+    from megatron_prune.arguments import ToolHelpFormatter, at_least
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HF model directory")
@@ -33,11 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert-parallel ranks of a Qwen3-MoE model (must divide the data-parallel size); "
                         "a MoE model at TP > 1 runs with sequence parallelism")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted max |delta logits|")
+    p.add_argument("--tolerance", type=at_least(0.0, float), default=1e-4, help="largest accepted max |delta logits|")
     p.add_argument("--seq-length", type=int, default=32, help="tokens per compared sequence")
     p.add_argument("--batch-size", type=int, default=2, help="random sequences compared")
     p.add_argument("--seed", type=int, default=0, help="seed of the random test tokens")
-    p.add_argument("--hf-device", default="cpu", help="device of the HF reference model (rank 0)")
+    p.add_argument("--hf-device", default="cpu", help="device of the HF reference model (rank 0): cpu, cuda, cuda:N")
     args = p.parse_args(argv)
     for flag in ("seq_length", "batch_size"):
         if getattr(args, flag) < 1:
@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from megatron_prune.arguments import exit_without_device
+
+    exit_without_device("compare_hf_megatron.py", "cuda" if args.hf_device.startswith("cuda") else None,
+                        flag="--hf-device")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_prune.model.hf_convert import compare_hf_and_megatron, read_hf_arch

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.abspath(TOOLS))
 
 import bench_dpo  # noqa: E402
 import bench_grpo  # noqa: E402
+import bench_selective_head  # noqa: E402
 
 
 @pytest.mark.parametrize("tool", [bench_dpo, bench_grpo], ids=["bench_dpo", "bench_grpo"])
@@ -46,7 +47,7 @@ REFUSED = [
     pytest.param(bench_grpo, ["--json", "{tmp}"], "--json {tmp}: is a directory", id="grpo-json-is-a-dir"),
     pytest.param(bench_grpo, ["--prompts", "8", "--num-prompts", "4"],
                  "--prompts 8 asks for 8 different prompts a step, but --num-prompts is 4", id="grpo-prompts"),
-    pytest.param(bench_grpo, ["--group-size", "1"], "--group-size must be >= 2, got 1", id="grpo-group-size"),
+    pytest.param(bench_grpo, ["--group-size", "1"], "argument --group-size: must be >= 2, got 1", id="grpo-group-size"),
     pytest.param(bench_grpo, ["--tensor-model-parallel-size", "3"],
                  "--tensor-model-parallel-size 3 does not divide the model's 4 attention heads", id="grpo-tp"),
 ]
@@ -61,6 +62,42 @@ def test_what_no_worker_could_run_is_refused_while_parsing(tool, argv, message, 
         tool.parse_args([a.format(tmp=tmp_path) for a in argv])
     assert exc.value.code == 2
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+BAD_VALUES = [
+    (bench_dpo, "--micro-batch-size", "0", "must be >= 1, got 0"),
+    (bench_dpo, "--tensor-model-parallel-size", "0", "must be >= 1, got 0"),
+    (bench_dpo, "--pairs", "0", "must be >= 1, got 0"),
+    (bench_dpo, "--timeout", "0", "must be > 0, got 0"),
+    (bench_dpo, "--warmup", "-1", "must be >= 0, got -1"),
+    (bench_grpo, "--lr", "-1", "must be > 0, got -1"),
+    (bench_grpo, "--kl-beta", "-1", "must be >= 0.0, got -1"),
+    (bench_grpo, "--max-new-tokens", "0", "must be >= 1, got 0"),
+    (bench_grpo, "--eval-temperature", "-1", "must be >= 0.0, got -1"),
+    (bench_grpo, "--micro-batch-size", "0", "must be >= 1, got 0"),
+    (bench_grpo, "--threads", "0", "must be >= 1, got 0"),
+    (bench_grpo, "--grad-variance", "-1", "must be >= 0, got -1"),
+    (bench_grpo, "--max-step-factor", "0.5", "must be >= 1.0, got 0.5"),
+    (bench_grpo, "--tensor-model-parallel-size", "0", "must be >= 1, got 0"),
+    (bench_grpo, "--steps", "two", "expected an integer, got 'two'"),
+    (bench_selective_head, "--vocab-size", "0", "must be >= 1, got 0"),
+    (bench_selective_head, "--hidden-size", "0", "must be >= 1, got 0"),
+    (bench_selective_head, "--seq-lens", "-4", "must be >= 1, got -4"),
+    (bench_selective_head, "--chunk-size", "0", "must be >= 1, got 0"),
+    (bench_selective_head, "--iters", "0", "must be >= 1, got 0"),
+    (bench_selective_head, "--scored-fraction", "0", "--scored-fraction must be in (0, 1], got 0.0"),
+]
+
+
+@pytest.mark.parametrize("tool, flag, value, message", BAD_VALUES,
+                         ids=[f"{t.__name__}{f}={v}" for t, f, v, _ in BAD_VALUES])
+def test_bad_counts_and_amounts_are_refused_while_parsing(tool, flag, value, message, capsys):
+    """A zero or negative count, rate or time: ``prog: error:`` naming the flag, exit 2. They were
+    ZeroDivisionErrors, worker tracebacks, or runs that printed 0 and nan figures."""
+    with pytest.raises(SystemExit) as exc:
+        tool.parse_args([flag, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "error:" in err and flag in err and message in err, err
 
 
 def test_cuda_without_a_gpu_is_refused_before_any_worker(monkeypatch, capsys):

@@ -319,7 +319,7 @@ def test_lora_flags_reach_the_benchmark_and_pass_dicts_keep_the_adapter_off_refe
     assert bench_dpo.parse_args([]).lora_rank == 0
     with pytest.raises(SystemExit) as exc:
         bench_dpo.parse_args(["--lora-rank", "-1"])
-    assert exc.value.code == 2 and "--lora-rank must be >= 0, got -1" in capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --lora-rank: must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_lora_memory_is_compared_with_full_parameter_concat():

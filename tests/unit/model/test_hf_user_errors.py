@@ -159,6 +159,15 @@ def test_compare_tool_refuses_bad_sizes_and_layouts(llama_dir, monkeypatch, caps
     err = _usage_error("compare_hf_megatron", ["--hf-dir", llama_dir, "--load", "unused",
                                                "--tensor-model-parallel-size", "3"], monkeypatch, capsys, world=3)
     assert "--tensor-model-parallel-size 3 does not divide the model's 4 attention heads" in err
+    err = _usage_error("compare_hf_megatron", ["--hf-dir", llama_dir, "--load", "unused", "--tolerance", "-1"],
+                       monkeypatch, capsys)
+    assert "argument --tolerance: must be >= 0.0, got -1" in err
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _usage_error("compare_hf_megatron", ["--hf-dir", llama_dir, "--load", "unused", "--hf-device", "cuda:0"],
+                       monkeypatch, capsys)
+    assert err.endswith("--hf-device cuda was requested but torch.cuda.is_available() is False; use --hf-device cpu")
 
 
 def test_export_output_and_assets_errors_name_the_problem(llama_dir, tmp_path):
