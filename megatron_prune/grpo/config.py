@@ -17,6 +17,8 @@ from megatron_prune.grpo.loss import GRPOLossConfig
 
 TASKS = ("toy", "toy-binary", "gsm8k", "math")
 TOY_TASKS = ("toy", "toy-binary")
+MIN_TEMPERATURE = 1e-4
+"""Smallest positive --temperature (0 is greedy)."""
 NORMALISATIONS = ("constant", "sequence")
 ADVANTAGE_STDS = ("population", "sample")
 ADVANTAGE_EPS = {"population": 1e-6, "sample": 1e-4}
@@ -93,6 +95,10 @@ class GRPOConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # Logits divided by it overflow: the log-probs turn infinite and the loss NaN.
+            raise ValueError(f"--temperature {self.temperature} is below {MIN_TEMPERATURE}, where the scaled logits "
+                             "overflow; use --temperature 0 for greedy sampling")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.rollout_micro_batch_size is not None and self.rollout_micro_batch_size < 1:

@@ -260,6 +260,8 @@ def test_grpo_dry_run_checks_its_data_and_checkpoint(tmp_path, monkeypatch, caps
              (["--task", "toy", "--toy-prompt-length", "2"], "--toy-prompt-length must be >= 3"),
              (["--task", "toy", "--clip-eps-low", "1.0"], "--clip-eps-low must be in [0, 1), got 1.0"),
              (["--task", "toy", "--temperature", "nan"], "argument --temperature: expected a finite number, got 'nan'"),
+             (["--task", "toy", "--temperature", "1e-40"], "--temperature 1e-40 is below 0.0001, where the scaled "
+              "logits overflow; use --temperature 0 for greedy sampling"),
              (["--task", "toy", "--kl-beta", "inf"], "argument --kl-beta: expected a finite number, got 'inf'"),
              (["--task", "toy", "--data-path", SAMPLE], "--data-path is for --task gsm8k or math"),
              (["--task", "toy", "--dppo-completion-prune-rate", "0.8"],
