@@ -52,7 +52,7 @@ def group_advantages(rewards: torch.Tensor, *, config: AdvantageConfig | None = 
     # would scale up to about 0.06 for every completion of the group.
     centred = torch.where(zero_variance_groups(rewards)[:, None], 0.0,
                           rewards - rewards.mean(dim=1, keepdim=True))
-    if not config.normalize_std:
+    if not config.normalize_std or not rewards.shape[0]:  # no groups (every prompt pruned): nothing to scale
         return centred
     std = rewards.std(dim=1, keepdim=True, correction=1 if config.unbiased_std else 0)
     return centred / (std + config.eps)

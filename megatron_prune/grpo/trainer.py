@@ -317,7 +317,10 @@ class GRPOObjective:
                               dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-        if rollout_metrics["zero_variance_groups"] == 1.0 and self.grpo.kl_beta == 0 and is_logging_rank():
+        if fresh and rollout_metrics["kept_prompt_fraction"] == 0 and is_logging_rank():
+            logger.warning("step %d: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
+                           "trained; its reward metrics are 0 by convention", step)
+        elif rollout_metrics["zero_variance_groups"] == 1.0 and self.grpo.kl_beta == 0 and is_logging_rank():
             logger.warning("step %d: every group's rewards are equal (zero variance), so every advantage is 0: "
                            "loss and gradient are 0 and this step does not change the policy", step)
         return {

@@ -72,3 +72,19 @@ def test_toy_reward_rises(tmp_path, mode):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.15, f"{mode}: a random policy should score ~0.1, got {first:.3f}"
     assert last > first + 0.06, f"{mode}: reward {first:.3f} -> {last:.3f}: {[round(r, 2) for r in rewards]}"
+
+
+def test_a_rollout_with_every_prompt_pruned_says_so(tmp_path):
+    """Two prompts pruned at rate 0.7 leave some rollouts empty: such a step rolls out and trains
+    nothing, logs kept_prompt_fraction 0 and says that its reward metrics are 0 by convention."""
+    metrics = tmp_path / "m.jsonl"
+    run = run_grpo(["--model-preset", "tiny", "--device", "cpu", "--task", "toy-binary", "--toy-num-prompts", "2",
+                    "--global-batch-size", "2", "--group-size", "2", "--dppo-prompt-prune-rate", "0.7",
+                    "--max-new-tokens", "4", "--seq-length", "32", "--train-iters", "8",
+                    "--metrics-jsonl", str(metrics)], log=tmp_path / "log.txt", nproc=1).check_ok()
+    empty = [r["step"] for r in read_jsonl(metrics) if r["kept_prompt_fraction"] == 0]
+    assert empty, "no rollout was empty: the case is not drawn"
+    for step in empty:
+        assert (f"step {step}: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
+                "trained; its reward metrics are 0 by convention") in run.output
+    assert "degrees of freedom" not in run.output
