@@ -19,7 +19,7 @@ setup(
     package_data={"megatron_prune": ["data/samples/*", "data/tokenizer/*"]},
     include_package_data=True,
     install_requires=[
-        # Tested: torch 2.13.0, megatron-core 0.16.1, transformers 5.24 (README); the CPU patches
+        # Tested: torch 2.13.0, megatron-core 0.16.1, transformers 5.24-5.25 (README); the CPU patches
         # rebind Megatron-Core internals checked on 0.16.1, so the next minor release is excluded.
         "torch>=2.4",
         "megatron-core>=0.16,<0.17",

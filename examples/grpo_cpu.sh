@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GRPO (+ DPPO) on the toy task with the tiny preset: 2 CPU ranks (TP=2 by default), a few minutes.
+# GRPO (+ DPPO) on the toy task with the tiny preset: 2 CPU ranks (TP=2 by default), under a minute.
 # The defaults are the learning configuration (tests/e2e/test_grpo_cli.py::test_toy_reward_rises):
 # toy prompts without filler (BOS SEP digit), 4-token completions, 32 prompts x 8 completions per
-# step, Adam at lr 2e-2; the mean reward rises from ~0.10 (random) to ~0.3-0.45 in 40 steps.
+# step, Adam at lr 2e-2; the mean reward rises from ~0.10 (random) to ~0.2 in 40 steps (measured:
+# 0.098 -> 0.19-0.24 over the last 5 steps, 20 s on 2 cores).
 # Overrides: NPROC=2 TP=2 PP=1 ITERS=40 LR=2e-2 PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 PACK=1
 #   GBS=32 (prompts per step) OUT=outputs/grpo_cpu DRY_RUN=1 (print the command only)
 # (PRUNE_PROMPTS=0 PRUNE_COMPLETIONS=0 PACK=0 is plain GRPO.)

@@ -309,7 +309,9 @@ class DPOConfig:
     eval_interval: int | None = field(default=None, metadata=_flag("--eval-interval"))
     """Evaluate every N steps and at the end when --eval-data-path is set (default: only at the end)."""
     data_format: str = field(default="auto", metadata=_flag("--data-format", choices=("auto", "explicit", "hh", "helpsteer3")))
-    """Record format (auto-detected per record by default)."""
+    """Record format, detected per record by default: explicit (prompt, chosen, rejected: strings or
+    chat messages), hh (chosen and rejected without a prompt: HH-RLHF transcripts, or chat messages
+    whose shared messages are the prompt) or helpsteer3 (context, response1/2, overall_preference)."""
     skip_invalid: bool = field(default=False, metadata=_flag("--skip-invalid-records"))
     """Skip malformed records with a counted, logged warning instead of stopping at the first one."""
     beta: float = field(default=1.0, metadata=_flag("--dpo-beta"))

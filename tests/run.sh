@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (once) and run the default test suite: bash tests/run.sh [pytest args]
-# Creates .venv if absent, installs the CPU build of torch first (an unpinned torch pulls a
-# multi-GB CUDA build), then the project with its test extra, then runs pytest. Where pip's
-# default index serves the CUDA build of torch 2.13.0 (PyPI on Linux), set
+# Creates .venv if absent, installs torch 2.13.0 first from pip's index (pinned: an unpinned
+# torch would pull a newer multi-GB build), then the project with its test extra, then runs
+# pytest. Where pip's default index serves the CUDA build of torch 2.13.0 (PyPI on Linux), set
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to install the CPU build from PyTorch's index.
 set -euo pipefail
 cd "$(dirname "$0")/.."

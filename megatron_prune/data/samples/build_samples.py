@@ -1,6 +1,6 @@
 """Rebuild the bundled data samples from the shared copies of HH-RLHF and GSM8K (run once).
 
-    python megatron_prune/data/samples/build_samples.py --data-dir /path/to/shared/data
+    python megatron_prune/data/samples/build_samples.py --data-dir /path/to/raw/data
 
 Selection is deterministic (file order, no randomness):
 
