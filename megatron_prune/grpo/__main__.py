@@ -61,6 +61,8 @@ def _checks(configs):
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
                          "to sample with full recompute")
     arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
+    if grpo.kl_beta > 0:  # the KL reference must be found before any rank starts
+        session.reference_source(model, configs["CheckpointConfig"], grpo.ref_load, lora_base=lora_base)
     spec, tokenizer = ((None, None) if grpo.task in TOY_TASKS
                        else session.check_tokenizer(model, configs["CheckpointConfig"], arch))
     return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec)

@@ -464,12 +464,19 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
     lora = configs.get("LoRAConfig")
     lora_on = lora_active(lora)
     check_resumed_data_size(ckpt_cfg, num_samples=len(source), kind="grpo", lora=lora_on)
+    # Recorded at --kl-beta 0 too, so a resume may turn the KL term on against the same model.
+    ref_source, ref_meta = None, {}
+    try:
+        ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load, lora_base=lora_base)
+        ref_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)
+    except session.UsageError:
+        if grpo.kl_beta > 0:
+            raise
     parallel = session.start(model_cfg, train_cfg, configs)
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
+    parts.extra_meta.update(ref_meta)
     reference = None
     if grpo.kl_beta > 0:
-        ref_source = session.reference_source(model_cfg, ckpt_cfg, grpo.ref_load, lora_base=lora_base)
-        parts.extra_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)
         if lora_on and not grpo.ref_load:
             from megatron_prune.model.lora import adapter_off
 

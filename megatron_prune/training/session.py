@@ -240,6 +240,7 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
         arch = resolve_arch(model, ckpt)
         lora_base = check_load(ckpt.load, configs.get("LoRAConfig"), hf_model=model.hf_model,
                                model_preset=model.model_preset, seed=train.seed)
+        _refuse_new_run_into_its_source(ckpt, lora_active(configs.get("LoRAConfig")))
         if ref_load is not None:
             find_latest(ref_load, flag="--ref-load")
             _check_full_weights(ref_load)
@@ -492,22 +493,47 @@ def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str |
     - A LoRA run that starts from a checkpoint without adapters starts from that checkpoint's
       weights: they are its base and its reference.
     """
+    from megatron_prune.training.checkpoint import find_latest, read_meta
+
+    # A save directory names whichever checkpoint is newest when it is read; the reference is the
+    # one checkpoint it names now (recorded so), not the newest of a run that goes on saving there.
     if ref_load:
-        return ref_load
+        return os.path.abspath(find_latest(ref_load, flag="--ref-load"))
     if not ckpt.load:
         return None
-    from megatron_prune.training.checkpoint import read_meta
-
     meta = read_meta(ckpt.load)
     if lora_base is not None and not meta.get("lora"):
         return None
     if not meta.get("has_optimizer"):
-        return ckpt.load  # a converted model: it is the starting point
+        return os.path.abspath(find_latest(ckpt.load))  # a converted model: it is the starting point
     if ckpt.finetune and not meta.get("lora"):
-        return ckpt.load
+        return os.path.abspath(find_latest(ckpt.load))
     if "reference_load" not in meta:
-        raise UsageError(f"--load {ckpt.load} does not record its reference model; pass --ref-load")
+        raise UsageError(f"--load {ckpt.load} does not record its reference model; pass --ref-load with the "
+                         "checkpoint of the model that run started from")
     return meta["reference_load"]
+
+
+def _refuse_new_run_into_its_source(ckpt: CheckpointConfig, lora_on: bool) -> None:
+    """A run that starts at iteration 0 from a training checkpoint's weights (``--finetune``, or
+    LoRA starting from a checkpoint without adapters) must not save into that run's folder: its
+    saves would replace the checkpoints of the same iterations, its own base or reference among
+    them, and a later ``--load`` would mix the two runs."""
+    if not (ckpt.load and ckpt.save):
+        return
+    load, save = os.path.realpath(ckpt.load), os.path.realpath(ckpt.save)
+    if load != save and not load.startswith(save + os.sep):
+        return
+    from megatron_prune.training.checkpoint import read_meta
+
+    meta = read_meta(ckpt.load)
+    if not meta.get("has_optimizer"):
+        return  # a converted model: a run's saves (iteration 1 on) leave it in place
+    if ckpt.finetune or (lora_on and not meta.get("lora")):
+        how = "--finetune" if ckpt.finetune else "LoRA starting from its model weights"
+        raise UsageError(f"--load {ckpt.load}: {how} starts a new run at iteration 0 from it, and --save "
+                         f"{ckpt.save} is that run's folder: the new checkpoints would replace its checkpoints of the "
+                         "same iterations (the new run's base and reference among them); choose another --save")
 
 
 def reference_hf_dir(model: ModelConfig, ckpt: CheckpointConfig, source: str | None, *,

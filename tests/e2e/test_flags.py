@@ -189,6 +189,25 @@ def test_save_holding_checkpoints_without_load_is_refused(tmp_path, monkeypatch,
     assert _no_process_group()
 
 
+@pytest.mark.parametrize("start", ["finetune", "lora"])
+def test_a_new_run_from_a_checkpoint_into_its_own_folder_is_refused(tmp_path, monkeypatch, capsys, start):
+    """--finetune, or LoRA from a full-parameter checkpoint, starts a new run at iteration 0 from
+    --load's weights: saving into that run's folder replaced its checkpoints of the same
+    iterations (the new run's own base and reference among them). Refused, also in a dry run."""
+    save = tmp_path / "ckpt"
+    _fake_checkpoint(save, 2, get_preset("tiny"))
+    flags = ["--finetune"] if start == "finetune" else ["--lora-rank", "4"]
+    argv = [*TINY_DPO[2:], *flags, "--save", str(save), "--load", str(save), "--dry-run"]
+    code, err = _main(argv, monkeypatch, capsys)
+    how = "--finetune" if start == "finetune" else "LoRA starting from its model weights"
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"megatron-prune: error: --load {save}: {how} starts a new run at iteration 0 from it, and --save {save} is "
+        "that run's folder: the new checkpoints would replace its checkpoints of the same iterations (the new run's "
+        "base and reference among them); choose another --save"]
+    assert _no_process_group()
+
+
 def test_save_and_load_of_a_new_directory_start_a_new_run(tmp_path, monkeypatch, capsys):
     """A launch script passes --save X --load X every time: on the first launch X holds nothing yet
     (here only a first save that was killed), so the run starts fresh and says so; without a

@@ -87,3 +87,19 @@ def test_resume_with_another_split_of_the_rollout_or_history_score(tmp_path):
     assert "resumed inside rollout 0: rolling out again with the current policy" in resumed.output
     assert "--dppo-history-score 'informative': the " in resumed.output
     assert "saved " in resumed.output and "Traceback" not in resumed.output
+
+
+def test_resume_may_turn_the_kl_term_on(tmp_path):
+    """A run saved at --kl-beta 0 records its reference (the preset's initialisation here), so a
+    resume with --kl-beta > 0 compares against it; it was refused, after the ranks had started,
+    with a hint to pass --ref-load that no preset run has."""
+    at = ARGS.index("--save-interval")
+    base = ARGS[:at] + ARGS[at + 2:]
+    args = [*base, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    run_cmd(_grpo([*args, "--train-iters", "2"]), log=tmp_path / "first.txt").check_ok()
+    metrics = tmp_path / "m.jsonl"
+    resumed = run_cmd(_grpo([*args, "--train-iters", "3", "--kl-beta", "0.05", "--metrics-jsonl", str(metrics)]),
+                      log=tmp_path / "resumed.txt").check_ok()
+    assert "--kl-beta 0.05 (checkpoint: 0.0)" in resumed.output
+    (last,) = read_jsonl(metrics)
+    assert last["step"] == 2 and "kl" in last and last["kl"] >= 0

@@ -196,6 +196,25 @@ def test_reference_of_a_lora_run_started_from_a_training_checkpoint_is_that_chec
     assert reference_source(model, CheckpointConfig(load=str(tmp_path / "lora")), None, lora_base=base) is None
 
 
+def test_a_reference_named_by_its_save_folder_is_recorded_as_one_checkpoint(tmp_path):
+    """--finetune from a save folder, or --ref-load of one, names the folder's newest checkpoint:
+    the reference is that checkpoint, recorded by its own path. Recorded as the folder, a resumed
+    run took whatever that run had saved since as its reference (silently other losses)."""
+    from megatron_prune.config import CheckpointConfig, ModelConfig
+    from megatron_prune.training.session import reference_source
+
+    first = _lora_checkpoint(tmp_path / "run", None)
+    with open(os.path.join(first, "meta.json")) as f:
+        meta = json.load(f)
+    meta.pop("lora", None)  # a full-parameter training checkpoint (iteration 3)
+    with open(os.path.join(first, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    model = ModelConfig(model_preset=None)
+    finetune = CheckpointConfig(load=str(tmp_path / "run"), finetune=True)
+    assert reference_source(model, finetune, None) == os.path.abspath(first)
+    assert reference_source(model, CheckpointConfig(), str(tmp_path / "run")) == os.path.abspath(first)
+
+
 def test_moved_megatron_base_is_found_with_base_load(tmp_path):
     """A LoRA checkpoint whose Megatron base has moved resumes with --base-load NEW (same weights:
     the new place is what later checkpoints record); other weights, a non-checkpoint, and
