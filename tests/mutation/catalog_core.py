@@ -194,17 +194,27 @@ MUTANTS: list[dict] = [
         "why": "a resumed run that still names --model-preset/--hf-model compares against the fresh "
                "starting weights instead of the reference its checkpoint records",
         "file": "megatron_prune/training/session.py",
-        "old": "    if not ckpt.load:\n        return None\n    from megatron_prune.training.checkpoint import read_meta\n",
+        "old": "    if not ckpt.load:\n        return None\n    meta = read_meta(ckpt.load)\n",
         "new": "    if not ckpt.load or model.model_preset or model.hf_model:\n        return None\n"
+               "    meta = read_meta(ckpt.load)\n"
                "    from megatron_prune.training.checkpoint import read_meta\n",
         "tests": [RESUME_REFERENCE],
+    },
+    {
+        "name": "reference-recorded-as-its-save-folder",
+        "why": "a reference named by a save folder (--finetune, --ref-load) is recorded as the folder, so a resumed "
+               "run compares against whatever that run saved there since",
+        "file": "megatron_prune/training/session.py",
+        "old": "    if ckpt.finetune and not meta.get(\"lora\"):\n        return os.path.abspath(find_latest(ckpt.load))\n",
+        "new": "    if ckpt.finetune and not meta.get(\"lora\"):\n        return ckpt.load\n",
+        "tests": ["tests/unit/test_lora_base.py::test_a_reference_named_by_its_save_folder_is_recorded_as_one_checkpoint"],
     },
     {
         "name": "finetune-keeps-the-recorded-reference",
         "why": "--finetune compares against the loaded checkpoint's own recorded reference, not the "
                "loaded weights it starts from (step 0 has a non-zero margin)",
         "file": "megatron_prune/training/session.py",
-        "old": "    if ckpt.finetune and not meta.get(\"lora\"):\n        return ckpt.load\n",
+        "old": "    if ckpt.finetune and not meta.get(\"lora\"):\n        return os.path.abspath(find_latest(ckpt.load))\n",
         "new": "",
         "tests": [RESUME_REFERENCE],
     },
