@@ -297,6 +297,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *
     if weights_only:
         return 0
     _say_flags_changed(meta.get("flags"), parts.extra_meta.get("flags"))
+    _say_reference_changed(meta, parts.extra_meta)
     _apply_optimizer_flags(parts.optimizer)
     if loaded.get("scheduler"):
         _say_schedule_kept({key: getattr(parts.scheduler, key) for key in _SCHEDULE_FLAGS}, loaded["scheduler"],
@@ -318,10 +319,25 @@ def _say_flags_changed(recorded: dict | None, current: dict | None) -> None:
     if not recorded or not current:
         return
     recorded, current = _with_lora_alpha(recorded), _with_lora_alpha(current)
+    if recorded.get("--ref-mode", "") is None:  # saved before the resolved mode was recorded
+        recorded = {**recorded, "--ref-mode": "adapter-off" if recorded.get("--lora-rank") else "online"}
     changed = [f"{flag} {current[flag]} (checkpoint: {recorded[flag]})"
                for flag in sorted(current) if flag in recorded and current[flag] != recorded[flag]]
     if changed and is_logging_rank():
         print("[megatron-prune] resuming with flags that differ from the checkpoint's run: " + ", ".join(changed),
+              flush=True)
+
+
+def _say_reference_changed(recorded: dict, current: dict) -> None:
+    """One line when a resumed run compares against another reference than its checkpoint's
+    (``--ref-load``, which the flag record leaves out as a path)."""
+    keys = ("reference_load", "reference_hf_model")
+    if not all(key in recorded and key in current for key in keys):
+        return
+    was, now = (tuple(meta[key] for key in keys) for meta in (recorded, current))
+    if was != now and is_logging_rank():
+        name = lambda ref: ref[0] or ref[1] or "the preset's initial weights"  # noqa: E731
+        print(f"[megatron-prune] resuming against another reference model: {name(now)} (checkpoint: {name(was)})",
               flush=True)
 
 

@@ -184,6 +184,14 @@ def flag_record(configs: dict) -> dict:
             value = getattr(cfg, f.name)
             if f.name not in _UNRECORDED and (value is None or isinstance(value, (bool, int, float, str))):
                 record[flag_of(f)] = value
+    dpo = configs.get("DPOConfig")
+    if dpo is not None:  # the mode that runs, not "unset": a resume then names a real change only
+        from megatron_prune.lora_config import resolve_ref_mode
+
+        try:
+            record["--ref-mode"] = resolve_ref_mode(dpo.ref_mode, configs.get("LoRAConfig"), ref_load=dpo.ref_load)
+        except ValueError:
+            pass  # refused at launch with its own message
     return record
 
 

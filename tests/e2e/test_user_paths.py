@@ -118,9 +118,15 @@ def test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_load
     whole, _ = _dpo(tmp_path, "whole", "--ref-load", str(a), "--train-iters", "3")
     part = tmp_path / "part"
     _dpo(tmp_path, "first", "--ref-load", str(a), "--train-iters", "2", "--save", str(part), "--save-interval", "2")
-    resumed, _ = _dpo(tmp_path, "resumed", "--load", str(part), "--train-iters", "3")
+    resumed, out = _dpo(tmp_path, "resumed", "--load", str(part), "--train-iters", "3")
     assert [r["step"] for r in resumed] == [2]
     assert resumed[0]["loss"] == whole[2]["loss"] and resumed[0]["margin"] == whole[2]["margin"], (resumed, whole)
+    assert "another reference model" not in out and "--ref-mode" not in out
+    # Another --ref-load on resume is taken, and said (the flag record leaves paths out).
+    _, out = _dpo(tmp_path, "other", "--load", str(part), "--ref-load", str(part / "iter_0000002"),
+                  "--train-iters", "3")
+    assert (f"resuming against another reference model: {part / 'iter_0000002'} (checkpoint: "
+            f"{a / 'iter_0000001'})") in out, out
     tuned, _ = _dpo(tmp_path, "tuned", "--load", str(a), "--finetune", "--train-iters", "1")
     assert tuned[0]["step"] == 0 and tuned[0]["margin"] == 0.0 and tuned[0]["reward_accuracy"] == 0.5, tuned
 
