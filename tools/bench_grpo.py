@@ -96,14 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="repeat every (seed, mode) run this many times, interleaved (timing on noisy machines)")
     p.add_argument("--match-time", action=argparse.BooleanOptionalAction, default=True,
                    help="train other modes until their training time reaches GRPO's (same seed and round)")
-    p.add_argument("--max-step-factor", type=at_least(1.0, float), default=4.0, help="with --match-time: at most this x --steps")
+    p.add_argument("--max-step-factor", type=at_least(1.0, float), default=4.0,
+                   help="with --match-time: at most this x --steps")
     p.add_argument("--prompts", type=at_least(1), default=32, help="prompts per step (global batch)")
     p.add_argument("--num-prompts", type=at_least(1), default=64,
                    help="training prompt set (gsm8k: the first N problems; they recur, so prompt pruning has history)")
     p.add_argument("--group-size", type=at_least(2), default=8,
                    help="completions per prompt (G; at least 2: advantages are relative to the group)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="default: 4 (toy tasks), 64 (gsm8k)")
-    p.add_argument("--micro-batch-size", type=at_least(1), default=None, help="rows per training microbatch (default: --prompts)")
+    p.add_argument("--micro-batch-size", type=at_least(1), default=None,
+                   help="rows per training microbatch (default: --prompts)")
     p.add_argument("--rollout-micro-batch-size", type=at_least(1), default=None,
                    help="prompts per rollout forward (default: the trainer's)")
     p.add_argument("--seq-length", type=at_least(2), default=None, help="packing capacity (default: 64 toy, 512 gsm8k)")
@@ -126,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every mode leaves them out when --kl-beta is 0, which is exact)")
     p.add_argument("--lr", type=above(0), default=5e-3, help="Adam learning rate of every mode")
     p.add_argument("--clip-grad", type=at_least(0.0, float), default=1.0, help="global gradient-norm clip (0 = none)")
-    p.add_argument("--kl-beta", type=at_least(0.0, float), default=0.0, help="k3 KL to a frozen reference (adds its forward pass)")
+    p.add_argument("--kl-beta", type=at_least(0.0, float), default=0.0,
+                   help="k3 KL to a frozen reference (adds its forward pass)")
     p.add_argument("--ppo-epochs", type=at_least(1), default=1, help="passes over each step's rollout")
     p.add_argument("--minibatches", type=at_least(1), default=1, help="optimizer steps per PPO epoch")
     p.add_argument("--temperature", type=above(0), default=1.0, help="rollout sampling temperature")

@@ -24,6 +24,7 @@ template decides that itself (its rendered text carries any special tokens it wa
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import os
 from typing import Any, Sequence
@@ -255,8 +256,8 @@ class HFTokenizer(Tokenizer):
     def render_response(self, content: str) -> str:
         return content if self.has_chat_template else super().render_response(content)
 
-    @property
-    def special_texts(self) -> tuple[str, ...]:
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:  # read once: the loaders ask for every record
         special = {token.content for token in self._tok.added_tokens_decoder.values() if token.special}
         return tuple(sorted(special | set(self._tok.all_special_tokens)))
 
