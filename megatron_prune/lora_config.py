@@ -23,7 +23,7 @@ class LoRAConfig:
     alpha: float | None = field(default=None, metadata={"flag": "--lora-alpha"})
     """LoRA alpha: adapter outputs are scaled by alpha / r (default: r, i.e. scale 1)."""
     dropout: float = field(default=0.0, metadata={"flag": "--lora-dropout"})
-    """Dropout probability on the adapters' input (training passes only)."""
+    """Dropout probability on the adapters' input (training passes and DPO branch pruning's pruned responses)."""
     targets: str = field(default=",".join(TARGETS), metadata={"flag": "--lora-targets"})
     """Comma-separated linears that get adapters (needs --lora-rank > 0): any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
     base_load: str | None = field(default=None, metadata={"flag": "--base-load"})

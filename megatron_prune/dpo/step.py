@@ -13,7 +13,8 @@ where that is not possible, each pair's pruned response either joins its trainin
 ``[prompt, pruned]``, whichever the FLOP count says is cheaper for that pair (joining saves a
 second forward of the prompt and pays the pruned response's backward). Forward-only passes run
 under ``no_grad`` through Megatron's own forward-only schedule, so no pipeline stage runs a
-backward for them.
+backward for them. The pruned responses stand in for what the training pass would score, so
+LoRA adapter dropout acts in them, whichever way they run.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from megatron_prune.dpo.batch import (
     row_length,
 )
 from megatron_prune.dpo.loss import dpo_pair_losses, response_log_ratios
+from megatron_prune.model.lora import adapter_dropout_as
 from megatron_prune.model.segment_attention import PrefixKV, attend_to_prefix_kv, capture_prefix_kv
 from megatron_prune.training.step import run_schedule
 
@@ -107,9 +109,11 @@ def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool)
         output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
     else:  # the pruned responses, on the keys and values this forward computes for the prompts
         store = PrefixKV()
+        training = torch.is_grad_enabled()
         with capture_prefix_kv(store):
             output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
-        with attend_to_prefix_kv(store), torch.profiler.record_function("dpo:pruned_on_prefix_kv"):
+        with attend_to_prefix_kv(store), adapter_dropout_as(training), \
+                torch.profiler.record_function("dpo:pruned_on_prefix_kv"):
             batch.extras["replay_logps"] = model(
                 replay.tokens, replay.position_ids, None, token_selection=replay.selection, segments=replay.segments
             ).float()
@@ -291,7 +295,8 @@ class DPOStep:
         if self.s.prune.branch and separate:
             pruned_batches, pruned_len, pruned_groups = self._microbatches(
                 separate, lambda p: [1 - p.kept_branch], full_rows=bool(joined), pairs=self._pruned_pass_pairs(len(separate)))
-            outputs = self._forward_only(self.policy, pruned_batches, pruned_len)
+            with adapter_dropout_as(not forward_only):  # the values the full step's training pass scores
+                outputs = self._forward_only(self.policy, pruned_batches, pruned_len)
             self._count_policy(pruned_batches, backward=False)
             if outputs is not None:
                 pruned_logps = self._by_response(pruned_groups, pruned_batches, outputs)

@@ -73,10 +73,14 @@ from megatron_prune.lora_config import TARGETS, LoRAConfig  # noqa: F401 (re-exp
 _dropout_pass: bool | None = None
 """Whether the model forward now running draws adapter dropout; None outside a model forward."""
 
+_dropout_as_training: bool | None = None
+"""Set inside :func:`adapter_dropout_as`: whether the forwards inside draw dropout, whatever their grad mode."""
+
 
 @contextlib.contextmanager
 def adapter_dropout_pass() -> Iterator[None]:
-    """Around one model forward: adapter dropout runs in it where gradients are on as it starts.
+    """Around one model forward: adapter dropout runs in it where gradients are on as it starts
+    (or as :func:`adapter_dropout_as` says, inside one).
 
     Decided once per forward, not per layer, because Megatron's full recompute runs each layer's
     first forward under ``no_grad`` inside a training pass and recomputes it with gradients in
@@ -85,11 +89,28 @@ def adapter_dropout_pass() -> Iterator[None]:
     own grad mode decides.
     """
     global _dropout_pass
-    outer, _dropout_pass = _dropout_pass, torch.is_grad_enabled()
+    decided = torch.is_grad_enabled() if _dropout_as_training is None else _dropout_as_training
+    outer, _dropout_pass = _dropout_pass, decided
     try:
         yield
     finally:
         _dropout_pass = outer
+
+
+@contextlib.contextmanager
+def adapter_dropout_as(training: bool) -> Iterator[None]:
+    """Model forwards inside draw adapter dropout if ``training``, with or without gradients.
+
+    For forward-only passes whose values stand in for the training pass's own: DPO branch
+    pruning's pruned responses. The full step scores both responses of a pair under dropout;
+    scored without it, the pruned one would enter the loss from another model than the kept one.
+    """
+    global _dropout_as_training
+    outer, _dropout_as_training = _dropout_as_training, training
+    try:
+        yield
+    finally:
+        _dropout_as_training = outer
 
 
 class _LoRAMixin:

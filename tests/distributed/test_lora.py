@@ -197,8 +197,8 @@ def reference_checks(*, parallel: dict | None = None) -> dict:
             "frozen_copy": runner.reference_logps(plans),
             "adapters_on": DPOStep(settings=settings, policy=lora, reference=lora).reference_logps(plans),
         }
-        # Adapter dropout belongs to passes with a backward: the forward-only passes (the pruned
-        # branch, GRPO's old log-probs) run in train mode and must score without it.
+        # Forward-only passes that score for themselves (a reference with adapters on, GRPO's old
+        # log-probs) run in train mode and must score without adapter dropout.
         from megatron_prune.model.lora import lora_modules
 
         for module in lora_modules(lora):
@@ -406,11 +406,64 @@ def grpo_kl_reference() -> dict:
     return out
 
 
+PRUNED_BRANCH_RUNS = {  # layout, pruned responses on the stored prompt K/V, pruned response joins the training row
+    "own row, concat": ("concat", True, False),
+    "own row, shared": ("shared", False, False),
+    "in the training row": ("shared", False, True),
+    "on the prompt's stored keys and values": ("shared", True, False),
+}
+
+
+def pruned_branch_dropout() -> dict:
+    """A branch-pruned DPO step at adapter dropout 0.3, per way the pruned responses run: how many
+    adapter inputs its policy forwards had and how many of them were dropped, and its counters."""
+    from dataclasses import replace
+
+    import megatron_prune.dpo.step as dpo_step
+    from megatron_prune.model import lora as lora_module
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    inputs: list[bool] = []
+    adapter_input, joins = lora_module._LoRAMixin._adapter_input, dpo_step.pruned_branch_joins_training_row
+
+    def spied(self, x):
+        out = adapter_input(self, x)
+        inputs.append(out is not x)
+        return out
+
+    found = {}
+    par = ParallelConfig()
+    with model_parallel(par, seed=SEED):
+        policy = setup_model(get_preset("tiny"), par, seed=SEED,
+                             lora=lora_module.LoRAConfig(**{**LORA, "dropout": 0.3}))
+        perturb_adapters(policy)
+        lora_module._LoRAMixin._adapter_input = spied
+        try:
+            for name, (layout, on_prefix_kv, join) in PRUNED_BRANCH_RUNS.items():
+                dpo_step.pruned_branch_joins_training_row = lambda plan, *, weights, join=join: join
+                settings = replace(_settings(dict(branch=True, branch_chosen_prob=0.3), layout),
+                                   pruned_branch_on_prefix_kv=on_prefix_kv)
+                runner = dpo_step.DPOStep(settings=settings, policy=policy, reference=lora_module.adapter_off(policy))
+                inputs.clear()
+                _, counters = runner.run(0, _my_samples())
+                found[name] = dict(inputs=len(inputs), dropped=sum(inputs), counters=counters)
+                for chunk in policy:
+                    chunk.zero_grad_buffer()
+        finally:
+            lora_module._LoRAMixin._adapter_input = adapter_input
+            dpo_step.pruned_branch_joins_training_row = joins
+    return found
+
+
 def single_rank() -> dict:
     dropout = {**LORA, "dropout": 0.3}
     return dict(step=lora_step(), ref=reference_checks(), loss=fresh_dpo_loss(), frozen_step=lora_step(),
                 export=export_checks(), grpo=grpo_kl_reference(), dropout=lora_step(lora=dropout),
-                dropout_recompute=lora_step(parallel=dict(recompute=True), lora=dropout))
+                dropout_recompute=lora_step(parallel=dict(recompute=True), lora=dropout),
+                pruned_dropout=pruned_branch_dropout())
 
 
 def layouts(which: str) -> dict:
@@ -517,6 +570,20 @@ def test_adapter_dropout_under_full_recompute_is_the_same_step(single):
     assert recomputed["metrics"]["loss"] == plain["metrics"]["loss"]
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(recomputed["grads"][name], grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_adapter_dropout_acts_on_pruned_responses_however_they_run(single):
+    """Branch pruning's pruned responses stand in for what the full step's training pass scores
+    under dropout: every adapter input of every policy forward of the step is dropped, whether
+    the pruned responses run as their own forward-only rows, inside the training row, or on the
+    training row's stored prompt keys and values (the reference, adapters off, has none)."""
+    runs = single["pruned_dropout"]
+    assert set(runs) == set(PRUNED_BRANCH_RUNS)
+    for name, run in runs.items():
+        assert run["inputs"] > 0 and run["dropped"] == run["inputs"], f"{name}: {run}"
+    shared = [name for name, (layout, *_) in PRUNED_BRANCH_RUNS.items() if layout == "shared"]
+    passes = {(runs[n]["counters"]["train_tokens"], runs[n]["counters"]["forward_only_tokens"]) for n in shared}
+    assert len(passes) == len(shared), f"the shared layout's three ways ran the same passes: {passes}"
 
 
 @pytest.mark.distributed

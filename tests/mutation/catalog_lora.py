@@ -23,6 +23,24 @@ MUTANTS: list[dict] = [
         "tests": [f"{TESTS}::test_adapter_dropout_under_full_recompute_is_the_same_step"],
     },
     {
+        "name": "lora-pruned-row-scored-without-dropout",
+        "why": "branch pruning's pruned responses, run as their own forward-only rows, are scored without adapter "
+               "dropout: the loss mixes the kept response of the dropped model with the pruned one of the undropped",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "            with adapter_dropout_as(not forward_only):",
+        "new": "            with contextlib.nullcontext():",
+        "tests": [f"{TESTS}::test_adapter_dropout_acts_on_pruned_responses_however_they_run"],
+    },
+    {
+        "name": "lora-pruned-on-prefix-kv-scored-without-dropout",
+        "why": "pruned responses run on the training row's stored prompt keys and values (computed under dropout) "
+               "are scored without it",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "        with attend_to_prefix_kv(store), adapter_dropout_as(training), \\\n",
+        "new": "        with attend_to_prefix_kv(store), contextlib.nullcontext(), \\\n",
+        "tests": [f"{TESTS}::test_adapter_dropout_acts_on_pruned_responses_however_they_run"],
+    },
+    {
         "name": "lora-up-projection-unscaled",
         "why": "the adapter's product is added without alpha / r, so the model is not the one a merged or PEFT "
                "export describes (the tests use alpha / r = 2)",
@@ -71,15 +89,16 @@ MUTANTS: list[dict] = [
         "why": "in the shared layout the pruned responses, run on the training pass's stored prompt keys and "
                "values, run with the adapters off: their log-ratios come from the base model, not the policy",
         "file": "megatron_prune/dpo/step.py",
-        "old": '        with attend_to_prefix_kv(store), torch.profiler.record_function("dpo:pruned_on_prefix_kv"):\n',
+        "old": "        with attend_to_prefix_kv(store), adapter_dropout_as(training), \\\n",
         "new": "        from megatron_prune.model.lora import adapters_disabled\n"
-               "        with attend_to_prefix_kv(store), adapters_disabled([model]):\n",
+               "        with attend_to_prefix_kv(store), adapters_disabled([model]), \\\n",
         "tests": [DPO_LAYOUTS],
     },
     {
         "name": "lora-dropout-in-forward-only-passes",
-        "why": "adapter dropout also acts in the no-grad passes (the pruned branch, GRPO's old log-probs), which "
-               "run in train mode: their log-probs turn noisy and the PPO ratio is not 1 at the first update",
+        "why": "adapter dropout also acts in the forward-only passes that score for themselves (the reference with "
+               "adapters on, GRPO's old log-probs), which run in train mode: their log-probs turn noisy and the PPO "
+               "ratio is not 1 at the first update",
         "file": "megatron_prune/model/lora.py",
         "old": "if self.lora_dropout and self.training and training_pass:",
         "new": "if self.lora_dropout and self.training:",
