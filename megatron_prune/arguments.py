@@ -93,11 +93,14 @@ def exit_without_device(prog: str, device: str | None, *, flag: str = "--device"
 def ignore_expected_warnings() -> None:
     """Warnings no user can act on: Megatron's import-time notes about Apex/TE fallbacks, which the
     local spec expects, and the torch deprecations its dist checkpointing triggers (ShardedTensor,
-    load_state_dict), which every rank would print at each load."""
+    load_state_dict), which every rank would print at each load, and those of the collectives its
+    sequence parallelism, expert dispatch and distributed optimizer call (attributed to torch)."""
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed\.checkpoint)\.")
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
 
 
 def tool_logging() -> None:

@@ -268,6 +268,8 @@ def check_dpo_flags(configs: dict[str, Any]) -> session.LaunchChecks:
     if ref_mode == "precomputed":
         check_reference_cache_writable(dpo, configs["CheckpointConfig"])
     arch, lora_base = session.resolve_model_and_base(configs, kind="dpo")
+    if ref_mode != "adapter-off":  # the reference must be found before any rank starts
+        session.reference_source(configs["ModelConfig"], configs["CheckpointConfig"], dpo.ref_load, lora_base=lora_base)
     spec, tokenizer = session.check_tokenizer(configs["ModelConfig"], configs["CheckpointConfig"], arch)
     return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec,
                                 ref_mode=ref_mode)

@@ -47,6 +47,10 @@ from megatron_prune.training.parallel import is_logging_rank
 
 logger = logging.getLogger(__name__)
 
+# A step without a gradient still runs the optimizer and the learning-rate schedule, as GRPO's
+# reference implementations do, so the run's steps stay the schedule's steps.
+_STILL_STEPS = "; the optimizer still steps: its momentum and weight decay, if any, still move the weights"
+
 
 # ---------------------------------------------------------------------------------------
 # prompts and rewards
@@ -319,10 +323,10 @@ class GRPOObjective:
             dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
         if fresh and rollout_metrics["kept_prompt_fraction"] == 0 and is_logging_rank():
             logger.warning("step %d: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
-                           "trained; its reward metrics are 0 by convention", step)
+                           "trained; its reward metrics are 0 by convention%s", step, _STILL_STEPS)
         elif rollout_metrics["zero_variance_groups"] == 1.0 and self.grpo.kl_beta == 0 and is_logging_rank():
             logger.warning("step %d: every group's rewards are equal (zero variance), so every advantage is 0: "
-                           "loss and gradient are 0 and this step does not change the policy", step)
+                           "loss and gradient are 0%s", step, _STILL_STEPS)
         return {
             **metrics, **rollout_metrics,
             "train_time_s": train_time + rollout_metrics["old_logprob_time_s"],

@@ -223,8 +223,9 @@ def check_resumable(ckpt: CheckpointConfig, *, kind: str, seed: int, train_iters
     meta, saved = resumed[0], _objective_state(resumed[1])
     _check_same_trainer(meta, kind, ckpt.load)
     problem = None if optimizer is None else ckpt_io.optimizer_mismatch(meta, optimizer)
-    if problem:
-        raise UsageError(f"--load {ckpt.load}: {problem}")
+    if problem:  # it starts with the checkpoint's path: said once where --load names that checkpoint
+        same = os.path.abspath(ckpt.load) == os.path.abspath(meta["path"])
+        raise UsageError(f"--load {problem}" if same else f"--load {ckpt.load}: {problem}")
     _check_seed(saved.get("sampler") or {}, seed, ckpt.load)
     _check_iteration(int(meta["iteration"]), train_iters, ckpt.load)
 

@@ -400,13 +400,16 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
         return recorded
     if model.hf_model:
         return model.hf_model
-    assets = os.path.join(ckpt.load, "hf_assets")  # kept by the converter and by runs from --hf-model
-    if os.path.isdir(assets):
-        return assets
+    # Kept by the converter and by every run that saves (in its save folder, beside the iterations).
+    for where in (ckpt.load, os.path.dirname(os.path.abspath(ckpt.load))):
+        assets = os.path.join(where, "hf_assets")
+        if os.path.isdir(assets):
+            return assets
     base = meta.get("lora_base") or {}  # a LoRA checkpoint started from --hf-model: its base has one
     if base.get("kind") == "hf" and os.path.isdir(base.get("path") or ""):
         return base["path"]
-    raise UsageError("cannot tell which tokenizer to use: pass --tokenizer")
+    gone = f" (the checkpoint records {recorded}, which no longer exists)" if recorded else ""
+    raise UsageError(f"cannot tell which tokenizer to use{gone}: pass --tokenizer")
 
 
 def tokenizer_meta(spec: str) -> dict[str, str]:
@@ -519,7 +522,11 @@ def reference_source(model: ModelConfig, ckpt: CheckpointConfig, ref_load: str |
     if "reference_load" not in meta:
         raise UsageError(f"--load {ckpt.load} does not record its reference model; pass --ref-load with the "
                          "checkpoint of the model that run started from")
-    return meta["reference_load"]
+    recorded = meta["reference_load"]  # None: the starting weights (an HF directory, the preset)
+    if recorded is not None and not os.path.isdir(recorded):
+        raise UsageError(f"--load {ckpt.load} records its reference model as {recorded}, which no longer exists; "
+                         "pass --ref-load with where that checkpoint is now")
+    return recorded
 
 
 def _refuse_new_run_into_its_source(ckpt: CheckpointConfig, lora_on: bool) -> None:

@@ -86,5 +86,6 @@ def test_a_rollout_with_every_prompt_pruned_says_so(tmp_path):
     assert empty, "no rollout was empty: the case is not drawn"
     for step in empty:
         assert (f"step {step}: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
-                "trained; its reward metrics are 0 by convention") in run.output
+                "trained; its reward metrics are 0 by convention; the optimizer still steps: its momentum and "
+                "weight decay, if any, still move the weights") in run.output
     assert "degrees of freedom" not in run.output

@@ -46,8 +46,10 @@ LORA = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--lora-rank
 def test_lora_dpo_kill_resume_and_export(tmp_path):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     common = [*TINY_DPO, *LORA, "--train-iters", str(STEPS), "--save-interval", "2"]
-    run_dpo([*common, "--save", str(ref_dir / "ckpt"), "--metrics-jsonl", str(ref_dir / "m.jsonl")],
-            log=tmp_path / "reference.txt").check_ok()
+    first = run_dpo([*common, "--save", str(ref_dir / "ckpt"), "--metrics-jsonl", str(ref_dir / "m.jsonl")],
+                    log=tmp_path / "reference.txt").check_ok()
+    # The deprecated torch collectives Megatron calls under sequence parallelism are not the user's to fix.
+    assert "FutureWarning" not in first.output, first.output[-3000:]
     reference = read_jsonl(ref_dir / "m.jsonl")
     assert [r["step"] for r in reference] == list(range(STEPS))
     # A fresh adapter is the base model and the reference is the base: no margin at the start

@@ -184,6 +184,10 @@ def test_resume_that_does_not_fit_the_checkpoint_is_refused(script_run, tmp_path
         dry.check_ok()
     else:
         assert dry.returncode == 2 and _error(dry) == f"megatron-prune: error: --load {script_run}: {message}"
+    iteration = script_run / "iter_0000002"
+    if message.startswith(f"{iteration}: "):  # --load naming that checkpoint itself: its path said once
+        dry = _dpo(tmp_path, "dry-iteration", "--load", str(iteration), *extra, "--dry-run")
+        assert dry.returncode == 2 and _error(dry) == f"megatron-prune: error: --load {message}"
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "grpo"])

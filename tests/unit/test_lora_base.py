@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -174,18 +175,24 @@ def test_reference_of_a_lora_run_started_from_a_training_checkpoint_is_that_chec
     with its own base (the checkpoint's weights, loaded through the base record), and resuming that
     LoRA run keeps it."""
     from megatron_prune.config import CheckpointConfig, ModelConfig
-    from megatron_prune.training.session import reference_source
+    from megatron_prune.training.session import UsageError, reference_source
 
     trained = _lora_checkpoint(tmp_path / "full", None)  # no "lora" entry: a full-parameter checkpoint
     with open(os.path.join(trained, "meta.json")) as f:
         meta = json.load(f)
     meta.pop("lora", None)
-    meta["reference_load"] = "/models/original"
+    original = str(tmp_path / "original" / "iter_0000000")
+    meta["reference_load"] = original
     with open(os.path.join(trained, "meta.json"), "w") as f:
         json.dump(meta, f)
     model, load = ModelConfig(model_preset=None), CheckpointConfig(load=str(tmp_path / "full"))
     base = {"kind": "megatron", "path": trained}
-    assert reference_source(model, load, None) == "/models/original"  # full-parameter resume
+    # Moved since: named as the recorded reference, not as a --load the user never gave.
+    with pytest.raises(UsageError, match=rf"^--load \S+ records its reference model as {re.escape(original)}, "
+                                         r"which no longer exists; pass --ref-load with where that checkpoint is now$"):
+        reference_source(model, load, None)
+    os.makedirs(original)
+    assert reference_source(model, load, None) == original  # full-parameter resume
     assert reference_source(model, load, None, lora_base=base) is None  # LoRA start: its base
     lora_ckpt = _lora_checkpoint(tmp_path / "lora", preset_base("tiny", seed=0).to_dict())
     with open(os.path.join(lora_ckpt, "meta.json")) as f:
@@ -334,3 +341,24 @@ def test_resume_with_another_copy_of_the_base_keeps_the_recorded_tokenizer(hf_di
         got = session.resolve_tokenizer(ModelConfig(hf_model=copy), CheckpointConfig(load=str(tmp_path / "ckpt")))
         assert got == expected, (recorded, got)
     assert session.resolve_tokenizer(ModelConfig(hf_model=copy), CheckpointConfig()) == copy
+
+
+def test_resume_from_an_iteration_folder_finds_the_run_s_own_tokenizer_copy(tmp_path):
+    """The tokenizer the run recorded (a converted model's ``hf_assets``) has moved: ``--load`` of
+    one iteration folder finds the copy the run keeps in its save folder; with no copy anywhere
+    the error names the recorded path that is gone."""
+    from megatron_prune.config import CheckpointConfig, ModelConfig
+    from megatron_prune.training import session
+
+    ckpt = _lora_checkpoint(tmp_path / "run", preset_base("tiny", seed=0).to_dict())
+    meta_path = os.path.join(ckpt, "meta.json")
+    gone = str(tmp_path / "converted" / "hf_assets")
+    json.dump({**json.load(open(meta_path)), "tokenizer": gone}, open(meta_path, "w"))
+    with pytest.raises(session.UsageError, match=rf"^cannot tell which tokenizer to use \(the checkpoint records "
+                                                 rf"{re.escape(gone)}, which no longer exists\): pass --tokenizer$"):
+        session.resolve_tokenizer(ModelConfig(), CheckpointConfig(load=ckpt))
+    kept = tmp_path / "run" / "hf_assets"
+    kept.mkdir()
+    for load in (ckpt, str(tmp_path / "run")):
+        assert session.resolve_tokenizer(ModelConfig(), CheckpointConfig(load=load)) == os.path.join(
+            os.path.dirname(ckpt) if load == ckpt else load, "hf_assets")
