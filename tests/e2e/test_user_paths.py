@@ -129,6 +129,13 @@ def test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_load
             f"{a / 'iter_0000001'})") in out, out
     tuned, _ = _dpo(tmp_path, "tuned", "--load", str(a), "--finetune", "--train-iters", "1")
     assert tuned[0]["step"] == 0 and tuned[0]["margin"] == 0.0 and tuned[0]["reward_accuracy"] == 0.5, tuned
+    # The recorded reference has moved: the dry run already names it (not as a --load the user gave).
+    a.rename(tmp_path / "moved")
+    moved = _run([sys.executable, "-m", "megatron_prune.dpo", "--data-path", SAMPLE, "--device", "cpu",
+                  "--seq-length", "128", "--train-iters", "3", "--load", str(part), "--dry-run"])
+    assert moved.returncode == 2 and moved.stdout.strip().splitlines()[-1] == (
+        f"megatron-prune: error: --load {part} records its reference model as {a / 'iter_0000001'}, which no "
+        "longer exists; pass --ref-load with where that checkpoint is now"), moved.stdout[-3000:]
 
 
 def _heldout(tmp_path: Path, pairs: int) -> Path:
