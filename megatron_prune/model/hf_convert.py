@@ -429,16 +429,23 @@ class ShardWriter:
         return self.plan.files
 
 
+def assets_beside(ckpt_path: str, *, with_config: bool = False) -> str | None:
+    """The ``hf_assets/`` kept with a checkpoint: inside ``ckpt_path`` (a save folder), else beside
+    it (``ckpt_path`` is one iteration folder); with ``with_config``, only one holding config.json."""
+    for where in (ckpt_path, os.path.dirname(os.path.abspath(ckpt_path))):
+        candidate = os.path.join(where, ASSETS_DIR)
+        if os.path.isfile(os.path.join(candidate, "config.json")) if with_config else os.path.isdir(candidate):
+            return candidate
+    return None
+
+
 def find_hf_assets(ckpt_path: str, *, explicit: str | None = None) -> str | None:
     """The HF assets directory for a checkpoint: ``explicit``, else next to the checkpoint."""
     if explicit:
         if not os.path.isfile(os.path.join(explicit, "config.json")):
             raise FileNotFoundError(f"--hf-assets {explicit}: no config.json there")
         return explicit
-    for candidate in (os.path.join(ckpt_path, ASSETS_DIR), os.path.join(os.path.dirname(ckpt_path), ASSETS_DIR)):
-        if os.path.isfile(os.path.join(candidate, "config.json")):
-            return candidate
-    return None
+    return assets_beside(ckpt_path, with_config=True)
 
 
 def export_config(arch: ModelArch, *, assets: str | None, dtype: torch.dtype) -> dict[str, Any]:

@@ -418,22 +418,16 @@ def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
     directory the run started from, else from ``hf_assets/`` beside the checkpoint it loaded."""
     if not ckpt.save or (dist.is_initialized() and dist.get_rank() != 0):
         return
-    if hf_model is not None and os.path.isdir(hf_model):
-        from megatron_prune.model.hf_convert import ASSETS_DIR, copy_hf_assets
+    from megatron_prune.model.hf_convert import ASSETS_DIR, assets_beside, copy_hf_assets
 
-        dst = os.path.join(ckpt.save, ASSETS_DIR)
+    dst = os.path.join(ckpt.save, ASSETS_DIR)
+    if hf_model is not None and os.path.isdir(hf_model):
         if not os.path.isdir(dst):
             copy_hf_assets(hf_model, dst)
         return
-    if not ckpt.load:
-        return
-    for where in (ckpt.load, os.path.dirname(os.path.abspath(ckpt.load))):
-        src = os.path.join(where, "hf_assets")
-        if os.path.isdir(src):
-            dst = os.path.join(ckpt.save, "hf_assets")
-            if not os.path.isdir(dst) or not os.path.samefile(src, dst):  # resumed in place: already there
-                shutil.copytree(src, dst, dirs_exist_ok=True)
-            return
+    src = assets_beside(ckpt.load) if ckpt.load else None
+    if src is not None and (not os.path.isdir(dst) or not os.path.samefile(src, dst)):  # same: resumed in place
+        shutil.copytree(src, dst, dirs_exist_ok=True)
 
 
 def save(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, step: int) -> None:

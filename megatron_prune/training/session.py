@@ -400,11 +400,11 @@ def resolve_tokenizer(model: ModelConfig, ckpt: CheckpointConfig) -> str:
         return recorded
     if model.hf_model:
         return model.hf_model
-    # Kept by the converter and by every run that saves (in its save folder, beside the iterations).
-    for where in (ckpt.load, os.path.dirname(os.path.abspath(ckpt.load))):
-        assets = os.path.join(where, "hf_assets")
-        if os.path.isdir(assets):
-            return assets
+    from megatron_prune.model.hf_convert import assets_beside
+
+    assets = assets_beside(ckpt.load)  # kept by the converter and by every run that saves
+    if assets is not None:
+        return assets
     base = meta.get("lora_base") or {}  # a LoRA checkpoint started from --hf-model: its base has one
     if base.get("kind") == "hf" and os.path.isdir(base.get("path") or ""):
         return base["path"]
