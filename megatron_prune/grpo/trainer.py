@@ -174,6 +174,24 @@ def _gather_over_dp(local: list) -> list:
     return [x for part in parts for x in part]
 
 
+def rollout_metrics(*, group_size: int, rewards: torch.Tensor, num_prompts: int, kept_prompts: int,
+                    minibatches: list, completions: dict) -> dict[str, float]:
+    """One rollout's logged metrics: ``rewards`` ``[kept prompts, group_size]`` of the prompts rolled
+    out (of ``num_prompts`` drawn), ``minibatches`` the completions kept for training."""
+    kept_completions = sum(len(items) for items in minibatches)
+    lengths = [len(t) for group in completions.values() for t in group]
+    return {
+        # Means in float64: a float32 mean of 0/1 values logs as 0.800000011920929.
+        "reward_mean": float(rewards.double().mean()) if rewards.numel() else 0.0,
+        "accuracy": float((rewards == 1.0).double().mean()) if rewards.numel() else 0.0,
+        "kept_prompt_fraction": kept_prompts / num_prompts,
+        "kept_completion_fraction": kept_completions / max(kept_prompts * group_size, 1),
+        "zero_variance_groups": float(zero_variance_groups(rewards).double().mean()) if kept_prompts else 0.0,
+        "completion_length": sum(lengths) / max(len(lengths), 1),
+        "rollout_tokens": float(sum(lengths)),
+    }
+
+
 class GRPOObjective:
     """Rollout, rewards, DPPO pruning and the GRPO updates of each step."""
 
@@ -243,8 +261,8 @@ class GRPOObjective:
                     ))
         tokens_per = G * (self.grpo.max_new_tokens if self.grpo.loss_normalization == "constant" else 1)
         normalisers = [float(per_minibatch * tokens_per)] * self.grpo.minibatches
-        metrics = self._rollout_metrics(rewards=rewards, num_prompts=len(ids), kept_prompts=len(kept_ids),
-                                        minibatches=minibatches, completions=completions)
+        metrics = rollout_metrics(group_size=G, rewards=rewards, num_prompts=len(ids), kept_prompts=len(kept_ids),
+                                  minibatches=minibatches, completions=completions)
         metrics["rollout_time_s"] = rollout_time
         # Unbiased all-prompt mean reward (reward_mean averages the rolled-out prompts only): every
         # completion of a rolled-out prompt is scored, so the prompt weight 1/p is the only correction.
@@ -273,20 +291,6 @@ class GRPOObjective:
         metrics["old_logprob_time_s"] = time.perf_counter() - timer
         metrics["forward_only_tokens"] = float(forward_only)
         return RolloutBuffer(rollout, minibatches, normalisers, metrics)
-
-    def _rollout_metrics(self, *, rewards, num_prompts, kept_prompts, minibatches, completions) -> dict[str, float]:
-        G = self.grpo.group_size
-        kept_completions = sum(len(items) for items in minibatches)
-        lengths = [len(t) for group in completions.values() for t in group]
-        return {
-            "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
-            "accuracy": float((rewards == 1.0).float().mean()) if rewards.numel() else 0.0,
-            "kept_prompt_fraction": kept_prompts / num_prompts,
-            "kept_completion_fraction": kept_completions / max(kept_prompts * G, 1),
-            "zero_variance_groups": float(zero_variance_groups(rewards).float().mean()) if kept_prompts else 0.0,
-            "completion_length": sum(lengths) / max(len(lengths), 1),
-            "rollout_tokens": float(sum(lengths)),
-        }
 
     def _mine(self, items: list[TrainItem]) -> list[TrainItem]:
         dp_rank, dp_size = _dp()
