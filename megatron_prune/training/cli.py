@@ -61,7 +61,8 @@ def run_cli(
             from megatron_prune.lora_config import lora_active
             from megatron_prune.training.loop import say_resume_notes
 
-            say_resume_notes(configs, lora=lora_active(configs.get("LoRAConfig")))
+            say_resume_notes(configs, lora=lora_active(configs.get("LoRAConfig")),
+                             lora_base=checked.lora_base if checked is not None else None)
         return 0
     try:
         check_rendezvous_env()

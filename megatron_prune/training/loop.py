@@ -336,8 +336,13 @@ def _say_reference_changed(recorded: dict, current: dict) -> None:
     if not all(key in recorded and key in current for key in keys):
         return
     was, now = (tuple(meta[key] for key in keys) for meta in (recorded, current))
-    if was != now and is_logging_rank():
-        name = lambda ref: ref[0] or ref[1] or "the preset's initial weights"  # noqa: E731
+    if was == now or not is_logging_rank():
+        return
+    name = lambda ref: ref[0] or ref[1] or "the preset's initial weights"  # noqa: E731
+    if was[0] is not None and not os.path.exists(was[0]):  # moved: maybe the same weights, not "another"
+        print(f"[megatron-prune] resuming against the reference model at {name(now)}; the checkpoint's, "
+              f"{name(was)}, no longer exists", flush=True)
+    else:
         print(f"[megatron-prune] resuming against another reference model: {name(now)} (checkpoint: {name(was)})",
               flush=True)
 
@@ -365,10 +370,11 @@ def _apply_optimizer_flags(optimizer) -> None:
                 group["momentum"] = config.sgd_momentum
 
 
-def say_resume_notes(configs: dict[str, Any], *, lora: bool) -> None:
-    """What the resume of ``--load`` will say about changed flags and the kept schedule, said by a
-    ``--dry-run`` (from the checkpoint's files and this launch's flags, without building a model)."""
-    from megatron_prune.training.session import flag_record
+def say_resume_notes(configs: dict[str, Any], *, lora: bool, lora_base: dict | None = None) -> None:
+    """What the resume of ``--load`` will say about changed flags, the reference and the kept
+    schedule, said by a ``--dry-run`` (from the checkpoint's files and this launch's flags, without
+    building a model); ``lora_base`` as the launch checks resolved it."""
+    from megatron_prune.training.session import UsageError, flag_record, reference_meta, reference_source
 
     ckpt, train = configs["CheckpointConfig"], configs["TrainConfig"]
     resumed = _resumed_state(ckpt, lora=lora)
@@ -376,6 +382,14 @@ def say_resume_notes(configs: dict[str, Any], *, lora: bool) -> None:
         return
     meta, state = resumed
     _say_flags_changed(meta.get("flags"), flag_record(configs))
+    ref_load = next((cfg.ref_load for cfg in configs.values() if getattr(cfg, "ref_load", None)), None)
+    model = configs["ModelConfig"]
+    try:
+        reference = reference_meta(model, ckpt, reference_source(model, ckpt, ref_load, lora_base=lora_base),
+                                   lora_base=lora_base)
+    except UsageError:  # not found: a run that needs no reference (GRPO at --kl-beta 0) records none either
+        reference = {}
+    _say_reference_changed(meta, reference)
     if state.get("scheduler"):
         _say_schedule_kept(_schedule_of(train), state["scheduler"], train_iters=train.train_iters,
                            override=train.override_opt_param_scheduler)

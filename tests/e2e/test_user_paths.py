@@ -127,6 +127,10 @@ def test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_load
                   "--train-iters", "3")
     assert (f"resuming against another reference model: {part / 'iter_0000002'} (checkpoint: "
             f"{a / 'iter_0000001'})") in out, out
+    dry = _run([sys.executable, "-m", "megatron_prune.dpo", "--data-path", SAMPLE, "--device", "cpu", "--seq-length",
+                "128", "--train-iters", "3", "--load", str(part), "--ref-load", str(part / "iter_0000002"), "--dry-run"])
+    assert dry.returncode == 0 and (f"resuming against another reference model: {part / 'iter_0000002'} "
+                                    f"(checkpoint: {a / 'iter_0000001'})") in dry.stdout, dry.stdout[-3000:]
     tuned, _ = _dpo(tmp_path, "tuned", "--load", str(a), "--finetune", "--train-iters", "1")
     assert tuned[0]["step"] == 0 and tuned[0]["margin"] == 0.0 and tuned[0]["reward_accuracy"] == 0.5, tuned
     # The recorded reference has moved: the dry run already names it (not as a --load the user gave).
@@ -136,6 +140,14 @@ def test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_load
     assert moved.returncode == 2 and moved.stdout.strip().splitlines()[-1] == (
         f"megatron-prune: error: --load {part} records its reference model as {a / 'iter_0000001'}, which no "
         "longer exists; pass --ref-load with where that checkpoint is now"), moved.stdout[-3000:]
+    # Given where it is now, the dry run says what the run will: the same weights, moved, not "another" model.
+    found = _run([sys.executable, "-m", "megatron_prune.dpo", "--data-path", SAMPLE, "--device", "cpu",
+                  "--seq-length", "128", "--train-iters", "3", "--load", str(part), "--dry-run",
+                  "--ref-load", str(tmp_path / "moved" / "iter_0000001")])
+    assert found.returncode == 0, found.stdout[-3000:]
+    assert (f"resuming against the reference model at {tmp_path / 'moved' / 'iter_0000001'}; the checkpoint's, "
+            f"{a / 'iter_0000001'}, no longer exists") in found.stdout, found.stdout[-3000:]
+    assert "another reference model" not in found.stdout
 
 
 def _heldout(tmp_path: Path, pairs: int) -> Path:
