@@ -49,7 +49,7 @@ def run_cli(
         dp = session.validate(configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"],
                               world_size=world, batch_of_microbatches="GRPOConfig" not in configs)
         checked = extra_checks(configs) if extra_checks is not None else None
-        ignored = dead_flags.check(configs, getattr(args, GIVEN))
+        ignored = dead_flags.check(configs, getattr(args, GIVEN), data_parallel=dp)
     except ValueError as exc:
         session.fail_usage(exc)
     dead_flags.warn(ignored)

@@ -45,8 +45,8 @@ class Rule:
 class Setting:
     """The resolved configs of a run, with what the rules ask of them (computed when first asked)."""
 
-    def __init__(self, configs: dict[str, Any], given: frozenset[str]) -> None:
-        self.configs, self.given = configs, given
+    def __init__(self, configs: dict[str, Any], given: frozenset[str], data_parallel: int = 1) -> None:
+        self.configs, self.given, self.data_parallel = configs, given, data_parallel
         get = configs.get
         self.model, self.train, self.ckpt = get("ModelConfig"), get("TrainConfig"), get("CheckpointConfig")
         self.prune, self.dpo, self.lora = get("PruneConfig"), get("DPOConfig"), get("LoRAConfig")
@@ -67,6 +67,16 @@ class Setting:
         from megatron_prune.training.checkpoint import read_meta
 
         return read_meta(self.ckpt.load)
+
+    @property
+    def resumes_distributed_optimizer(self) -> bool:
+        """Whether the run resumes optimizer state saved in the distributed format (which only that optimizer
+        reads); a weights-only start (``--finetune``, a LoRA run from a full checkpoint) resumes none."""
+        from megatron_prune.training.checkpoint import DISTRIBUTED_OPTIMIZER
+
+        meta = self.load_meta
+        resumes = meta.get("has_optimizer") and not self.ckpt.finetune and not (self.lora_on and not meta.get("lora"))
+        return bool(resumes) and meta.get("optimizer_format") == DISTRIBUTED_OPTIMIZER
 
     @property
     def toy(self) -> bool:
@@ -96,6 +106,10 @@ RULES: list[Rule] = [
          "has no effect: the model ({s.arch.model_type}) is dense, it has no mixture-of-experts layers"),
     Rule(("ModelConfig.tokenizer",), lambda s: s.toy,
          "has no effect with --task {s.grpo.task} (the toy tasks work on token ids, with no tokenizer)"),
+    Rule(("ModelConfig.use_distributed_optimizer",),
+         lambda s: s.data_parallel == 1 and not s.resumes_distributed_optimizer,
+         "shards nothing at data-parallel size 1: each rank holds its parameters' whole optimizer state "
+         "either way; it only saves that state in the distributed format, which a resume then needs {flag} to read"),
     # training: the optimizer and its schedule
     Rule(("TrainConfig.lr",), lambda s: s.train.lr == 0,
          "trains nothing: every update is scaled by the learning rate, so the weights never change; give --lr > 0"),
@@ -194,10 +208,10 @@ def shown(config: Any, name: str) -> str:
     return f"{flag_of(field)} {value}"
 
 
-def check(configs: dict[str, Any], given: frozenset[str]) -> list[str]:
-    """The warning lines for the flags in ``given`` (``Config.field`` names) that ``configs`` ignore;
-    raises :class:`UsageError` for the first flag that contradicts another one."""
-    setting = Setting(configs, given)
+def check(configs: dict[str, Any], given: frozenset[str], *, data_parallel: int = 1) -> list[str]:
+    """The warning lines for the flags in ``given`` (``Config.field`` names) that ``configs`` ignore at
+    ``data_parallel`` ranks; raises :class:`UsageError` for the first flag that contradicts another one."""
+    setting = Setting(configs, given, data_parallel)
     lines, seen = [], set()
     for rule in RULES:
         for name in rule.flags:

@@ -14,6 +14,7 @@ import shlex
 import subprocess
 
 import pytest
+import torch
 
 from megatron_prune.model.arch import get_preset
 from tests.e2e.conftest import REPO, SAMPLE, TINY_DPO
@@ -40,14 +41,19 @@ def _dry_run(cli: str, argv: list[str], monkeypatch, capsys, *, world: int = 1, 
     return code, capsys.readouterr().err.strip().splitlines()
 
 
-def _checkpoint(root, *, has_optimizer: bool = True) -> str:
+def _checkpoint(root, *, has_optimizer: bool = True, optimizer_format: str | None = None) -> str:
     """A save directory holding one checkpoint of the tiny preset (meta.json and empty stand-ins)."""
     ckpt = root / "iter_0000002"
     (ckpt / "dist").mkdir(parents=True)
     (ckpt / "dist" / ".metadata").write_bytes(b"")
-    (ckpt / "trainer_state.pt").write_bytes(b"")
+    if optimizer_format:  # a resume reads it
+        torch.save({"trainer": {}}, ckpt / "trainer_state.pt")
+    else:
+        (ckpt / "trainer_state.pt").write_bytes(b"")
     (ckpt / "meta.json").write_text(json.dumps({"format": "megatron-prune/1", "iteration": 2, "tokenizer": "tiny",
-                                                "arch": get_preset("tiny").to_dict(), "has_optimizer": has_optimizer}))
+                                                "arch": get_preset("tiny").to_dict(), "has_optimizer": has_optimizer,
+                                                **({"optimizer_format": optimizer_format, "reference_load": None}
+                                                   if optimizer_format else {})}))
     return str(root)
 
 
@@ -65,6 +71,10 @@ WARNINGS = [
     pytest.param("dpo", ["--expert-model-parallel-size", "1"],
                  "--expert-model-parallel-size 1 has no effect: the model (qwen3) is dense, it has no "
                  "mixture-of-experts layers", id="ep1-on-dense"),
+    pytest.param("dpo", ["--use-distributed-optimizer"],
+                 "--use-distributed-optimizer shards nothing at data-parallel size 1: each rank holds its parameters' "
+                 "whole optimizer state either way; it only saves that state in the distributed format, which a resume "
+                 "then needs --use-distributed-optimizer to read", id="distributed-optimizer-at-dp-1"),
     pytest.param("grpo", ["--tokenizer", "tiny"],
                  "--tokenizer tiny has no effect with --task toy (the toy tasks work on token ids, with no tokenizer)",
                  id="tokenizer-on-toy"),
@@ -210,6 +220,21 @@ def test_a_contradicting_flag_is_a_usage_error(cli, extra, line, monkeypatch, ca
     base = DPO if cli == "dpo" else TINY_GRPO
     code, err = _dry_run(cli, [*base, *extra, "--min-lr", "0"], monkeypatch, capsys)
     assert code == 2 and err == [f"megatron-prune: error: {line}"], err  # and no warning before it
+
+
+def test_the_distributed_optimizer_warns_only_where_it_shards_nothing(tmp_path, monkeypatch, capsys):
+    """At data-parallel size 1 it shards nothing, unless the run resumes state saved in its format (which
+    needs the flag); at 2 data-parallel ranks it shards."""
+    flag = ["--use-distributed-optimizer"]
+    code, err = _dry_run("grpo", [*TINY_GRPO, *flag, "--tensor-model-parallel-size", "2"], monkeypatch, capsys, world=2)
+    assert code == 0 and len(err) == 1 and err[0].startswith(WARNING + "--use-distributed-optimizer shards nothing"), err
+    assert _dry_run("grpo", [*TINY_GRPO, *flag], monkeypatch, capsys, world=2) == (0, [])
+    assert _dry_run("dpo", [*DPO, *flag, "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2"],
+                    monkeypatch, capsys, world=4) == (0, [])
+    saved = _checkpoint(tmp_path / "saved", optimizer_format="distributed/fully_reshardable")
+    assert _dry_run("dpo", [*DPO[2:], "--load", saved, *flag], monkeypatch, capsys) == (0, [])
+    code, err = _dry_run("dpo", [*DPO[2:], "--load", saved, *flag, "--finetune"], monkeypatch, capsys)
+    assert code == 0 and len(err) == 1 and err[0].startswith(WARNING + "--use-distributed-optimizer shards nothing"), err
 
 
 def test_only_rank_0_warns(monkeypatch, capsys):
