@@ -230,7 +230,12 @@ class GRPOObjective:
         local = [(p.prompt_id, [c.tokens for c in group]) for p, group in zip(mine, groups)]
         return dict(_gather_over_dp(local))
 
-    def _rollout(self, rollout: int) -> RolloutBuffer:
+    def _step_name(self, step: int) -> str:
+        """A step as the progress line numbers it (metrics.jsonl's ``"step"`` counts from 0)."""
+        return f"step {step + 1}/{self.train_cfg.train_iters}"
+
+    def _rollout(self, rollout: int, step: int) -> RolloutBuffer:
+        """The rollout of index ``rollout``, drawn at ``step`` (messages name the step)."""
         timer = time.perf_counter()
         G = self.grpo.group_size
         ids = self.sampler.next_indices(self.train_cfg.global_batch_size)
@@ -270,9 +275,9 @@ class GRPOObjective:
         metrics["reward_mean_weighted"] = float((prompt_weights[:, None] * rewards.double()).sum()) / (len(ids) * G)
         metrics["truncated_prompts"] = float(sum(prompts[i].truncated for i in ids))
         if metrics["truncated_prompts"] and is_logging_rank():
-            logger.warning("rollout %d: %d of %d prompts were longer than the prompt budget and were left-truncated "
+            logger.warning("%s: %d of %d prompts were longer than the prompt budget and were left-truncated "
                            "(BOS and the chat template's head kept); set --max-prompt-length or a longer --seq-length",
-                           rollout, int(metrics["truncated_prompts"]), len(ids))
+                           self._step_name(step), int(metrics["truncated_prompts"]), len(ids))
 
         forward_only = 0  # this rank's tokens of the forward-only passes; summed over DP in train_step
         timer = time.perf_counter()
@@ -310,8 +315,9 @@ class GRPOObjective:
         fresh = self.buffer is None or self.buffer.index != rollout
         if fresh:
             if update and self.buffer is None and is_logging_rank():
-                logger.warning("resumed inside rollout %d: rolling out again with the current policy", rollout)
-            self.buffer = self._rollout(rollout)
+                logger.warning("%s: resumed inside the rollout of %s: rolling out again with the current policy",
+                               self._step_name(step), self._step_name(rollout * updates))
+            self.buffer = self._rollout(rollout, step)
         minibatch = update % self.grpo.minibatches
         timer = time.perf_counter()
         metrics, layout = self.runner.train(self._mine(self.buffer.minibatches[minibatch]),
@@ -325,12 +331,8 @@ class GRPOObjective:
                               dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-        if fresh and rollout_metrics["kept_prompt_fraction"] == 0 and is_logging_rank():
-            logger.warning("step %d: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
-                           "trained; its reward metrics are 0 by convention%s", step, _STILL_STEPS)
-        elif rollout_metrics["zero_variance_groups"] == 1.0 and self.grpo.kl_beta == 0 and is_logging_rank():
-            logger.warning("step %d: every group's rewards are equal (zero variance), so every advantage is 0: "
-                           "loss and gradient are 0%s", step, _STILL_STEPS)
+        if is_logging_rank():
+            self._say_nothing_trained(step, fresh, rollout_metrics, minibatch)
         return {
             **metrics, **rollout_metrics,
             "train_time_s": train_time + rollout_metrics["old_logprob_time_s"],
@@ -340,6 +342,23 @@ class GRPOObjective:
             "density": float(counts[0] / counts[1]) if counts[1] else 1.0,
             "fresh_rollout": float(fresh),
         }
+
+    def _say_nothing_trained(self, step: int, fresh: bool, metrics: dict[str, float], minibatch: int) -> None:
+        """Warn of a step whose loss and gradient are 0 by construction (an empty rollout: at its first step)."""
+        name = self._step_name(step)
+        if metrics["kept_prompt_fraction"] == 0:
+            if fresh:
+                logger.warning("%s: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
+                               "trained; its reward metrics are 0 by convention%s", name, _STILL_STEPS)
+        elif metrics["zero_variance_groups"] == 1.0 and self.grpo.kl_beta == 0:
+            logger.warning("%s: every group's rewards are equal (zero variance), so every advantage is 0: loss and "
+                           "gradient are 0%s", name, _STILL_STEPS)
+        elif not self.buffer.minibatches[minibatch]:
+            # A minibatch holds the drawn prompts of its positions, so pruning (or skipping the completions
+            # whose advantage is 0) can empty it while others train: its share of the estimate is 0.
+            logger.warning("%s: minibatch %d of %d of this rollout kept no completions (its prompts pruned, or "
+                           "its completions' advantages all 0), so this update trains nothing (loss and gradient "
+                           "0)%s", name, minibatch + 1, self.grpo.minibatches, _STILL_STEPS)
 
     def evaluate(self, step: int) -> dict[str, float] | None:
         return None

@@ -85,7 +85,29 @@ def test_a_rollout_with_every_prompt_pruned_says_so(tmp_path):
     empty = [r["step"] for r in read_jsonl(metrics) if r["kept_prompt_fraction"] == 0]
     assert empty, "no rollout was empty: the case is not drawn"
     for step in empty:
-        assert (f"step {step}: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
+        assert (f"step {step + 1}/8: prompt pruning kept none of this rollout's prompts, so nothing was rolled out or "
                 "trained; its reward metrics are 0 by convention; the optimizer still steps: its momentum and "
                 "weight decay, if any, still move the weights") in run.output
     assert "degrees of freedom" not in run.output
+
+
+def test_a_minibatch_emptied_by_prompt_pruning_says_so(tmp_path):
+    """Each minibatch holds the drawn prompts of its positions, so prompt pruning can empty one while
+    the rollout's other minibatch trains: that update trains nothing (gradient 0) and says so, naming
+    the step as the progress line does. With a KL term no completion is skipped for its advantage, so
+    pruning is the only way a minibatch empties."""
+    metrics = tmp_path / "m.jsonl"
+    run = run_grpo(["--model-preset", "tiny", "--device", "cpu", "--task", "toy-binary", "--toy-num-prompts", "4",
+                    "--global-batch-size", "4", "--group-size", "2", "--minibatches", "2",
+                    "--dppo-prompt-prune-rate", "0.5", "--kl-beta", "0.1", "--max-new-tokens", "4",
+                    "--seq-length", "32", "--train-iters", "12", "--metrics-jsonl", str(metrics)],
+                   log=tmp_path / "log.txt", nproc=1).check_ok()
+    records = read_jsonl(metrics)
+    emptied = [r for r in records if r["train_tokens"] == 0 and r["kept_prompt_fraction"] > 0]
+    assert emptied, "no minibatch was emptied while its rollout kept prompts: the case is not drawn"
+    for r in emptied:
+        assert r["grad_norm"] == 0.0
+        assert (f"step {r['step'] + 1}/12: minibatch {r['step'] % 2 + 1} of 2 of this rollout kept no completions "
+                "(its prompts pruned, or its completions' advantages all 0), so this update trains nothing (loss "
+                "and gradient 0); the optimizer still steps") in run.output, run.output[-3000:]
+    assert run.output.count("kept no completions") == len(emptied)

@@ -84,7 +84,7 @@ def test_resume_with_another_split_of_the_rollout_or_history_score(tmp_path):
     assert ("the checkpoint stopped inside a rollout split into 1 minibatches for 2 updates; this run has "
             "--minibatches 2 and 2 updates per rollout (--ppo-epochs 1), so that rollout is not reused"
             ) in resumed.output
-    assert "resumed inside rollout 0: rolling out again with the current policy" in resumed.output
+    assert "step 2/3: resumed inside the rollout of step 1/3: rolling out again with the current policy" in resumed.output
     assert "--dppo-history-score 'informative': the " in resumed.output
     assert "saved " in resumed.output and "Traceback" not in resumed.output
 

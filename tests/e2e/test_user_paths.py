@@ -229,12 +229,12 @@ def test_grpo_left_truncates_long_prompts_and_reports_tokens(tmp_path):
     assert proc.returncode == 0, proc.stdout[-5000:]
     (first, second) = read_jsonl(metrics)
     assert first["truncated_prompts"] == 2.0
-    assert "2 of 2 prompts were longer than the prompt budget and were left-truncated" in proc.stdout
+    assert "step 1/2: 2 of 2 prompts were longer than the prompt budget and were left-truncated" in proc.stdout
     assert first["train_tokens"] == first["policy_tokens"] > 0
     assert first["forward_only_tokens"] > 0  # old log-probs, scored once for the two updates of the rollout
     assert second["forward_only_tokens"] == 0
     assert first["zero_variance_groups"] == 1.0 and first["loss"] == 0.0
-    assert ("step 0: every group's rewards are equal (zero variance), so every advantage is 0: loss and gradient "
+    assert ("step 1/2: every group's rewards are equal (zero variance), so every advantage is 0: loss and gradient "
             "are 0; the optimizer still steps: its momentum and weight decay, if any, still move the weights"
             in proc.stdout), proc.stdout[-3000:]
     # By default (no KL) those completions are skipped: nothing is scored or trained, same loss.
@@ -244,7 +244,7 @@ def test_grpo_left_truncates_long_prompts_and_reports_tokens(tmp_path):
     for got in read_jsonl(skipped):
         assert got["train_tokens"] == got["forward_only_tokens"] == got["loss"] == 0.0
         assert got["kept_completion_fraction"] == 0.0
-    assert "step 0: every group's rewards are equal (zero variance)" in proc.stdout, proc.stdout[-3000:]
+    assert "step 1/2: every group's rewards are equal (zero variance)" in proc.stdout, proc.stdout[-3000:]
     # The checkpoint recorded the tokenizer: --load alone (no preset, no --tokenizer) goes on.
     resume = [a for a in cmd if a not in ("--model-preset", "tiny")]
     resume[resume.index("--train-iters") + 1] = "3"
