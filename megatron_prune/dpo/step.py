@@ -285,11 +285,7 @@ class DPOStep:
         replay = self.s.prune.branch and self._replays_pruned_branch()
         if self.s.prune.branch:
             if not replay and self.s.dpo.layout == "shared":
-                joined = {p.sample_id for p in plans if pruned_branch_joins_training_row(p, weights=self.flop_weights)}
-                if joined and (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
-                    # The interleaved schedule needs the same microbatch count in every pass (a
-                    # multiple of the stages): one choice for the whole step, the majority's.
-                    joined = {p.sample_id for p in plans} if 2 * len(joined) >= len(plans) else set()
+                joined = self._joined(plans)
             separate = [] if replay else [p for p in plans if p.sample_id not in joined]
             pruned_ratio = {}
         if self.s.prune.branch and separate:
@@ -337,6 +333,24 @@ class DPOStep:
 
             add_router_losses(outputs, self.policy, num_microbatches=len(batches))
         return outputs, self._reduced_counters()
+
+    def _joined(self, plans: list[PlannedPair]) -> set[int]:
+        """Sample ids whose pruned branch runs inside the training row (shared layout), the cheaper
+        choice per pair (:func:`pruned_branch_joins_training_row`).
+
+        The interleaved schedule needs the same microbatch count in every pass (a multiple of the
+        stages), and expert-parallel peers must run the same passes with the same microbatch counts
+        (they meet in every MoE layer's all-to-all): there one choice holds for the whole step, the
+        majority's — under expert parallelism the majority over every data-parallel rank.
+        """
+        joined = {p.sample_id for p in plans if pruned_branch_joins_training_row(p, weights=self.flop_weights)}
+        expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
+        if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) == 1 and not expert_parallel:
+            return joined
+        votes = torch.tensor([len(joined), len(plans)], dtype=torch.float64)
+        if expert_parallel:
+            dist.all_reduce(votes, group=parallel_state.get_data_parallel_group())
+        return {p.sample_id for p in plans} if votes[1] and 2 * votes[0] >= votes[1] else set()
 
     def _pruned_pass_pairs(self, num_pairs: int) -> int:
         """Pairs per microbatch of the pruned branch's own forward-only pass.

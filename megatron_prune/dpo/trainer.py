@@ -190,6 +190,27 @@ def check_reference_table(table: Any, dataset: PreferenceDataset, path: str) -> 
                     "elsewhere")
 
 
+def reference_shares(num_pairs: int, *, batch: int) -> list[list[int]]:
+    """This data-parallel rank's pair indices for each pass that precomputes the reference table.
+
+    Every rank runs the same passes with the same microbatch count — ``batch`` pairs each, and under
+    the interleaved schedule a pipeline size of them — because expert-parallel peers meet in every
+    MoE layer's all-to-all and the interleaved schedule needs a stage's worth of microbatches. A
+    rank whose share of the last pass is short fills it with pairs of that pass again (scored twice,
+    the same values), so each pass covers its chunk of the data and no rank idles.
+    """
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    per_rank = batch * (parallel_state.get_pipeline_model_parallel_world_size() if vpp > 1 else 1)
+    shares = []
+    for start in range(0, num_pairs, per_rank * dp):
+        chunk = list(range(start, min(start + per_rank * dp, num_pairs)))
+        mine = chunk[dp_rank::dp]
+        shares.append((mine + chunk * per_rank)[:per_rank])
+    return shares
+
+
 def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cache_dir: str,
                          fingerprint: str, batch: int) -> dict[tuple[int, int], torch.Tensor]:
     """Reference log-probs of every response token of ``dataset``, cached on disk and reused.
@@ -215,16 +236,9 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
             print(f"[megatron-prune] reusing reference log-probs {path}", flush=True)
         return table
     table: dict[tuple[int, int], torch.Tensor] = {}
-    dp = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
     indices = list(range(len(dataset)))
-    for start in range(0, len(indices), batch * dp):
-        chunk = indices[start : start + batch * dp]
-        mine = chunk[dp_rank::dp]
-        plans = runner_off.plan(0, [(i, dataset[i]) for i in mine])
-        if not plans:
-            continue
-        found = runner_off.reference_logps(plans)
+    for mine in reference_shares(len(dataset), batch=batch):
+        found = runner_off.reference_logps(runner_off.plan(0, [(i, dataset[i]) for i in mine]))
         if found:
             table.update(found)
     gathered: list = [None] * dist.get_world_size()

@@ -54,3 +54,22 @@ def test_grpo_cli_runs_moe_with_dppo(tmp_path):
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["moe_aux_loss"] > 0 for r in records) and "moe_z_loss" not in records[-1]
     assert records[-1]["kept_completion_fraction"] < 1.0
+
+
+@pytest.mark.e2e
+def test_dpo_shared_layout_branch_pruning_under_expert_and_pipeline_parallelism(tmp_path):
+    """At PP=2 the shared layout's pruned branch joins the training row or runs in its own forward-only
+    pass, the cheaper per pair; expert-parallel peers (DP=2, EP=2) must make one choice, or one runs a
+    pass the other does not and their MoE all-to-alls hang. The run equals the single-rank one."""
+    flags = ["--model-preset", "tiny-moe", "--train-iters", "4", "--lr", "1e-3", "--global-batch-size", "8", "--micro-batch-size", "2",
+             "--seq-length", "128", "--max-prompt-length", "64", "--seed", "7", "--prune-preset", "study",
+             "--dpo-layout", "shared", "--distributed-timeout-minutes", "2"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "four").mkdir()
+    single = run_cli(tmp_path / "one", *flags)
+    four = run_cli(tmp_path / "four", *flags, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size",
+                   "2", nproc=4, timeout=400)
+    assert [r["step"] for r in four] == [0, 1, 2, 3]
+    for a, b in zip(single, four, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
