@@ -86,8 +86,8 @@ def heldout_pairs(total: int, *, micro_batch_size: int, dp: int, interleaved_pp:
     if total < per_step:
         raise session.UsageError(
             f"--eval-data-path has {total} usable pair(s), fewer than the --micro-batch-size {micro_batch_size} "
-            f"x data-parallel size {dp}{stages} = {per_step} that one evaluation needs; add held-out pairs or lower "
-            "--micro-batch-size")
+            f"x data-parallel size {dp}{stages} = {per_step} that one evaluation needs; add held-out pairs"
+            + (" or lower --micro-batch-size" if micro_batch_size > 1 else ""))
     usable = total - total % per_step
     if usable < total and first_rank():
         print(f"[megatron-prune] held-out data: each evaluation runs {usable} of {total} pairs (whole micro-batches "

@@ -43,7 +43,8 @@ def validate_layout(parallel: ParallelConfig, world_size: int, *, dry_run_hint: 
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 2 or pp < 2):
-        raise ValueError("--virtual-pipeline-model-parallel-size needs a value >= 2 and pipeline parallelism > 1")
+        raise ValueError(f"--virtual-pipeline-model-parallel-size {vpp} needs a value >= 2 and "
+                         f"--pipeline-model-parallel-size > 1 (it is {pp})")
     ep = parallel.expert_model_parallel_size
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")

@@ -62,6 +62,8 @@ BAD = [
     pytest.param(["--global-batch-size", "6"], 2,
                  "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2", id="gbs%mbxdp"),
     pytest.param(["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1", id="sp-without-tp"),
+    pytest.param(["--virtual-pipeline-model-parallel-size", "2"], 1, "--virtual-pipeline-model-parallel-size 2 needs a "
+                 "value >= 2 and --pipeline-model-parallel-size > 1 (it is 1)", id="vpp-without-pp"),
     pytest.param(["--lr", "1e-6", "--min-lr", "1e-3"], 1, "--min-lr 0.001 must be <= --lr 1e-06", id="min-lr>lr"),
     pytest.param(["--lr", "-1e-5"], 1, "--lr and --min-lr must be >= 0", id="negative-lr-exponent"),
     pytest.param(["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), got 2.0", id="beta1"),
