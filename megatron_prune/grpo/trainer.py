@@ -234,8 +234,10 @@ class GRPOObjective:
         """A step as the progress line numbers it (metrics.jsonl's ``"step"`` counts from 0)."""
         return f"step {step + 1}/{self.train_cfg.train_iters}"
 
-    def _rollout(self, rollout: int, step: int) -> RolloutBuffer:
-        """The rollout of index ``rollout``, drawn at ``step`` (messages name the step)."""
+    def _rollout(self, rollout: int, step: int | None = None) -> RolloutBuffer:
+        """The rollout of index ``rollout``, drawn at ``step`` (messages name the step; by default the
+        rollout's first)."""
+        step = rollout * self.grpo.updates_per_rollout if step is None else step
         timer = time.perf_counter()
         G = self.grpo.group_size
         ids = self.sampler.next_indices(self.train_cfg.global_batch_size)

@@ -166,12 +166,6 @@ def test_heldout_set_too_small_for_one_microbatch_is_refused_before_training(tmp
     assert code == 2
     assert ("--eval-data-path has 1 usable pair(s), fewer than the --micro-batch-size 2 x data-parallel size 1 = 2 "
             "that one evaluation needs; add held-out pairs or lower --micro-batch-size") in err, err
-    # At --micro-batch-size 1 the only way out is more pairs (the data-parallel ranks each run one).
-    from megatron_prune.dpo.trainer import heldout_pairs
-    from megatron_prune.training.session import UsageError
-
-    with pytest.raises(UsageError, match=r"= 4 that one evaluation needs; add held-out pairs$"):
-        heldout_pairs(3, micro_batch_size=1, dp=2, interleaved_pp=2)
     assert "Traceback" not in err and not metrics.exists()
 
 
@@ -417,3 +411,6 @@ def test_heldout_pairs_under_the_interleaved_schedule_are_whole_pipeline_groups(
     assert heldout_pairs(12, micro_batch_size=2, dp=2, interleaved_pp=2) == 8
     with pytest.raises(UsageError, match=r"x --pipeline-model-parallel-size 4 \(the interleaved schedule\) = 4"):
         heldout_pairs(3, micro_batch_size=1, dp=1, interleaved_pp=4)
+    # At --micro-batch-size 1 the only way out is more pairs (every data-parallel rank runs one).
+    with pytest.raises(UsageError, match=r"= 4 that one evaluation needs; add held-out pairs$"):
+        heldout_pairs(3, micro_batch_size=1, dp=2, interleaved_pp=2)
