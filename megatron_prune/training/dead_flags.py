@@ -69,14 +69,18 @@ class Setting:
         return read_meta(self.ckpt.load)
 
     @property
+    def resumes(self) -> bool:
+        """Whether ``--load`` resumes optimizer and trainer state (not a fresh or weights-only start)."""
+        from megatron_prune.training.loop import resumes_training_state
+
+        return resumes_training_state(self.ckpt, self.load_meta, lora=self.lora_on)
+
+    @property
     def resumes_distributed_optimizer(self) -> bool:
-        """Whether the run resumes optimizer state saved in the distributed format (which only that optimizer
-        reads); a weights-only start (``--finetune``, a LoRA run from a full checkpoint) resumes none."""
+        """Whether the run resumes optimizer state saved in the distributed format (which only that optimizer reads)."""
         from megatron_prune.training.checkpoint import DISTRIBUTED_OPTIMIZER
 
-        meta = self.load_meta
-        resumes = meta.get("has_optimizer") and not self.ckpt.finetune and not (self.lora_on and not meta.get("lora"))
-        return bool(resumes) and meta.get("optimizer_format") == DISTRIBUTED_OPTIMIZER
+        return self.resumes and self.load_meta.get("optimizer_format") == DISTRIBUTED_OPTIMIZER
 
     @property
     def toy(self) -> bool:
@@ -141,8 +145,7 @@ RULES: list[Rule] = [
          "has no effect with --lora-rank {s.lora.rank}: --load {s.ckpt.load} holds no adapters, so it is the frozen "
          "base that LoRA starts from at iteration 0 anyway"),
     Rule(("TrainConfig.override_opt_param_scheduler",),
-         lambda s: not s.ckpt.load or s.ckpt.finetune or not s.load_meta.get("has_optimizer")
-         or (s.lora_on and not s.load_meta.get("lora")),
+         lambda s: not s.resumes,
          "has no effect: the run resumes no learning-rate schedule (it starts at iteration 0 with this launch's "
          "flags anyway)"),
     Rule(("CheckpointConfig.exit_signal",), lambda s: not s.ckpt.exit_signal_handler,

@@ -200,9 +200,16 @@ def _resumed_state(ckpt: CheckpointConfig, *, lora: bool) -> tuple[dict[str, Any
     if not ckpt.load or ckpt.finetune:
         return None
     meta = ckpt_io.read_meta(ckpt.load)
-    if not meta.get("has_optimizer") or (lora and not meta.get("lora")):
+    if not resumes_training_state(ckpt, meta, lora=lora):
         return None
     return meta, ckpt_io.read_trainer_state(meta["path"])
+
+
+def resumes_training_state(ckpt: CheckpointConfig, meta: dict[str, Any], *, lora: bool) -> bool:
+    """Whether ``--load`` (whose checkpoint's meta.json is ``meta``) resumes optimizer and trainer state:
+    not a fresh start, ``--finetune``, a converted model, or a LoRA run from a checkpoint without adapters."""
+    return bool(ckpt.load) and not ckpt.finetune and bool(meta.get("has_optimizer")) \
+        and not (lora and not meta.get("lora"))
 
 
 def _objective_state(state: dict[str, Any]) -> dict[str, Any]:
