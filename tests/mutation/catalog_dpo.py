@@ -362,4 +362,13 @@ MUTANTS: list[dict] = [
         "new": "    return max(1, min(length, int(rho * length)))",
         "tests": ["tests/unit/test_dpo_microbatches.py::test_prefix_length_is_the_ceiling_of_rho_times_length"],
     },
+    {
+        "name": "dpo-reference-table-every-rank-same-pairs",
+        "why": "every data-parallel rank precomputes the reference log-probs of the same pairs: the others' are missing",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "        mine = chunk[dp_rank::dp]\n        shares.append(",
+        "new": "        mine = chunk[:per_rank]\n        shares.append(",
+        "tests": ["tests/distributed/test_dpo_reference_table_layouts.py::"
+                  "test_the_reference_table_is_the_single_rank_one[moe-ep2-uneven-data]"],
+    },
 ]
