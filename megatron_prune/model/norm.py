@@ -59,4 +59,10 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous():
+            # Drop strides of size-1 dimensions (a one-row [s, 1, h] activation transposed from
+            # [1, s, h] keeps a batch stride of s*h): torch.matmul picks its kernel for such a view
+            # by whether the operands require gradients, so the trainable policy and a frozen copy
+            # of it would round the next projection differently.
+            x = x.view(x.shape)
         return _RMSNormFunction.apply(x, self.weight, self.eps)

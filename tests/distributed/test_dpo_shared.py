@@ -167,6 +167,28 @@ def test_shared_parallel_layouts_match_single_rank_tp2xpp2(single):
         assert_same(single["full"][name], got, f"rank {rank}: {layout}/{name}/{join}/mbs{mbs}/packed={pack}")
 
 
+def policy_as_reference_margins() -> dict:
+    from tests.distributed.dpo_harness import SEED
+
+    return {layout: dpo_grads(layout=layout, parallel=dict(tensor_model_parallel_size=2), pack_rows=True,
+                              reference_seed=SEED)["metrics"]
+            for layout in ("concat", "shared")}
+
+
+@pytest.mark.distributed
+def test_packed_rows_under_tensor_parallelism_score_the_policy_as_its_reference():
+    """Policy = reference (same weights): every margin is exactly 0 with packed rows at TP=2, as
+    at one rank. A packed microbatch is one row, and the first layer's ``[s, 1, h]`` activation,
+    transposed from ``[1, s, h]``, kept a batch stride on its size-1 dimension, for which
+    ``torch.matmul`` picks its kernel by whether the operands require gradients: the trainable
+    policy and the frozen reference rounded the first projection differently (margins ~1e-8,
+    step-0 reward accuracy 0.5625 instead of 0.5)."""
+    for rank, layout, metrics in every_rank(run_distributed(policy_as_reference_margins, 2)):
+        for key in ("margin", "chosen_reward", "rejected_reward"):
+            assert float(metrics[key]) == 0.0, (rank, layout, key, metrics)
+        assert float(metrics["reward_accuracy"]) == 0.5, (rank, layout, metrics)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_shared_layout_trains_like_concat(tmp_path):
