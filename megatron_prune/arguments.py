@@ -193,20 +193,27 @@ def _record_for_torchrun(message: str) -> None:
 
 def fail_usage(exc: Exception | str, *, prefix: str = "megatron-prune: error: ") -> None:
     """One clear message from rank 0 (and from the first rank of every other node, whose log is
-    often a file of its own), exit code 2, before any collective.
+    often a file of its own), exit code 2, before any collective (:func:`exit_reported`)."""
+    exit_reported(f"{prefix}{exc}", code=2)
 
-    Every rank finds the same error, but torchrun stops all ranks as soon as one exits: the
-    other ranks wait (up to 20 s) so that rank 0 is not killed before it has printed. Under
-    torchrun the message is also repeated after the launcher's own failure report.
+
+def exit_reported(message: str, *, code: int, printed: bool = False) -> None:
+    """Exit with ``code`` after ``message``, which every rank has found: rank 0 (and the first rank
+    of every other node) prints it unless ``printed``; under torchrun it is also handed to the
+    launcher's failure report and repeated after that report.
+
+    torchrun stops all ranks as soon as one exits, and its report names the first rank that
+    exited: the other ranks wait (up to 20 s) so that rank 0 is neither killed before it has
+    printed nor beaten to the report's root cause.
     """
-    message = f"{prefix}{exc}"
     if first_rank() or (_under_torchrun() and os.environ.get("LOCAL_RANK") == "0"):
-        print(message, file=sys.stderr, flush=True)
+        if not printed:
+            print(message, file=sys.stderr, flush=True)
         if _under_torchrun():
             _record_for_torchrun(message)
     else:
         time.sleep(20.0)
-    sys.exit(2)
+    sys.exit(code)
 
 
 class _Parser(argparse.ArgumentParser):

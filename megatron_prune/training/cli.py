@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from megatron_prune.arguments import GIVEN, ignore_expected_warnings, parse_configs
+from megatron_prune.arguments import GIVEN, exit_reported, ignore_expected_warnings, parse_configs
 from megatron_prune.ranks import first_rank
 from megatron_prune.training import exit_conditions  # noqa: F401  (starts the --exit-duration-in-mins clock)
 
@@ -82,9 +82,10 @@ def run_cli(
         session.fail_usage(with_way_out(exc))
     except (session.UsageError, FileNotFoundError, TokenizerError, CheckpointError) as exc:
         session.fail_usage(exc)
-    except NonFiniteError as exc:
-        print(f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
-        return 1
+    except NonFiniteError as exc:  # every rank took the decision; each says so, rank 0 tells torchrun
+        message = f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}"
+        print(message, file=sys.stderr, flush=True)
+        exit_reported(message, code=1, printed=True)
     except KeyboardInterrupt:
         if first_rank():
             from megatron_prune.training.checkpoint import holds_checkpoint

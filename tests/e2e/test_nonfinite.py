@@ -70,6 +70,9 @@ def test_nan_on_one_rank_stops_all_ranks_naming_the_step(tmp_path):
     # Both ranks stop at the same step (rank 1 made the NaN, rank 0 learnt it from the all-reduce),
     # each with one line naming itself and the step.
     assert len(set(re.findall(rf"megatron-prune: rank (\d+): {message}", run.output))) == 2, run.output[-4000:]
+    # torchrun's failure report names rank 0 and its line as the root cause, not a pointer to the elastic docs.
+    report = run.output[run.output.index("Root Cause"):]
+    assert re.search(rf"rank\s*: 0 .*\n(.*\n)*?\s*traceback : megatron-prune: rank 0: {message}", report), report
     assert [r["step"] for r in records] == list(range(NAN_STEP))
     assert "--on-nonfinite skip" in run.output
 
