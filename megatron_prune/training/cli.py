@@ -64,44 +64,47 @@ def run_cli(
             say_resume_notes(configs, lora=lora_active(configs.get("LoRAConfig")),
                              lora_base=checked.lora_base if checked is not None else None)
         return 0
-    try:
-        check_rendezvous_env()
-    except ValueError as exc:
-        session.fail_usage(exc)
-    from megatron_prune.training.checkpoint import CheckpointError
-    from megatron_prune.training.loop import NonFiniteError
+    # From here --exit-signal-handler's signal is recorded, not fatal: a preemption while the model,
+    # data or checkpoint load stops the run cleanly before its first step (training.loop.train).
+    with exit_conditions.recording(exit_conditions.watched_signal(configs["CheckpointConfig"])):
+        try:
+            check_rendezvous_env()
+        except ValueError as exc:
+            session.fail_usage(exc)
+        from megatron_prune.training.checkpoint import CheckpointError
+        from megatron_prune.training.loop import NonFiniteError
 
-    if first_rank():
-        import torch
-
-        print(f"[megatron-prune] {prog}: world {world}, data-parallel {dp}, {versions}, torch {torch.__version__}",
-              flush=True)
-    try:
-        run(configs, checked)
-    except DataError as exc:
-        session.fail_usage(with_way_out(exc))
-    except (session.UsageError, FileNotFoundError, TokenizerError, CheckpointError) as exc:
-        session.fail_usage(exc)
-    except NonFiniteError as exc:  # every rank took the decision; each says so, rank 0 tells torchrun
-        message = f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}"
-        print(message, file=sys.stderr, flush=True)
-        exit_reported(message, code=1, printed=True)
-    except KeyboardInterrupt:
         if first_rank():
-            from megatron_prune.training.checkpoint import holds_checkpoint
+            import torch
 
-            save = configs["CheckpointConfig"].save
-            if not save:
-                where = ""
-            elif holds_checkpoint(save):
-                where = f"; --load {save} resumes from its newest complete checkpoint"
-            else:
-                where = f" before the first checkpoint in --save {save} (nothing to resume)"
-            print(f"megatron-prune: interrupted{where}", file=sys.stderr, flush=True)
-        return 130  # the shell's code for a run ended by Ctrl-C
-    except Exception as exc:
-        _record_failure(exc)
-        raise
+            print(f"[megatron-prune] {prog}: world {world}, data-parallel {dp}, {versions}, torch {torch.__version__}",
+                  flush=True)
+        try:
+            run(configs, checked)
+        except DataError as exc:
+            session.fail_usage(with_way_out(exc))
+        except (session.UsageError, FileNotFoundError, TokenizerError, CheckpointError) as exc:
+            session.fail_usage(exc)
+        except NonFiniteError as exc:  # every rank took the decision; each says so, rank 0 tells torchrun
+            message = f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}"
+            print(message, file=sys.stderr, flush=True)
+            exit_reported(message, code=1, printed=True)
+        except KeyboardInterrupt:
+            if first_rank():
+                from megatron_prune.training.checkpoint import holds_checkpoint
+
+                save = configs["CheckpointConfig"].save
+                if not save:
+                    where = ""
+                elif holds_checkpoint(save):
+                    where = f"; --load {save} resumes from its newest complete checkpoint"
+                else:
+                    where = f" before the first checkpoint in --save {save} (nothing to resume)"
+                print(f"megatron-prune: interrupted{where}", file=sys.stderr, flush=True)
+            return 130  # the shell's code for a run ended by Ctrl-C
+        except Exception as exc:
+            _record_failure(exc)
+            raise
     from megatron_prune.training.parallel import shutdown_distributed
 
     shutdown_distributed()

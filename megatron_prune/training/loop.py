@@ -485,11 +485,18 @@ def train(
             print(f"[megatron-prune] nothing to train: the checkpoint is at iteration {start} = --train-iters "
                   f"{total}; raise --train-iters to train further", flush=True)
         return []
+    exits = ExitConditions(ckpt)
+    if exits.received_before_start():
+        if is_logging_rank():
+            then = (f"--load {ckpt.load} resumes from iteration {start}" if start
+                    else "launched again, it starts from the beginning")
+            print(f"[megatron-prune] stopping before step {start + 1}/{total}: {exits.signal.name} received "
+                  f"(--exit-signal-handler) while starting up; nothing trained or saved; {then}", flush=True)
+        return []
     writer = MetricsWriter(log_cfg)
     records = []
     step = start
     skipped_in_a_row = 0
-    exits = ExitConditions(ckpt)
     with exits.watching():
         try:
             for step in range(start, train_cfg.train_iters):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import textwrap
 import time
 
 import psutil
@@ -104,3 +105,47 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
     done = len(records)
     assert returncode == 0 and 1 <= done < 40 and published == done, output[-4000:]
     assert f"stopping after step {done}/40: SIGTERM received (--exit-signal-handler)" in output
+
+
+SIGNAL_WHILE_STARTING = textwrap.dedent(
+    """
+    import os, signal, sys
+    import megatron_prune.training.loop as loop
+
+    real_resume = loop.resume
+
+    def resume(*args, **kwargs):  # the model and data are built; the checkpoint is about to load
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_resume(*args, **kwargs)
+
+    loop.resume = resume
+    if __name__ == "__main__":  # the checkpoint writer's worker processes import this file again
+        from megatron_prune.dpo.__main__ import main
+        sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_sigterm_to_one_rank_while_starting_up_stops_every_rank_before_the_first_step(tmp_path):
+    """A preemption that lands before the first step (here: on rank 1, as the checkpoint loads)
+    stops both ranks there with exit code 0 and one line saying what a relaunch does, instead of
+    killing the rank; nothing is trained or saved."""
+    script = tmp_path / "signal_while_starting.py"
+    script.write_text(SIGNAL_WHILE_STARTING)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    args = [*TINY_DPO, "--tensor-model-parallel-size", "2", "--train-iters", str(STEPS), "--save", str(ckpt),
+            "--exit-signal-handler", "--metrics-jsonl", str(metrics)]
+    fresh = run_cmd(torchrun_cmd([str(script), *args, "--load", str(ckpt)]), log=tmp_path / "fresh.txt")
+    fresh.check_ok()
+    assert fresh.output.count(
+        f"[megatron-prune] stopping before step 1/{STEPS}: SIGTERM received (--exit-signal-handler) while starting "
+        "up; nothing trained or saved; launched again, it starts from the beginning") == 1, fresh.output[-4000:]
+    assert not (metrics.exists() and read_jsonl(metrics)) and not list(ckpt.glob("iter_*"))
+
+    run_cmd([sys.executable, *DPO, "--train-iters", "1", "--save", str(ckpt)], log=tmp_path / "one.txt").check_ok()
+    resumed = run_cmd(torchrun_cmd([str(script), *args, "--load", str(ckpt)]), log=tmp_path / "resumed.txt")
+    resumed.check_ok()
+    assert (f"stopping before step 2/{STEPS}: SIGTERM received (--exit-signal-handler) while starting up; nothing "
+            f"trained or saved; --load {ckpt} resumes from iteration 1") in resumed.output, resumed.output[-4000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"

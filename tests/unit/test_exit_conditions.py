@@ -61,18 +61,48 @@ def test_bad_exit_flags_are_refused_naming_the_flag(kwargs, message):
         CheckpointConfig(**kwargs)
 
 
-def _one_rank_signalled(save: str) -> list[str | None]:
+def _one_rank_signalled(save: str) -> list:
     import torch.distributed as dist
 
     exits = ExitConditions(CheckpointConfig(save=save, exit_signal_handler=True, exit_duration_in_mins=60.0))
-    reasons = [exits.reason(1)]
-    if dist.get_rank() == 1:
-        exits.received = True  # what the handler records
-    reasons.append(exits.reason(2))
+    with exits.watching():
+        reasons = [exits.received_before_start(), exits.reason(1)]
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        reasons.append(exits.reason(2))
     return reasons
 
 
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Rank 1 alone got the signal; both ranks see it at the end of the same step (one all-reduce)."""
     reasons = run_distributed(_one_rank_signalled, 2, save=str(tmp_path))
-    assert reasons == [[None, "SIGTERM received (--exit-signal-handler)"]] * 2
+    assert reasons == [[False, None, "SIGTERM received (--exit-signal-handler)"]] * 2
+
+
+def _signalled_while_starting(save: str) -> list[bool]:
+    """The CLI's block around the whole run records the signal on rank 1 before the loop's own
+    block opens; both ranks learn it before the first step."""
+    import torch.distributed as dist
+
+    ckpt = CheckpointConfig(save=save, exit_signal_handler=True)
+    with exit_conditions.recording(exit_conditions.watched_signal(ckpt)):
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # while the model, data or checkpoint load
+        exits = ExitConditions(ckpt)
+        with exits.watching():
+            return [exits.received_before_start(), exits.received]
+
+
+def test_a_signal_while_starting_up_is_agreed_before_the_first_step(tmp_path):
+    assert run_distributed(_signalled_while_starting, 2, save=str(tmp_path)) == [[True, False], [True, True]]
+
+
+def test_a_new_run_starts_without_the_last_runs_signal(tmp_path):
+    """Only the outermost block starts from nothing: a signal recorded by an earlier run in the same
+    process (in-process launches) does not stop the next one."""
+    ckpt = CheckpointConfig(save=str(tmp_path), exit_signal_handler=True, exit_signal="SIGUSR1")
+    with exit_conditions.recording(exit_conditions.watched_signal(ckpt)):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert ExitConditions(ckpt).received
+    with exit_conditions.recording(exit_conditions.watched_signal(ckpt)):
+        assert not ExitConditions(ckpt).received_before_start()
