@@ -48,6 +48,11 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")  # Megatron's "layernorm" needs Transformer Engine
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Where the model comes from and how it is laid out."""
@@ -74,7 +79,24 @@ class ModelConfig:
     bf16: bool = field(default=False, metadata=_flag("--bf16"))
     """bfloat16 parameters and activations, fp32 main weights."""
     recompute: bool = field(default=False, metadata=_flag("--recompute-activations"))
-    """Full activation recomputation (trades compute for memory)."""
+    """Full activation recomputation of every layer (trades compute for memory): the same as
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1. (Megatron-LM's
+    flag of this name selects selective recompute: here that is --recompute-granularity selective.)"""
+    recompute_granularity: str | None = field(
+        default=None, metadata=_flag("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES))
+    """Megatron's activation recompute: full reruns whole layers in the backward (which and how many:
+    --recompute-method, --recompute-num-layers); selective reruns only the parts named by --recompute-modules."""
+    recompute_method: str | None = field(default=None, metadata=_flag("--recompute-method", choices=RECOMPUTE_METHODS))
+    """With --recompute-granularity full: uniform recomputes every layer, in chunks of --recompute-num-layers
+    layers; block recomputes only the first --recompute-num-layers layers of each pipeline stage (default: uniform)."""
+    recompute_num_layers: int | None = field(default=None, metadata=_flag("--recompute-num-layers"))
+    """With --recompute-granularity full: layers per recomputed chunk (uniform) or recomputed layers per
+    pipeline stage (block) (default: 1)."""
+    recompute_modules: list[str] | None = field(
+        default=None, metadata=_flag("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES))
+    """With --recompute-granularity selective: the parts of each layer to recompute (Megatron's names: core_attn,
+    the attention's scores, softmax and context; mlp, a dense layer's MLP; moe, a MoE layer's router and
+    experts) (default: core_attn)."""
     use_distributed_optimizer: bool = field(default=False, metadata=_flag("--use-distributed-optimizer"))
     """Shard optimizer state over data-parallel ranks."""
     expert_model_parallel_size: int = field(default=1, metadata=_flag("--expert-model-parallel-size"))
@@ -92,6 +114,31 @@ class ModelConfig:
     moe_z_loss."""
     device: str = field(default="auto", metadata=_flag("--device", choices=("auto", "cuda", "npu", "cpu")))
     """Accelerator (auto: npu if present, else cuda if present, else cpu)."""
+
+    def __post_init__(self) -> None:
+        if self.recompute and self.recompute_granularity is not None:
+            raise ValueError("give one of --recompute-activations (full recompute of every layer) and "
+                             "--recompute-granularity, not both")
+        if self.recompute_granularity != "full":
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} needs --recompute-granularity full")
+        if self.recompute_granularity != "selective" and self.recompute_modules is not None:
+            raise ValueError("--recompute-modules needs --recompute-granularity selective")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+
+    @property
+    def recompute_kwargs(self) -> dict:
+        """Megatron's TransformerConfig fields for the recompute these flags ask for (empty: none)."""
+        if self.recompute:
+            return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if self.recompute_granularity == "full":
+            return dict(recompute_granularity="full", recompute_method=self.recompute_method or "uniform",
+                        recompute_num_layers=self.recompute_num_layers or 1)
+        if self.recompute_granularity == "selective":
+            return dict(recompute_granularity="selective", recompute_modules=list(self.recompute_modules or ["core_attn"]))
+        return {}
 
 
 @dataclass(kw_only=True)

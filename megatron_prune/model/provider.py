@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ class ParallelConfig:
     """Parameters and activations in bfloat16 (fp32 main weights in the optimizer)."""
     recompute: bool = False
     """Full activation recomputation of every layer in backward."""
+    recompute_options: dict = field(default_factory=dict)
+    """Megatron's recompute fields of TransformerConfig (granularity, method, layers, modules), as the
+    ``--recompute-*`` flags give them; ``recompute`` is the same as full, uniform, 1 layer."""
     transformer_engine: bool | None = None
     """Use the Transformer-Engine layer spec; None = when TE imports and the accelerator is a GPU."""
     expert_model_parallel_size: int = 1
@@ -117,6 +120,7 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig) -> Transformer
     kwargs.update(moe_config_kwargs(arch, parallel, grouped_gemm=use_transformer_engine(parallel)))
     if parallel.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(parallel.recompute_options)
     if parallel.virtual_pipeline_model_parallel_size and get_accelerator().kind == "cpu":
         # Measured on gloo: the interleaved schedule with batched isend/irecv gives wrong gradients.
         kwargs["batch_p2p_comm"] = False

@@ -70,7 +70,7 @@ def parallel_config(model: ModelConfig) -> ParallelConfig:
         virtual_pipeline_model_parallel_size=model.virtual_pipeline_model_parallel_size,
         sequence_parallel=model.sequence_parallel,
         bf16=model.bf16,
-        recompute=model.recompute,
+        recompute_options=model.recompute_kwargs,
         expert_model_parallel_size=model.expert_model_parallel_size,
         moe_token_dispatcher=model.moe_token_dispatcher,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -331,6 +331,13 @@ def check_layout_fits(arch: ModelArch, model: ModelConfig | ParallelConfig) -> N
         split = f"--pipeline-model-parallel-size {pp}" + (f" x --virtual-pipeline-model-parallel-size {vpp}"
                                                           if vpp > 1 else "")
         raise UsageError(f"{split} does not divide the model's {arch.num_layers} layers into equal stages")
+    recompute = model.recompute_kwargs if isinstance(model, ModelConfig) else {}
+    per_chunk = arch.num_layers // (pp * vpp)
+    if recompute.get("recompute_method") == "uniform" and per_chunk % recompute["recompute_num_layers"]:
+        where = ("the model's" if pp * vpp == 1 else "the") + f" {per_chunk} layers"
+        where += "" if pp * vpp == 1 else " of each model chunk" if vpp > 1 else " of each pipeline stage"
+        raise UsageError(f"--recompute-num-layers {recompute['recompute_num_layers']} does not divide {where} "
+                         "into chunks (--recompute-method uniform); use a divisor, or --recompute-method block")
     if arch.is_moe:
         from megatron_prune.model.moe import moe_config_kwargs
 

@@ -13,6 +13,8 @@ DPO_FLAGS = [
     "--prune-preset", "--no-prune-branch", "--sgd-momentum", "--skip-invalid-records", "--max-prompt-length",
     # Megatron's own names, which launch scripts carry over
     "--exit-signal-handler", "--exit-signal", "--exit-duration-in-mins", "--exit-interval",
+    "--recompute-activations", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+    "--recompute-modules",
 ]
 GRPO_FLAGS = ["--task", "--group-size", "--max-new-tokens", "--std-normalization", "--no-std-normalization",
               "--advantage-std", "--skip-invalid-records", "--max-prompt-length", "--sgd-momentum",
