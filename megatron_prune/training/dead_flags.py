@@ -108,6 +108,9 @@ RULES: list[Rule] = [
           "ModelConfig.moe_aux_loss_coeff", "ModelConfig.moe_z_loss_coeff"),
          lambda s: not s.arch.is_moe,
          "has no effect: the model ({s.arch.model_type}) is dense, it has no mixture-of-experts layers"),
+    Rule(("ModelConfig.recompute_modules",), lambda s: "moe" in (s.model.recompute_modules or ()) and not s.arch.is_moe,
+         "names moe, which has no effect: the model ({s.arch.model_type}) is dense, it has no mixture-of-experts "
+         "layers"),
     Rule(("ModelConfig.tokenizer",), lambda s: s.toy,
          "has no effect with --task {s.grpo.task} (the toy tasks work on token ids, with no tokenizer)"),
     Rule(("ModelConfig.use_distributed_optimizer",),

@@ -71,6 +71,9 @@ WARNINGS = [
     pytest.param("dpo", ["--expert-model-parallel-size", "1"],
                  "--expert-model-parallel-size 1 has no effect: the model (qwen3) is dense, it has no "
                  "mixture-of-experts layers", id="ep1-on-dense"),
+    pytest.param("dpo", ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"],
+                 "--recompute-modules core_attn moe names moe, which has no effect: the model (qwen3) is dense, it has "
+                 "no mixture-of-experts layers", id="recompute-moe-on-dense"),
     pytest.param("dpo", ["--use-distributed-optimizer"],
                  "--use-distributed-optimizer shards nothing at data-parallel size 1: each rank holds its parameters' "
                  "whole optimizer state either way; it only saves that state in the distributed format, which a resume "
@@ -255,7 +258,8 @@ NO_WARNING = [
     pytest.param("dpo", [*TINY_DPO, "--prune-branch-chosen-prob", "0.7", "--optimizer", "sgd", "--sgd-momentum", "0",
                          "--lr-decay-style", "cosine", "--min-lr", "1e-5", "--lr-warmup-iters", "2"], id="dpo-in-use"),
     pytest.param("dpo", ["--model-preset", "tiny-moe", "--data-path", SAMPLE, "--moe-aux-loss-coeff", "0.01",
-                         "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher", "allgather"], id="moe-flags-on-moe"),
+                         "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher", "allgather", "--recompute-granularity",
+                         "selective", "--recompute-modules", "moe"], id="moe-flags-on-moe"),
     pytest.param("dpo", [*TINY_DPO, "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1",
                          "--lora-targets", "linear_qkv"], id="lora-flags-with-lora"),
     pytest.param("grpo", TINY_GRPO, id="grpo-defaults"),
