@@ -88,10 +88,11 @@ class ModelConfig:
     --recompute-method, --recompute-num-layers); selective reruns only the parts named by --recompute-modules."""
     recompute_method: str | None = field(default=None, metadata=_flag("--recompute-method", choices=RECOMPUTE_METHODS))
     """With --recompute-granularity full: uniform recomputes every layer, in chunks of --recompute-num-layers
-    layers; block recomputes only the first --recompute-num-layers layers of each pipeline stage (default: uniform)."""
+    layers; block recomputes only the first --recompute-num-layers layers of each pipeline stage (of each model
+    chunk under --virtual-pipeline-model-parallel-size) (default: uniform)."""
     recompute_num_layers: int | None = field(default=None, metadata=_flag("--recompute-num-layers"))
     """With --recompute-granularity full: layers per recomputed chunk (uniform) or recomputed layers per
-    pipeline stage (block) (default: 1)."""
+    pipeline stage or model chunk (block) (default: 1)."""
     recompute_modules: list[str] | None = field(
         default=None, metadata=_flag("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES))
     """With --recompute-granularity selective: the parts of each layer to recompute (Megatron's names: core_attn,

@@ -38,6 +38,15 @@ def run_cli(
     # MindSpeed's own flags (e.g. --use-flash-attn) are accepted on the NPU only.
     args, configs = parse_configs(prog, groups, description, argv,
                                   unknown_handler=parse_mindspeed_flags if kind == "npu" else None)
+    # From here --exit-signal-handler's signal is recorded, not fatal, up to the end of the process group: a
+    # preemption while the run checks its flags, builds the model, loads data or a checkpoint stops it cleanly
+    # before its first step (training.loop.train); one after the last step lets the ranks finish.
+    with exit_conditions.recording(exit_conditions.watched_signal(configs["CheckpointConfig"])):
+        return _checked_run(prog, args, configs, kind=kind, run=run, extra_checks=extra_checks)
+
+
+def _checked_run(prog: str, args, configs: dict[str, Any], *, kind: str, run: Callable[[dict[str, Any], Any], Any],
+                 extra_checks: Callable[[dict[str, Any]], Any] | None) -> int:
     from megatron_prune.data.records import DataError
     from megatron_prune.data.tokenizer import TokenizerError
     from megatron_prune.training import dead_flags, session
@@ -64,47 +73,44 @@ def run_cli(
             say_resume_notes(configs, lora=lora_active(configs.get("LoRAConfig")),
                              lora_base=checked.lora_base if checked is not None else None)
         return 0
-    # From here --exit-signal-handler's signal is recorded, not fatal: a preemption while the model,
-    # data or checkpoint load stops the run cleanly before its first step (training.loop.train).
-    with exit_conditions.recording(exit_conditions.watched_signal(configs["CheckpointConfig"])):
-        try:
-            check_rendezvous_env()
-        except ValueError as exc:
-            session.fail_usage(exc)
-        from megatron_prune.training.checkpoint import CheckpointError
-        from megatron_prune.training.loop import NonFiniteError
+    try:
+        check_rendezvous_env()
+    except ValueError as exc:
+        session.fail_usage(exc)
+    from megatron_prune.training.checkpoint import CheckpointError
+    from megatron_prune.training.loop import NonFiniteError
 
+    if first_rank():
+        import torch
+
+        print(f"[megatron-prune] {prog}: world {world}, data-parallel {dp}, {versions}, torch {torch.__version__}",
+              flush=True)
+    try:
+        run(configs, checked)
+    except DataError as exc:
+        session.fail_usage(with_way_out(exc))
+    except (session.UsageError, FileNotFoundError, TokenizerError, CheckpointError) as exc:
+        session.fail_usage(exc)
+    except NonFiniteError as exc:  # every rank took the decision; each says so, rank 0 tells torchrun
+        message = f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}"
+        print(message, file=sys.stderr, flush=True)
+        exit_reported(message, code=1, printed=True)
+    except KeyboardInterrupt:
         if first_rank():
-            import torch
+            from megatron_prune.training.checkpoint import holds_checkpoint
 
-            print(f"[megatron-prune] {prog}: world {world}, data-parallel {dp}, {versions}, torch {torch.__version__}",
-                  flush=True)
-        try:
-            run(configs, checked)
-        except DataError as exc:
-            session.fail_usage(with_way_out(exc))
-        except (session.UsageError, FileNotFoundError, TokenizerError, CheckpointError) as exc:
-            session.fail_usage(exc)
-        except NonFiniteError as exc:  # every rank took the decision; each says so, rank 0 tells torchrun
-            message = f"megatron-prune: rank {os.environ.get('RANK', '0')}: {exc}"
-            print(message, file=sys.stderr, flush=True)
-            exit_reported(message, code=1, printed=True)
-        except KeyboardInterrupt:
-            if first_rank():
-                from megatron_prune.training.checkpoint import holds_checkpoint
-
-                save = configs["CheckpointConfig"].save
-                if not save:
-                    where = ""
-                elif holds_checkpoint(save):
-                    where = f"; --load {save} resumes from its newest complete checkpoint"
-                else:
-                    where = f" before the first checkpoint in --save {save} (nothing to resume)"
-                print(f"megatron-prune: interrupted{where}", file=sys.stderr, flush=True)
-            return 130  # the shell's code for a run ended by Ctrl-C
-        except Exception as exc:
-            _record_failure(exc)
-            raise
+            save = configs["CheckpointConfig"].save
+            if not save:
+                where = ""
+            elif holds_checkpoint(save):
+                where = f"; --load {save} resumes from its newest complete checkpoint"
+            else:
+                where = f" before the first checkpoint in --save {save} (nothing to resume)"
+            print(f"megatron-prune: interrupted{where}", file=sys.stderr, flush=True)
+        return 130  # the shell's code for a run ended by Ctrl-C
+    except Exception as exc:
+        _record_failure(exc)
+        raise
     from megatron_prune.training.parallel import shutdown_distributed
 
     shutdown_distributed()

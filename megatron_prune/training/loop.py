@@ -491,7 +491,7 @@ def train(
             then = (f"--load {ckpt.load} resumes from iteration {start}" if start
                     else "launched again, it starts from the beginning")
             print(f"[megatron-prune] stopping before step {start + 1}/{total}: {exits.signal.name} received "
-                  f"(--exit-signal-handler) while starting up; nothing trained or saved; {then}", flush=True)
+                  f"(--exit-signal-handler) while starting up; no step trained, no checkpoint saved; {then}", flush=True)
         return []
     writer = MetricsWriter(log_cfg)
     records = []
@@ -507,10 +507,12 @@ def train(
                     chunk.zero_grad_buffer()
                 parts.optimizer.zero_grad()
                 metrics = objective.train_step(step)
-                finite = math.isfinite(metrics.get("loss", 0.0)) and grads_are_finite(parts.model)
+                loss_finite = math.isfinite(metrics.get("loss", 0.0))
+                finite = loss_finite and grads_are_finite(parts.model)
                 if not finite and train_cfg.on_nonfinite == "stop":
+                    which = f"loss={metrics.get('loss')}" + ("" if not loss_finite else ", finite: the gradient is not")
                     raise NonFiniteError(  # numbered as the progress line: metrics.jsonl's "step" + 1
-                        f"step {step + 1}/{total}: non-finite loss or gradient (loss={metrics.get('loss')}); "
+                        f"step {step + 1}/{total}: non-finite loss or gradient ({which}); "
                         "rerun with --on-nonfinite skip to skip such steps"
                     )
                 grad_norm = None

@@ -107,19 +107,20 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
     assert f"stopping after step {done}/40: SIGTERM received (--exit-signal-handler)" in output
 
 
-SIGNAL_WHILE_STARTING = textwrap.dedent(
+SIGNAL_FROM_RANK_1 = textwrap.dedent(
     """
-    import os, signal, sys
-    import megatron_prune.training.loop as loop
+    import importlib, os, signal, sys
 
-    real_resume = loop.resume
+    module_name, name = os.environ["SIGNAL_IN"].rsplit(".", 1)  # e.g. megatron_prune.training.loop.resume
+    module = importlib.import_module(module_name)
+    real = getattr(module, name)
 
-    def resume(*args, **kwargs):  # the model and data are built; the checkpoint is about to load
+    def signalled(*args, **kwargs):  # rank 1 gets SIGTERM as it enters the function
         if os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_resume(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    loop.resume = resume
+    setattr(module, name, signalled)
     if __name__ == "__main__":  # the checkpoint writer's worker processes import this file again
         from megatron_prune.dpo.__main__ import main
         sys.exit(main(sys.argv[1:]))
@@ -127,25 +128,40 @@ SIGNAL_WHILE_STARTING = textwrap.dedent(
 )
 
 
+def _signalled_in(tmp_path, where: str, args: list[str], log: str):
+    script = tmp_path / "signal_from_rank_1.py"
+    script.write_text(SIGNAL_FROM_RANK_1)
+    return run_cmd(torchrun_cmd([str(script), *args]), log=tmp_path / log, env=launch_env(SIGNAL_IN=where))
+
+
 def test_sigterm_to_one_rank_while_starting_up_stops_every_rank_before_the_first_step(tmp_path):
-    """A preemption that lands before the first step (here: on rank 1, as the checkpoint loads)
-    stops both ranks there with exit code 0 and one line saying what a relaunch does, instead of
-    killing the rank; nothing is trained or saved."""
-    script = tmp_path / "signal_while_starting.py"
-    script.write_text(SIGNAL_WHILE_STARTING)
+    """A preemption that lands before the first step (on rank 1, as the flags are checked or as the
+    checkpoint loads) stops both ranks there with exit code 0 and one line saying what a relaunch
+    does, instead of killing the rank; no step is trained and no checkpoint saved."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     args = [*TINY_DPO, "--tensor-model-parallel-size", "2", "--train-iters", str(STEPS), "--save", str(ckpt),
-            "--exit-signal-handler", "--metrics-jsonl", str(metrics)]
-    fresh = run_cmd(torchrun_cmd([str(script), *args, "--load", str(ckpt)]), log=tmp_path / "fresh.txt")
+            "--load", str(ckpt), "--exit-signal-handler", "--metrics-jsonl", str(metrics)]
+    fresh = _signalled_in(tmp_path, "megatron_prune.training.session.validate", args, "fresh.txt")
     fresh.check_ok()
     assert fresh.output.count(
         f"[megatron-prune] stopping before step 1/{STEPS}: SIGTERM received (--exit-signal-handler) while starting "
-        "up; nothing trained or saved; launched again, it starts from the beginning") == 1, fresh.output[-4000:]
+        "up; no step trained, no checkpoint saved; launched again, it starts from the beginning") == 1, fresh.output[-4000:]
     assert not (metrics.exists() and read_jsonl(metrics)) and not list(ckpt.glob("iter_*"))
 
     run_cmd([sys.executable, *DPO, "--train-iters", "1", "--save", str(ckpt)], log=tmp_path / "one.txt").check_ok()
-    resumed = run_cmd(torchrun_cmd([str(script), *args, "--load", str(ckpt)]), log=tmp_path / "resumed.txt")
+    resumed = _signalled_in(tmp_path, "megatron_prune.training.loop.resume", args, "resumed.txt")
     resumed.check_ok()
-    assert (f"stopping before step 2/{STEPS}: SIGTERM received (--exit-signal-handler) while starting up; nothing "
-            f"trained or saved; --load {ckpt} resumes from iteration 1") in resumed.output, resumed.output[-4000:]
+    assert (f"stopping before step 2/{STEPS}: SIGTERM received (--exit-signal-handler) while starting up; no step "
+            f"trained, no checkpoint saved; --load {ckpt} resumes from iteration 1") in resumed.output, resumed.output[-4000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+def test_sigterm_to_one_rank_after_the_last_step_lets_the_run_end(tmp_path):
+    """A signal that lands after the last step (here: as rank 1 leaves the process group) is
+    recorded like any other: the run ends with exit code 0 and its final checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    args = [*TINY_DPO, "--tensor-model-parallel-size", "2", "--train-iters", "1", "--save", str(ckpt),
+            "--exit-signal-handler"]
+    done = _signalled_in(tmp_path, "megatron_prune.training.parallel.shutdown_distributed", args, "log.txt")
+    done.check_ok()
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
