@@ -51,6 +51,8 @@ def field_docs(cls: type) -> dict[str, str]:
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")  # Megatron's "layernorm" needs Transformer Engine
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+"""Megatron's TransformerConfig fields of --recompute-activations: every layer, one at a time."""
 
 
 @dataclass(kw_only=True)
@@ -133,10 +135,11 @@ class ModelConfig:
     def recompute_kwargs(self) -> dict:
         """Megatron's TransformerConfig fields for the recompute these flags ask for (empty: none)."""
         if self.recompute:
-            return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            return dict(FULL_RECOMPUTE)
         if self.recompute_granularity == "full":
-            return dict(recompute_granularity="full", recompute_method=self.recompute_method or "uniform",
-                        recompute_num_layers=self.recompute_num_layers or 1)
+            return {**FULL_RECOMPUTE, **{k: v for k, v in (("recompute_method", self.recompute_method),
+                                                            ("recompute_num_layers", self.recompute_num_layers))
+                                        if v is not None}}
         if self.recompute_granularity == "selective":
             return dict(recompute_granularity="selective", recompute_modules=list(self.recompute_modules or ["core_attn"]))
         return {}

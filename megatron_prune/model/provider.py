@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_prune.accelerator import get_accelerator
+from megatron_prune.config import FULL_RECOMPUTE
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.model.norm import RMSNorm
 from megatron_prune.model.swiglu import SwiGLU
@@ -119,7 +120,7 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig) -> Transformer
 
     kwargs.update(moe_config_kwargs(arch, parallel, grouped_gemm=use_transformer_engine(parallel)))
     if parallel.recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        kwargs.update(FULL_RECOMPUTE)
     kwargs.update(parallel.recompute_options)
     if parallel.virtual_pipeline_model_parallel_size and get_accelerator().kind == "cpu":
         # Measured on gloo: the interleaved schedule with batched isend/irecv gives wrong gradients.
