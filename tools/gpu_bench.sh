@@ -12,7 +12,8 @@
 # is left. bench_dpo rewrites its JSON after every mode, so a step cut short keeps the modes it
 # finished; steps not started are listed in summary.txt as skipped. STEPS (default: all) names
 # the steps to run, e.g. STEPS="qwen3-0.6b qwen3-4b-slice-lora64", to split the work over several
-# commands. Measured on one H200: pytest-gpu takes ~125 s; one bench mode at Qwen3-0.6B's shape
+# commands. Measured on one H200: pytest-gpu took ~125 s before its three recompute runs were
+# added (about 3 × 20 s more, hence its 240 s cap); one bench mode at Qwen3-0.6B's shape
 # takes over a minute (process start, model build, warm-up, timed and replayed steps).
 #
 #   bash tools/gpu_bench.sh                 # from the repository root
@@ -92,7 +93,7 @@ if [ "$DRY_RUN" != 1 ]; then
 fi
 
 # Correctness first: the DPO step on CUDA equals the CPU step (fp32), and the CLI trains in bf16.
-run pytest-gpu 150 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/gpu
+run pytest-gpu 240 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/gpu
 # Qwen3-0.6B shape: the shared-prompt and branch modes against concat, 1 warm-up + 4 timed steps each.
 run qwen3-0.6b 420 "$PYTHON" tools/bench_dpo.py --preset gpu-qwen3-0.6b --warmup 1 --steps 4 --memory-steps 1 --timeout 110 \
   --modes concat shared shared_all branch position_branch all shared_all_packed \
