@@ -35,6 +35,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis", "pyarrow", "matplotlib", "peft"],
         "gpu": ["transformer-engine[pytorch]"],
+        # .parquet data files (DPO --data-path, GRPO --data-path).
+        "parquet": ["pyarrow"],
         # MindSpeed and torch_npu come from Ascend's own channels, matching the CANN version;
         # they cannot be installed from PyPI (the PyPI `mindspeed` is an empty placeholder).
         "ascend": [],
