@@ -163,7 +163,8 @@ class DPPOArgs:
     sampling: str = field(default="systematic", metadata=_flag("--dppo-sampling", choices=("systematic", "independent")))
     """Completion keep draws under --dppo-completion-prune-rate: systematic (one uniform per group, completions in order of advantage: each group keeps
     a balanced spread of its advantages) or independent (one uniform per completion). Both keep each completion with
-    exactly its probability (unbiased); systematic has the lower variance (docs/dppo.md)."""
+    exactly its probability (unbiased); systematic keeps each group's count at its expected number, rounded, and its weighted
+    advantages near zero (docs/dppo.md)."""
     prompt_sampling: str = field(default="independent",
                                  metadata=_flag("--dppo-prompt-sampling", choices=("independent", "systematic")))
     """Prompt keep draws under --dppo-prompt-prune-rate: independent (one uniform per prompt) or systematic (one uniform per batch, prompts in order
