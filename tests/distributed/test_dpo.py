@@ -57,7 +57,12 @@ def layout_checks() -> dict:
 
 def layout_checks_4() -> dict:
     par = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    return {("tp2xpp2", mode): dpo_grads(parallel=par, prune=MODES[mode]) for mode in MODES}
+    out = {("tp2xpp2", mode): dpo_grads(parallel=par, prune=MODES[mode]) for mode in MODES}
+    # More TP ranks than the tiny preset's 2 key-value heads: Megatron gathers the QKV projection
+    # and each rank takes its group's slice, so every key-value head is used by two ranks.
+    for mode in ("off", "all"):
+        out[("tp4", mode)] = dpo_grads(parallel=dict(tensor_model_parallel_size=4), prune=MODES[mode])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,7 @@ def test_layouts_match_single_rank_2_ranks(single):
 
 
 @pytest.mark.distributed
-def test_layouts_match_single_rank_tp2xpp2(single):
+def test_layouts_match_single_rank_4_ranks(single):
     for rank, (layout, mode), got in every_rank(run_distributed(layout_checks_4, 4)):
         assert_same(single["modes"][mode], got, f"rank {rank}: {layout}/{mode}")
 
