@@ -510,7 +510,7 @@ def train(
                 loss_finite = math.isfinite(metrics.get("loss", 0.0))
                 finite = loss_finite and grads_are_finite(parts.model)
                 if not finite and train_cfg.on_nonfinite == "stop":
-                    which = f"loss={metrics.get('loss')}" + ("" if not loss_finite else ", finite: the gradient is not")
+                    which = f"loss={metrics.get('loss')}" + (", finite: the gradient is not" if loss_finite else "")
                     raise NonFiniteError(  # numbered as the progress line: metrics.jsonl's "step" + 1
                         f"step {step + 1}/{total}: non-finite loss or gradient ({which}); "
                         "rerun with --on-nonfinite skip to skip such steps"
