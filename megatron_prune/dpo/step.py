@@ -7,11 +7,11 @@ forward-backward pass over the kept ones, and position pruning picks the positio
 selective head scores. In the shared layout (``[prompt, chosen, rejected]`` rows) the reference
 pass always runs both responses on one prompt; under branch pruning the pruned responses run
 without gradients on the prompt keys and values their training microbatch ``[prompt, kept]``
-computed (one packed row per microbatch, inside its forward step); under pipeline parallelism,
-where that is not possible, each pair's pruned response either joins its training row
-``[prompt, kept, pruned]`` with its log-probs detached, or runs as its own no-grad row
-``[prompt, pruned]``, whichever the FLOP count says is cheaper for that pair (joining saves a
-second forward of the prompt and pays the pruned response's backward). Forward-only passes run
+computed (one packed row per microbatch, inside its forward step on every pipeline stage);
+where that is not possible (a layer without segment attention), each pair's pruned response
+either joins its training row ``[prompt, kept, pruned]`` with its log-probs detached, or runs as
+its own no-grad row ``[prompt, pruned]``, whichever the FLOP count says is cheaper for that pair
+(joining saves a second forward of the prompt and pays the pruned response's backward). Forward-only passes run
 under ``no_grad`` through Megatron's own forward-only schedule, so no pipeline stage runs a
 backward for them. The pruned responses stand in for what the training pass would score, so
 LoRA adapter dropout acts in them, whichever way they run.
@@ -72,7 +72,7 @@ class DPOStepSettings:
     """Row length is padded to a multiple of this (and of TP under sequence parallelism)."""
     pruned_branch_on_prefix_kv: bool = True
     """Shared layout under branch pruning: run each pruned response on the training pass's prompt
-    keys and values where the model allows it (one pipeline stage, segment attention); False
+    keys and values where the model allows it (segment attention in every layer); False
     always picks between a separate ``[prompt, pruned]`` row and joining the training row."""
 
 
@@ -107,17 +107,58 @@ def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool)
     replay = batch.extras.get("replay")
     if replay is None:
         output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
-    else:  # the pruned responses, on the keys and values this forward computes for the prompts
-        store = PrefixKV()
-        training = torch.is_grad_enabled()
-        with capture_prefix_kv(store):
-            output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
-        with attend_to_prefix_kv(store), adapter_dropout_as(training), \
-                torch.profiler.record_function("dpo:pruned_on_prefix_kv"):
-            batch.extras["replay_logps"] = model(
-                replay.tokens, replay.position_ids, None, token_selection=replay.selection, segments=replay.segments
-            ).float()
+    else:
+        output = _forward_with_replay(model, batch, replay, selection, extra)
     return output, partial(batch.extras["loss_func"], batch)
+
+
+def _forward_with_replay(model, batch: DPOMicrobatch, replay: DPOMicrobatch, selection, extra: dict):
+    """The training rows, then the pruned responses on the keys and values they computed for the prompts.
+
+    Under pipeline parallelism the two forwards run the same layers on each stage: the pruned
+    responses' hidden states ride to the next stage in ``replay_rows`` extra rows of the tensor the
+    schedule sends (:func:`_carry`), detached, so their gradient is zero and the stage before
+    runs no backward for them. The last stage keeps their log-probs for the loss.
+    """
+    gpt = model
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+    rows, carried = batch.tokens.shape[0], batch.extras.get("replay_rows", 0)
+    received = None if gpt.pre_process or not carried else gpt.decoder.input_tensor
+    if received is not None:
+        gpt.set_input_tensor(received[:, :rows])
+    store = PrefixKV()
+    training = torch.is_grad_enabled()
+    with capture_prefix_kv(store):
+        output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)
+    if received is not None:  # the received part of the pruned responses' hidden states
+        local = replay.tokens.shape[1] * received.shape[0] // batch.tokens.shape[1]  # sequence-parallel shard
+        gpt.set_input_tensor(_uncarry(received[:, rows:], local))
+    with attend_to_prefix_kv(store), adapter_dropout_as(training), \
+            torch.profiler.record_function("dpo:pruned_on_prefix_kv"):
+        replayed = model(replay.tokens, replay.position_ids, None, token_selection=replay.selection,
+                         segments=replay.segments)
+    if gpt.post_process:
+        batch.extras["replay_logps"] = replayed.float()
+        return output
+    assert carried, "pruned responses on stored keys across pipeline stages need replay_rows"
+    return torch.cat([output, _carry(replayed, carried, output.shape[0])], dim=1)
+
+
+def _carry(hidden: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """One row's hidden states ``[n, 1, h]`` (n ≤ rows·length) as ``[length, rows, h]``: consecutive
+    pieces of ``length`` positions side by side, zero-padded, the shape of extra microbatch rows."""
+    n, _, h = hidden.shape
+    assert n <= rows * length, f"{n} pruned-response positions do not fit {rows} rows of {length}"
+    padded = hidden.new_zeros(rows * length, h)
+    padded[:n] = hidden[:, 0]
+    return padded.view(rows, length, h).transpose(0, 1)
+
+
+def _uncarry(part: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`_carry`: ``[length, rows, h]`` back to the row's first ``n`` positions ``[n, 1, h]``."""
+    length, rows, h = part.shape
+    return part.transpose(0, 1).reshape(rows * length, 1, h)[:n]
 
 
 def collect_logps(batch: DPOMicrobatch, logps: torch.Tensor):
@@ -154,6 +195,7 @@ class DPOStep:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.pad_multiple = math.lcm(settings.pad_multiple, tp)
         self.flop_weights = _flop_weights(policy[0])
+        self._segment_layers: bool | None = None  # every layer of every stage runs segment attention
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -313,10 +355,14 @@ class DPOStep:
         self._count_policy(batches, backward=not forward_only)
         for batch, group in zip(batches, groups):
             batch.extras["loss_func"] = partial(self._loss, group=group, ref=ref, pruned_ratio=pruned_ratio)
+        carried = 0  # extra rows of the p2p tensor that carry the pruned responses between stages
         if replay:
             replays = self._prefix_replays(batches, groups)
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                carried = max(-(-r.tokens.shape[1] // b.tokens.shape[1]) for b, r in zip(batches, replays))
             for batch, replayed in zip(batches, replays):
                 batch.extras["replay"] = replayed
+                batch.extras["replay_rows"] = carried
             self._count_policy(replays, backward=False)
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             outputs = run_schedule(
@@ -325,7 +371,7 @@ class DPOStep:
                 model=self.policy,
                 num_microbatches=len(batches),
                 seq_length=seq_length,
-                micro_batch_size=batches[0].tokens.shape[0],
+                micro_batch_size=batches[0].tokens.shape[0] + carried,
                 forward_only=forward_only,
             )
         if not forward_only:  # a MoE policy's router losses: added in this training pass only
@@ -378,18 +424,25 @@ class DPOStep:
         In the shared layout this is the cheapest exact scheme: the pruned response runs forward
         once, without gradients and without its prompt (which the training row computes anyway);
         the other two (joining the training row, or a separate ``[prompt, pruned]`` row) pay the
-        pruned response's backward or a second forward of the prompt. It needs the two forwards
-        to run the same layers on one rank, so one pipeline stage, and segment attention in every
-        layer; otherwise the cheaper of the other two is chosen per pair.
+        pruned response's backward or a second forward of the prompt. It needs segment attention
+        in every layer of every stage (one vote over the pipeline, so that all stages agree);
+        otherwise the cheaper of the other two is chosen per pair.
         """
         if self.s.dpo.layout != "shared" or not self.s.pruned_branch_on_prefix_kv:
             return False
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            return False
-        model = self.policy[0]
-        while hasattr(model, "module"):
-            model = model.module
-        return bool(getattr(model, "_segment_attention_in_spec", lambda: False)())
+        if self._segment_layers is None:
+            cores = []
+            for chunk in self.policy:
+                while hasattr(chunk, "module"):
+                    chunk = chunk.module
+                cores += getattr(chunk, "_core_attentions", lambda: [None])()
+            from megatron_prune.model.segment_attention import SegmentAttentionMixin
+
+            votes = torch.tensor([sum(not isinstance(c, SegmentAttentionMixin) for c in cores), len(cores)])
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                dist.all_reduce(votes, group=parallel_state.get_pipeline_model_parallel_group())
+            self._segment_layers = bool(votes[0] == 0 and votes[1] > 0)
+        return self._segment_layers
 
     def _prefix_replays(self, batches: list[DPOMicrobatch], groups) -> list[DPOMicrobatch]:
         """Each training microbatch's pruned responses, laid out to run on its prompts' keys and values."""

@@ -35,7 +35,8 @@ runs one row; the stored rows are laid end to end in front of it (stored row ``r
 no padding between them. DPO's branch pruning uses it: the pruned response runs without
 gradients on the prompt keys and values of the training pass. The store holds every layer's keys and values until the later forward is done
 (a small part of what the training pass saves for its backward). Layers are told apart by
-``layer_number``, so both forwards must run the same layers (one pipeline stage).
+``layer_number``, so both forwards must run the same layers: under pipeline parallelism each stage
+runs both forwards of a microbatch in one forward step (``megatron_prune.dpo.step``).
 """
 
 from __future__ import annotations

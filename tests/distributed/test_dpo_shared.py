@@ -5,8 +5,8 @@ combination of position, sequence and branch pruning, at micro-batch 1 and 2; un
 pruning each way of running the pruned branch (on the training pass's stored prompt keys and
 values, inside the training row with detached log-probs, or as its own no-grad row) is forced in
 turn, and the last two mixed per pair. The parallel layouts (TP=2, TP=2+SP, PP=2, PP=2 with
-virtual stages, DP=2, TP=2 x PP=2) equal the single rank; under PP the stored-keys scheme falls
-back to the per-pair choice. Packed rows (``--dpo-pack-rows``: each microbatch's rows end to end
+virtual stages, DP=2, TP=2 x PP=2) equal the single rank; under PP the pruned responses on stored
+keys run on every stage and ride to the next one as extra rows of the p2p tensor. Packed rows (``--dpo-pack-rows``: each microbatch's rows end to end
 in one row) equal the padded rows in both segment layouts and every scheme. The shared
 layout against the independent plain-PyTorch reference, and branch pruning's unbiasedness in it,
 are in ``test_dpo_objective.py``.
@@ -56,6 +56,17 @@ LAYOUTS_2 = {
     "pp2": dict(pipeline_model_parallel_size=2),
     "pp2-vpp2": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
 }
+
+
+# Pruned responses on stored keys across pipeline stages: (micro-batch size, --dpo-pack-rows). At
+# micro-batch 2 some microbatch's pruned responses outgrow its training row's length, so they
+# travel in two extra rows; packed, in one.
+PIPELINE_LAYOUTS = {
+    2: {"pp2": dict(pipeline_model_parallel_size=2),
+        "pp2-vpp2": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)},
+    4: {"tp2-sp-pp2": dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)},
+}
+PIPELINE_CASES = [(2, False), (1, True)]
 
 
 def _join(name):
@@ -213,3 +224,24 @@ def test_cli_shared_layout_trains_like_concat(tmp_path):
     evals = [(a["eval_reward_accuracy"], b["eval_reward_accuracy"]) for a, b in zip(concat, shared)
              if "eval_reward_accuracy" in a]
     assert evals and all(x == y for x, y in evals)
+
+
+def prefix_kv_checks(layouts: dict) -> dict:
+    prune = COMBOS["position+sequence+branch"]
+    return {(layout, mbs, pack): dpo_grads(layout="shared", parallel=par, prune=prune, micro_batch_size=mbs,
+                                           pack_rows=pack)
+            for layout, par in layouts.items() for mbs, pack in PIPELINE_CASES}
+
+
+@pytest.mark.distributed
+def test_pruned_responses_on_stored_keys_cross_pipeline_stages():
+    single = run_distributed(prefix_kv_checks, 1, layouts={"single": {}})[0]
+    for nproc, layouts in PIPELINE_LAYOUTS.items():
+        for rank, (layout, mbs, pack), got in every_rank(run_distributed(prefix_kv_checks, nproc, layouts=layouts)):
+            where = f"rank {rank}: {layout}/mbs{mbs}/packed={pack}"
+            mine = single[("single", mbs, pack)]
+            assert_same(mine, got, where)
+            # The same scheme ran: no pruned response in a backward, none with its prompt again.
+            for name in ("train_tokens", "policy_tokens", "forward_only_tokens"):
+                assert got["counters"][name] == mine["counters"][name], f"{where}: {name}"
+

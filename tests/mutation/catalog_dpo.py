@@ -14,6 +14,7 @@ BRANCH_SHARED_KV_PACKED = f"{OBJECTIVE}::test_branch_pruning_is_unbiased_through
 POSITION = f"{OBJECTIVE}::test_position_pruning_reward_estimate_is_unbiased_through_the_step"
 STRUCTURE = f"{OBJECTIVE}::test_branch_pruning_saves_compute_by_structure"
 BRANCH_RATE = f"{OBJECTIVE}::test_branch_draw_keeps_chosen_at_rate_q"
+PIPELINE_KV = "tests/distributed/test_dpo_shared.py::test_pruned_responses_on_stored_keys_cross_pipeline_stages"
 LOSS_UNIT = "tests/unit/test_dpo_loss.py"
 SHARED_UNIT_FILE = "tests/unit/test_dpo_microbatches.py"
 SHARED_UNIT = f"{SHARED_UNIT_FILE}::test_shared_row_layout_positions_and_scored_tokens"
@@ -240,6 +241,25 @@ MUTANTS: list[dict] = [
         "old": "first_key = row * stored_length",
         "new": "first_key = ((row + 1) % stored_rows) * stored_length",
         "tests": [BRANCH_SHARED_KV],
+    },
+    {
+        "name": "dpo-shared-prefix-kv-pipeline-rows-interleaved",
+        "why": "the pruned responses' hidden states, carried to the next pipeline stage as extra rows, are "
+               "read back row-major instead of row by row: positions of different pieces interleave",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "return part.transpose(0, 1).reshape(rows * length, 1, h)[:n]",
+        "new": "return part.reshape(rows * length, 1, h)[:n]",
+        "tests": [PIPELINE_KV],
+    },
+    {
+        "name": "dpo-shared-prefix-kv-off-under-pipeline",
+        "why": "under pipeline parallelism the pruned responses silently fall back to the costlier schemes "
+               "(their prompt again, or a backward)",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "self._segment_layers = bool(votes[0] == 0 and votes[1] > 0)",
+        "new": "self._segment_layers = bool(votes[0] == 0 and votes[1] > 0) and "
+               "parallel_state.get_pipeline_model_parallel_world_size() == 1",
+        "tests": [PIPELINE_KV],
     },
     # -- packed rows (--dpo-pack-rows) --------------------------------------------------------------
     {

@@ -36,8 +36,8 @@ MUTANTS: list[dict] = [
         "why": "pruned responses run on the training row's stored prompt keys and values (computed under dropout) "
                "are scored without it",
         "file": "megatron_prune/dpo/step.py",
-        "old": "        with attend_to_prefix_kv(store), adapter_dropout_as(training), \\\n",
-        "new": "        with attend_to_prefix_kv(store), contextlib.nullcontext(), \\\n",
+        "old": "    with attend_to_prefix_kv(store), adapter_dropout_as(training), \\\n",
+        "new": "    with attend_to_prefix_kv(store), contextlib.nullcontext(), \\\n",
         "tests": [f"{TESTS}::test_adapter_dropout_acts_on_pruned_responses_however_they_run"],
     },
     {
@@ -89,9 +89,9 @@ MUTANTS: list[dict] = [
         "why": "in the shared layout the pruned responses, run on the training pass's stored prompt keys and "
                "values, run with the adapters off: their log-ratios come from the base model, not the policy",
         "file": "megatron_prune/dpo/step.py",
-        "old": "        with attend_to_prefix_kv(store), adapter_dropout_as(training), \\\n",
-        "new": "        from megatron_prune.model.lora import adapters_disabled\n"
-               "        with attend_to_prefix_kv(store), adapters_disabled([model]), \\\n",
+        "old": "    with attend_to_prefix_kv(store), adapter_dropout_as(training), \\\n",
+        "new": "    from megatron_prune.model.lora import adapters_disabled\n"
+               "    with attend_to_prefix_kv(store), adapters_disabled([model]), \\\n",
         "tests": [DPO_LAYOUTS],
     },
     {
