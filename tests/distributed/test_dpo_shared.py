@@ -226,22 +226,36 @@ def test_cli_shared_layout_trains_like_concat(tmp_path):
     assert evals and all(x == y for x, y in evals)
 
 
-def prefix_kv_checks(layouts: dict) -> dict:
+def prefix_kv_checks(layouts: dict, preset: str = "tiny") -> dict:
     prune = COMBOS["position+sequence+branch"]
     return {(layout, mbs, pack): dpo_grads(layout="shared", parallel=par, prune=prune, micro_batch_size=mbs,
-                                           pack_rows=pack)
+                                           pack_rows=pack, preset=preset)
             for layout, par in layouts.items() for mbs, pack in PIPELINE_CASES}
 
 
-@pytest.mark.distributed
-def test_pruned_responses_on_stored_keys_cross_pipeline_stages():
-    single = run_distributed(prefix_kv_checks, 1, layouts={"single": {}})[0]
-    for nproc, layouts in PIPELINE_LAYOUTS.items():
-        for rank, (layout, mbs, pack), got in every_rank(run_distributed(prefix_kv_checks, nproc, layouts=layouts)):
-            where = f"rank {rank}: {layout}/mbs{mbs}/packed={pack}"
+def _assert_prefix_kv_matches_single_rank(preset: str, layouts_by_nproc: dict) -> None:
+    single = run_distributed(prefix_kv_checks, 1, layouts={"single": {}}, preset=preset)[0]
+    for nproc, layouts in layouts_by_nproc.items():
+        results = run_distributed(prefix_kv_checks, nproc, layouts=layouts, preset=preset)
+        for rank, (layout, mbs, pack), got in every_rank(results):
+            where = f"{preset} rank {rank}: {layout}/mbs{mbs}/packed={pack}"
             mine = single[("single", mbs, pack)]
             assert_same(mine, got, where)
             # The same scheme ran: no pruned response in a backward, none with its prompt again.
             for name in ("train_tokens", "policy_tokens", "forward_only_tokens"):
                 assert got["counters"][name] == mine["counters"][name], f"{where}: {name}"
 
+
+@pytest.mark.distributed
+def test_pruned_responses_on_stored_keys_cross_pipeline_stages():
+    _assert_prefix_kv_matches_single_rank("tiny", PIPELINE_LAYOUTS)
+
+
+@pytest.mark.distributed
+def test_pruned_responses_on_stored_keys_cross_stages_with_expert_parallelism():
+    # The pruned responses' forward runs every MoE layer's all-to-all on each stage, between the
+    # data-parallel ranks of two pipelines whose p2p tensors carry different numbers of rows.
+    _assert_prefix_kv_matches_single_rank("tiny-moe", {4: {
+        "ep2xpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+        "ep2xpp2-vpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+                             virtual_pipeline_model_parallel_size=2)}})
