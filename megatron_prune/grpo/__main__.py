@@ -53,9 +53,9 @@ def _checks(configs):
         raise UsageError(f"--toy-prompt-length {grpo.toy_prompt_length} + --max-new-tokens {grpo.max_new_tokens} "
                          f"exceed --seq-length {train.seq_length}")
     model = configs["ModelConfig"]
-    if grpo.kv_cache and (model.pipeline_model_parallel_size > 1 or model.virtual_pipeline_model_parallel_size):
-        raise UsageError("--kv-cache needs one pipeline stage (--pipeline-model-parallel-size 1, no virtual "
-                         "pipeline); drop --kv-cache to sample with full recompute under pipeline parallelism")
+    if grpo.kv_cache and model.virtual_pipeline_model_parallel_size:
+        raise UsageError("--kv-cache needs one model chunk per rank (no --virtual-pipeline-model-parallel-size); "
+                         "drop --kv-cache to sample with full recompute under the interleaved pipeline schedule")
     if grpo.kv_cache and model.sequence_parallel:
         raise UsageError("--kv-cache cannot run with --sequence-parallel (a cached decoding step feeds one token, "
                          "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "

@@ -13,7 +13,7 @@ draws from identical gathered logits.
 
 By default each step recomputes the whole prefix (cost ~ (prompt + new)^2 per token for
 attention, linear for the rest): the simple, layout-agnostic baseline. With
-``SamplingSettings.kv_cache`` (one pipeline stage) generation runs on Megatron's inference
+``SamplingSettings.kv_cache`` (one model chunk per rank) generation runs on Megatron's inference
 path instead, with prompts of different lengths in one batch (per rollout microbatch; the
 sequences are sorted by prompt length first, so a microbatch holds similar lengths): a
 ``StaticInferenceContext``, one prefill of the shortest prompt's length, then one
@@ -21,7 +21,9 @@ single-token forward per position. Rows whose prompt is longer are fed their own
 until their prompt ends ("start at the shortest prompt"), so every token sits at its true
 position, the plain causal mask is exact and no padding is ever attended (Megatron's rotary
 embedding on the inference path takes positions from the cache offset, not from
-``position_ids``, so left padding would shift them). On CPU the cache is allocated through the
+``position_ids``, so left padding would shift them). Under pipeline parallelism every forward is one
+forward-only microbatch of Megatron's schedule (the p2p carries the hidden states), each stage
+caches its own layers, and the last stage's draws are broadcast as in the uncached sampler. On CPU the cache is allocated through the
 ``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and
 uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
 
@@ -78,7 +80,8 @@ class SamplingSettings:
     kv_cache: bool = False
     """KV-cached generation on Megatron's inference path (``StaticInferenceContext``): prompts of
     any lengths in one batch per microbatch, one prefill, then one single-token forward per
-    position. Needs one pipeline stage and one model chunk (``generate`` refuses otherwise)."""
+    position. Needs one model chunk per rank, so no virtual pipeline stages (``generate`` refuses
+    otherwise)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -228,8 +231,8 @@ def generate(
     ]
     if settings.kv_cache:
         if not _kv_cache_supported(model):
-            raise ValueError("KV-cached generation needs one pipeline stage and one model chunk; "
-                             "sample without the cache under pipeline parallelism")
+            raise ValueError("KV-cached generation needs one model chunk per rank (no virtual pipeline stages); "
+                             "sample without the cache under the interleaved pipeline schedule")
         if _unwrap_config(model[0]).sequence_parallel:
             raise ValueError("KV-cached generation cannot run with sequence parallelism (a decoding step feeds "
                              "one token); sample without the cache")
@@ -264,7 +267,7 @@ def _unwrap_config(chunk):
 
 
 def _kv_cache_supported(model: list[torch.nn.Module]) -> bool:
-    return len(model) == 1 and parallel_state.get_pipeline_model_parallel_world_size() == 1
+    return len(model) == 1
 
 
 def _generate_cached(
@@ -309,7 +312,7 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
     done = [not rows] * b
     fed = shortest  # tokens of each row in the cache once this forward has run
     while True:
-        logits = model(tokens, position_ids, None, inference_context=context, runtime_gather_output=True)
+        logits = _cached_forward(model, tokens, position_ids, context)  # None off the last pipeline stage
         context.sequence_len_offset += tokens.shape[1]
         context.enable_decode_mode()  # after the prefill every forward is one token
         next_tokens = torch.full((b,), settings.pad_id, dtype=torch.long)
@@ -318,10 +321,14 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
             if fed < lengths[r]:
                 next_tokens[r] = prompts[r][fed]
         if sampling:
-            # Sampled on the CPU, as the uncached path does: the same logits draw the same tokens on any device.
-            last = logits[sampling, -1, : settings.vocab_size].float().cpu()
-            drawn, logprobs = sample_from_logits(last, [generators[rows[r]] for r in sampling],
-                                                 temperature=settings.temperature, top_p=settings.top_p)
+            drawn = torch.zeros(len(sampling), dtype=torch.long)
+            logprobs = torch.zeros(len(sampling), dtype=torch.float32)
+            if logits is not None:
+                # Sampled on the CPU, as the uncached path does: the same logits draw the same tokens on any device.
+                last = logits[sampling, -1, : settings.vocab_size].float().cpu()
+                drawn, logprobs = sample_from_logits(last, [generators[rows[r]] for r in sampling],
+                                                     temperature=settings.temperature, top_p=settings.top_p)
+            drawn, logprobs = _broadcast_from_last_stage(drawn), _broadcast_from_last_stage(logprobs)
             for r, token, logprob in zip(sampling, drawn.tolist(), logprobs.tolist()):
                 completion = completions[rows[r]]
                 completion.tokens.append(token)
@@ -333,3 +340,24 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
         tokens = next_tokens[:, None]
         position_ids = torch.full((b, 1), fed, dtype=torch.long)
         fed += 1
+
+
+def _cached_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, context) -> torch.Tensor | None:
+    """One forward of a cached batch: logits ``[b, s, V]`` on the last pipeline stage, None elsewhere.
+
+    Under pipeline parallelism it runs as one forward-only microbatch of Megatron's schedule, which
+    sends the hidden states from stage to stage; each stage keeps its own layers' keys and values
+    in its copy of ``context`` (the same offsets on every stage).
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return model(tokens, position_ids, None, inference_context=context, runtime_gather_output=True)
+
+    def forward_step(data_iterator, chunk):
+        output = chunk(*next(data_iterator), None, inference_context=context, runtime_gather_output=True)
+        return output, lambda logits: (torch.zeros((), device=logits.device), {"logits": logits})
+
+    outputs = run_schedule(forward_step_func=forward_step, data_iterator=iter([(tokens, position_ids)]),
+                           model=[model], num_microbatches=1, seq_length=tokens.shape[1],
+                           micro_batch_size=tokens.shape[0], forward_only=True)
+    return outputs[0]["logits"] if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
+

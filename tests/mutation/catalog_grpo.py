@@ -204,6 +204,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/distributed/test_grpo.py::test_layouts_equal_single_rank"],
     },
     {
+        "name": "kv-cache-pipeline-logprobs-not-broadcast",
+        "why": "under pipeline parallelism the KV-cached sampler broadcasts the drawn tokens but not their "
+               "log-probs: the stages before the last record zeros as the sampling log-probs",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "drawn, logprobs = _broadcast_from_last_stage(drawn), _broadcast_from_last_stage(logprobs)",
+        "new": "drawn = _broadcast_from_last_stage(drawn)",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_under_pipeline_parallelism"],
+    },
+    {
         "name": "top-p-sorts-ascending",
         "why": "the nucleus is built from the least likely tokens (probabilities sorted ascending)",
         "file": "megatron_prune/grpo/rollout.py",

@@ -3,8 +3,9 @@
 The reference is the full-recompute sampler (every token recomputes the whole right-padded prefix
 through Megatron's schedule); the cached sampler runs Megatron's static inference context with all
 prompt lengths in one batch ("start at the shortest prompt"). Greedy and sampled (temperature,
-top-p) draws, with and without rollout microbatches. Pipeline parallelism refuses the cache, in
-the sampler and in the CLI's validation.
+top-p) draws, with and without rollout microbatches, at one rank, TP=2, PP=2 and TP=2 x PP=2.
+Virtual pipeline stages (several model chunks per rank) refuse the cache, in the sampler and in the
+CLI's validation.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ PROMPTS = [(0, (1, 3, 9)), (1, (1, 40, 77, 3, 5)), (2, (1, 3, 6)), (3, (1, 8, 20
            (4, (1, 11, 12, 13, 14, 15, 16, 17, 18, 3, 8)), (5, (1, 60, 3, 4))]
 
 
-def _sample_all(tp: int = 1, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)), micro_batches=(None, 7)) -> dict:
+def _sample_all(tp: int = 1, pp: int = 1, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)), micro_batches=(None, 7)) -> dict:
     from megatron_prune.grpo import rollout
     from megatron_prune.grpo.rollout import SamplingSettings, generate
     from megatron_prune.model.arch import get_preset
@@ -28,7 +29,7 @@ def _sample_all(tp: int = 1, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)), micro_b
     from megatron_prune.training.model_setup import setup_model
     from megatron_prune.training.parallel import model_parallel
 
-    par = ParallelConfig(tensor_model_parallel_size=tp)
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     out: dict = {}
     with model_parallel(par, seed=SEED):
         arch = get_preset("tiny")
@@ -138,27 +139,49 @@ def test_mixed_length_cached_batches_under_tensor_parallelism():
     assert results[0] == results[1]
 
 
+@pytest.mark.distributed
+def test_mixed_length_cached_batches_under_pipeline_parallelism():
+    """PP = 2 and TP = 2 x PP = 2: every cached forward runs through the schedule, each stage caching
+    its own layers; the same tokens and log-probs as the uncached sampler of the same layout, and as
+    one rank, on every rank."""
+    single = run_distributed(_sample_all, 1, cases=((0.0, 1.0), (0.8, 0.9)))[0]
+    for nproc, layout in ((2, dict(pp=2)), (4, dict(tp=2, pp=2))):
+        results = run_distributed(_sample_all, nproc, cases=((0.0, 1.0), (0.8, 0.9)), **layout)
+        for rank, rank_results in enumerate(results):
+            _check(rank_results)
+            assert rank_results == results[0], f"{layout}: rank {rank} differs from rank 0"
+            for key, runs in rank_results.items():
+                tokens, logprobs, batches = runs[True]
+                (want_tokens, want_logprobs, _), want_batches = single[key][False], single[key][True][2]
+                assert (tokens, batches) == (want_tokens, want_batches), f"{layout} rank {rank} {key}"
+                torch.testing.assert_close(torch.tensor([lp for g in logprobs for c in g for lp in c]),
+                                           torch.tensor([lp for g in want_logprobs for c in g for lp in c]),
+                                           rtol=0, atol=1e-5)
+
+
 def test_cache_refused_with_several_model_chunks():
-    """Virtual pipeline chunks (or PP > 1) cannot use the cache: an error, never a silent fallback."""
+    """Virtual pipeline chunks cannot use the cache: an error, never a silent fallback."""
     from megatron_prune.grpo.rollout import SamplingSettings, generate
 
     settings = SamplingSettings(max_new_tokens=2, eos_id=2, pad_id=0, vocab_size=16, seed=0, kv_cache=True)
-    with pytest.raises(ValueError, match="one pipeline stage"):
+    with pytest.raises(ValueError, match="one model chunk per rank"):
         generate(model=[torch.nn.Identity(), torch.nn.Identity()], prompts=[(0, (1, 2))], group_size=1,
                  settings=settings, step=0)
 
 
-def test_cli_refuses_kv_cache_under_pipeline_or_sequence_parallelism(monkeypatch, capsys):
+def test_cli_refuses_kv_cache_under_virtual_pipeline_or_sequence_parallelism(monkeypatch, capsys):
     from megatron_prune.grpo.__main__ import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     argv = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
             "--micro-batch-size", "4", "--pipeline-model-parallel-size", "2", "--kv-cache", "--dry-run"]
+    assert main(argv) == 0  # pipeline stages keep their own caches
+    argv += ["--virtual-pipeline-model-parallel-size", "2"]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert "--kv-cache needs one pipeline stage" in capsys.readouterr().err
+    assert "--kv-cache needs one model chunk per rank" in capsys.readouterr().err
     assert main([a for a in argv if a != "--kv-cache"]) == 0  # the same layout without the cache is fine
     # Sequence parallelism splits every forward's tokens over the TP ranks; a decoding step has one.
     argv = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
