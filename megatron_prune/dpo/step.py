@@ -11,10 +11,10 @@ computed (one packed row per microbatch, inside its forward step on every pipeli
 where that is not possible (a layer without segment attention), each pair's pruned response
 either joins its training row ``[prompt, kept, pruned]`` with its log-probs detached, or runs as
 its own no-grad row ``[prompt, pruned]``, whichever the FLOP count says is cheaper for that pair
-(joining saves a second forward of the prompt and pays the pruned response's backward). Forward-only passes run
-under ``no_grad`` through Megatron's own forward-only schedule, so no pipeline stage runs a
-backward for them. The pruned responses stand in for what the training pass would score, so
-LoRA adapter dropout acts in them, whichever way they run.
+(joining saves a second forward of the prompt and pays the pruned response's backward).
+Forward-only passes run under ``no_grad`` through Megatron's own forward-only schedule, so no
+pipeline stage runs a backward for them. The pruned responses stand in for what the training
+pass would score, so LoRA adapter dropout acts in them, whichever way they run.
 """
 
 from __future__ import annotations

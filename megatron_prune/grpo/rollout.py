@@ -21,10 +21,10 @@ single-token forward per position. Rows whose prompt is longer are fed their own
 until their prompt ends ("start at the shortest prompt"), so every token sits at its true
 position, the plain causal mask is exact and no padding is ever attended (Megatron's rotary
 embedding on the inference path takes positions from the cache offset, not from
-``position_ids``, so left padding would shift them). Under pipeline parallelism every forward is one
-forward-only microbatch of Megatron's schedule (the p2p carries the hidden states), each stage
-caches its own layers, and the last stage's draws are broadcast as in the uncached sampler. On CPU the cache is allocated through the
-``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and
+``position_ids``, so left padding would shift them). Under pipeline parallelism every forward is
+one forward-only microbatch of Megatron's schedule (the p2p carries the hidden states), each stage
+caches its own layers, and the last stage's draws are broadcast as in the uncached sampler. On
+CPU the cache is allocated through the ``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and
 uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
 
 Under expert parallelism the ranks of an expert-parallel group (data-parallel ranks with their
