@@ -56,10 +56,6 @@ def _checks(configs):
     if grpo.kv_cache and model.virtual_pipeline_model_parallel_size:
         raise UsageError("--kv-cache needs one model chunk per rank (no --virtual-pipeline-model-parallel-size); "
                          "drop --kv-cache to sample with full recompute under the interleaved pipeline schedule")
-    if grpo.kv_cache and model.sequence_parallel:
-        raise UsageError("--kv-cache cannot run with --sequence-parallel (a cached decoding step feeds one token, "
-                         "which sequence parallelism cannot split over the tensor-parallel ranks); drop --kv-cache "
-                         "to sample with full recompute")
     arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
     if grpo.kl_beta > 0:  # the KL reference must be found before any rank starts
         session.reference_source(model, configs["CheckpointConfig"], grpo.ref_load, lora_base=lora_base)

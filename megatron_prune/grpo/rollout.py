@@ -23,7 +23,9 @@ position, the plain causal mask is exact and no padding is ever attended (Megatr
 embedding on the inference path takes positions from the cache offset, not from
 ``position_ids``, so left padding would shift them). Under pipeline parallelism every forward is
 one forward-only microbatch of Megatron's schedule (the p2p carries the hidden states), each stage
-caches its own layers, and the last stage's draws are broadcast as in the uncached sampler. On
+caches its own layers, and the last stage's draws are broadcast as in the uncached sampler. Under
+sequence parallelism the cached forwards run with it switched off (a decoding step has one token
+per row) and the training passes with it on. On
 CPU the cache is allocated through the ``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and
 uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Hashable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -233,10 +236,8 @@ def generate(
         if not _kv_cache_supported(model):
             raise ValueError("KV-cached generation needs one model chunk per rank (no virtual pipeline stages); "
                              "sample without the cache under the interleaved pipeline schedule")
-        if _unwrap_config(model[0]).sequence_parallel:
-            raise ValueError("KV-cached generation cannot run with sequence parallelism (a decoding step feeds "
-                             "one token); sample without the cache")
-        _generate_cached(model[0], contexts, completions, generators, settings=settings)
+        with _sequence_parallel_off(model[0]):
+            _generate_cached(model[0], contexts, completions, generators, settings=settings)
         return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
     active = list(range(len(completions)))
     for _ in range(settings.max_new_tokens):
@@ -262,8 +263,26 @@ def generate(
     return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
 
 
-def _unwrap_config(chunk):
-    return (chunk.module if hasattr(chunk, "module") else chunk).config
+@contextmanager
+def _sequence_parallel_off(chunk: torch.nn.Module):
+    """The model without sequence parallelism while the block runs, as Megatron-Core's own inference
+    controller does it (``set_model_to_sequence_parallel``): a decoding step feeds one token per row,
+    which cannot be split over the TP ranks. Column- and row-parallel linears then all-reduce
+    instead of gathering and reduce-scattering, which gives the same sums; MoE layers outside
+    training accept it too. The switch is restored afterwards, also on error."""
+    inner = chunk
+    while hasattr(inner, "module"):  # DDP, Float16Module
+        inner = inner.module
+    if not inner.config.sequence_parallel:
+        yield
+        return
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+    set_model_to_sequence_parallel(inner, False)
+    try:
+        yield
+    finally:
+        set_model_to_sequence_parallel(inner, True)
 
 
 def _kv_cache_supported(model: list[torch.nn.Module]) -> bool:

@@ -101,8 +101,13 @@ def moe_dpo_step(*, parallel: dict | None = None, aux: float = AUX, z: float = Z
 
 
 def run_layouts(layouts: dict, *, negative_control: bool = False, resume_root: str | None = None,
-                cross_root: str | None = None) -> dict:
+                cross_root: str | None = None, grpo_layout: str | None = None) -> dict:
     out = {name: moe_dpo_step(parallel=par) for name, par in layouts.items()}
+    if grpo_layout is not None:
+        from tests.distributed.moe_grpo_harness import CASES, moe_grpo_step
+
+        out["grpo kv-cache"] = moe_grpo_step(**CASES["dppo-prompt-completion-padded-kv-cache"],
+                                             parallel=layouts[grpo_layout])
     if cross_root is not None:
         # Two steps straight through, saving after the first; the second again from that checkpoint
         # on the other side of the expert split.
@@ -216,7 +221,17 @@ def test_expert_parallel_2_ranks_matches_single_rank(single, two_ranks):
 
 @pytest.mark.distributed
 def test_expert_parallel_4_ranks_matches_single_rank(single, tmp_path):
-    results = run_distributed(run_layouts, 4, layouts=LAYOUTS_4, resume_root=str(tmp_path / "ckpt"))[0]
+    from tests.distributed.moe_grpo_harness import METRICS
+    from tests.distributed.test_grpo import assert_same
+
+    ranks = run_distributed(run_layouts, 4, layouts=LAYOUTS_4, resume_root=str(tmp_path / "ckpt"),
+                            grpo_layout="ep2xtp2-sp")
+    # GRPO with the KV-cached sampler at EP=2 x TP=2 with sequence parallelism (switched off for the
+    # cached forwards, MoE layers included): every rank's step equals one rank's.
+    for rank, got in enumerate(ranks):
+        assert_same(single["grpo"]["dppo-prompt-completion-padded-kv-cache"], got.pop("grpo kv-cache"),
+                    f"ep2xtp2-sp rank {rank}, GRPO with --kv-cache", metrics=METRICS)
+    results = ranks[0]
     straight = results.pop("resume: straight")
     same = results.pop("resume: ep2xdp2")
     for name, got in results.items():

@@ -213,6 +213,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_under_pipeline_parallelism"],
     },
     {
+        "name": "kv-cache-sequence-parallel-not-restored",
+        "why": "the KV-cached sampler switches sequence parallelism off for its forwards and leaves it off: "
+               "every later training pass all-reduces full sequences instead of splitting them",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "set_model_to_sequence_parallel(inner, True)",
+        "new": "pass",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_under_sequence_parallelism"],
+    },
+    {
         "name": "top-p-sorts-ascending",
         "why": "the nucleus is built from the least likely tokens (probabilities sorted ascending)",
         "file": "megatron_prune/grpo/rollout.py",

@@ -21,7 +21,8 @@ PROMPTS = [(0, (1, 3, 9)), (1, (1, 40, 77, 3, 5)), (2, (1, 3, 6)), (3, (1, 8, 20
            (4, (1, 11, 12, 13, 14, 15, 16, 17, 18, 3, 8)), (5, (1, 60, 3, 4))]
 
 
-def _sample_all(tp: int = 1, pp: int = 1, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)), micro_batches=(None, 7)) -> dict:
+def _sample_all(tp: int = 1, pp: int = 1, sp: bool = False, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)),
+                micro_batches=(None, 7)) -> dict:
     from megatron_prune.grpo import rollout
     from megatron_prune.grpo.rollout import SamplingSettings, generate
     from megatron_prune.model.arch import get_preset
@@ -29,7 +30,7 @@ def _sample_all(tp: int = 1, pp: int = 1, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0
     from megatron_prune.training.model_setup import setup_model
     from megatron_prune.training.parallel import model_parallel
 
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp)
     out: dict = {}
     with model_parallel(par, seed=SEED):
         arch = get_preset("tiny")
@@ -57,6 +58,10 @@ def _sample_all(tp: int = 1, pp: int = 1, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0
                     out[(temperature, top_p, mbs)] = runs
         finally:
             rollout._cached_batch = original
+        if sp:  # the cached sampler switched sequence parallelism off for its forwards, then back on
+            linears = [m for m in policy[0].modules() if hasattr(m, "sequence_parallel")]
+            assert linears and policy[0].config.sequence_parallel
+            assert all(m.sequence_parallel for m in linears), "sequence parallelism not restored"
     return out
 
 
@@ -159,6 +164,25 @@ def test_mixed_length_cached_batches_under_pipeline_parallelism():
                                            rtol=0, atol=1e-5)
 
 
+@pytest.mark.distributed
+def test_mixed_length_cached_batches_under_sequence_parallelism():
+    """TP = 2 + SP and TP = 2 + SP x PP = 2: the cached forwards run with sequence parallelism
+    switched off (a decoding step has one token per row) and switched back on afterwards; the
+    same tokens and log-probs as one rank's uncached sampler, on every rank."""
+    single = run_distributed(_sample_all, 1, cases=((0.0, 1.0), (0.8, 0.9)), micro_batches=(7,))[0]
+    for nproc, layout in ((2, dict(tp=2, sp=True)), (4, dict(tp=2, pp=2, sp=True))):
+        results = run_distributed(_sample_all, nproc, cases=((0.0, 1.0), (0.8, 0.9)), micro_batches=(7,), **layout)
+        for rank, rank_results in enumerate(results):
+            _check(rank_results)
+            for key, runs in rank_results.items():
+                tokens, logprobs, _ = runs[True]
+                want_tokens, want_logprobs, _ = single[key][False]
+                assert tokens == want_tokens, f"{layout} rank {rank} {key}"
+                torch.testing.assert_close(torch.tensor([lp for g in logprobs for c in g for lp in c]),
+                                           torch.tensor([lp for g in want_logprobs for c in g for lp in c]),
+                                           rtol=0, atol=1e-5)
+
+
 def test_cache_refused_with_several_model_chunks():
     """Virtual pipeline chunks cannot use the cache: an error, never a silent fallback."""
     from megatron_prune.grpo.rollout import SamplingSettings, generate
@@ -169,7 +193,7 @@ def test_cache_refused_with_several_model_chunks():
                  settings=settings, step=0)
 
 
-def test_cli_refuses_kv_cache_under_virtual_pipeline_or_sequence_parallelism(monkeypatch, capsys):
+def test_cli_refuses_kv_cache_under_virtual_pipeline_only(monkeypatch, capsys):
     from megatron_prune.grpo.__main__ import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -183,12 +207,8 @@ def test_cli_refuses_kv_cache_under_virtual_pipeline_or_sequence_parallelism(mon
     assert exc.value.code == 2
     assert "--kv-cache needs one model chunk per rank" in capsys.readouterr().err
     assert main([a for a in argv if a != "--kv-cache"]) == 0  # the same layout without the cache is fine
-    # Sequence parallelism splits every forward's tokens over the TP ranks; a decoding step has one.
+    # Sequence parallelism is switched off for the cached forwards (a decoding step has one token).
     argv = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
             "--micro-batch-size", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--kv-cache",
             "--dry-run"]
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    assert "--kv-cache cannot run with --sequence-parallel" in capsys.readouterr().err
-    assert main([a for a in argv if a != "--kv-cache"]) == 0
+    assert main(argv) == 0
