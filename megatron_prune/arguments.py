@@ -62,15 +62,21 @@ def refuse_unwritable_outputs(parser: argparse.ArgumentParser, **paths: str | No
             parser.error(str(exc))
 
 
-def refuse_unrunnable_layout(parser: argparse.ArgumentParser, arch, *, tp: int, pp: int) -> None:
+def refuse_unrunnable_layout(parser: argparse.ArgumentParser, arch, *, tp: int, pp: int, vpp: int | None = None,
+                             sp: bool = False) -> None:
     """The benchmark tools' layout against the model, checked while parsing flags as the trainers
     check theirs (one line, exit 2), instead of a traceback from every worker of every mode."""
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.session import UsageError, check_layout_fits
 
+    if sp and tp == 1:
+        parser.error("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if vpp is not None and pp < 2:
+        parser.error(f"--virtual-pipeline-model-parallel-size {vpp} needs --pipeline-model-parallel-size > 1")
     try:
         check_layout_fits(arch, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                               sequence_parallel=tp > 1 and arch.is_moe))
+                                               virtual_pipeline_model_parallel_size=vpp,
+                                               sequence_parallel=sp or (tp > 1 and arch.is_moe)))
     except UsageError as exc:
         parser.error(str(exc))
 

@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ppo-epochs", type=at_least(1), default=1, help="passes over each step's rollout")
     p.add_argument("--minibatches", type=at_least(1), default=1, help="optimizer steps per PPO epoch")
     p.add_argument("--temperature", type=above(0), default=1.0, help="rollout sampling temperature")
-    p.add_argument("--kv-cache", action="store_true", help="KV-cached rollout (any pipeline size)")
+    p.add_argument("--kv-cache", action="store_true", help="KV-cached rollout (any TP / PP / VPP layout)")
     p.add_argument("--eval-every", type=at_least(1), default=5,
                    help="held-out evaluation every N steps (not counted in training time)")
     p.add_argument("--eval-prompts", type=at_least(1), default=64, help="held-out prompts")
@@ -146,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TP of every run (above 1 the tool starts torchrun itself)")
     p.add_argument("--pipeline-model-parallel-size", type=at_least(1), default=1,
                    help="PP of every run (above 1 the tool starts torchrun itself)")
+    p.add_argument("--virtual-pipeline-model-parallel-size", type=at_least(2), default=None,
+                   help="model chunks per pipeline rank (interleaved schedule) of every run")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (needs TP > 1)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="accelerator of every run")
     p.add_argument("--threads", type=at_least(1), default=1, help="torch intra-op threads per rank (CPU)")
     p.add_argument("--json", metavar="PATH", help="write the results (rewritten after every run)")
@@ -184,7 +187,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron_prune.model.arch import get_preset
 
     refuse_unrunnable_layout(p, get_preset("tiny"), tp=args.tensor_model_parallel_size,
-                             pp=args.pipeline_model_parallel_size)
+                             pp=args.pipeline_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
+                             sp=args.sequence_parallel)
     refuse_bad_data_files(p, "--data-path", args.data_path)
     if args.from_json:
         try:
@@ -458,7 +462,9 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
     from megatron_prune.training.parallel import model_parallel
 
     par = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                         pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                         sequence_parallel=args.sequence_parallel)
     records: list[dict] = []
     with model_parallel(par, seed=seed):
         arch = get_preset("tiny")

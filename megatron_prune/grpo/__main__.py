@@ -53,9 +53,6 @@ def _checks(configs):
         raise UsageError(f"--toy-prompt-length {grpo.toy_prompt_length} + --max-new-tokens {grpo.max_new_tokens} "
                          f"exceed --seq-length {train.seq_length}")
     model = configs["ModelConfig"]
-    if grpo.kv_cache and model.virtual_pipeline_model_parallel_size:
-        raise UsageError("--kv-cache needs one model chunk per rank (no --virtual-pipeline-model-parallel-size); "
-                         "drop --kv-cache to sample with full recompute under the interleaved pipeline schedule")
     arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
     if grpo.kl_beta > 0:  # the KL reference must be found before any rank starts
         session.reference_source(model, configs["CheckpointConfig"], grpo.ref_load, lora_base=lora_base)

@@ -62,9 +62,9 @@ class GRPOConfig:
     """Sequences per generation microbatch (default: all of a rank's sequences in one)."""
     kv_cache: bool = field(default=False, metadata=_flag("--kv-cache"))
     """KV-cached generation on Megatron's inference path (StaticInferenceContext), prompts of different
-    lengths in one batch; any number of pipeline stages (each keeps its own layers' cache), but one model
-    chunk per rank (refused with --virtual-pipeline-model-parallel-size). With --sequence-parallel the cached
-    forwards run without it (a decoding step feeds one token per row) and training with it."""
+    lengths in one batch; any TP / PP / VPP layout (each pipeline stage keeps its own layers' cache). With
+    --sequence-parallel the cached forwards run without it (a decoding step feeds one token per row) and
+    training with it."""
     clip_eps_low: float = field(default=0.2, metadata=_flag("--clip-eps-low"))
     """Lower clip of the PPO ratio: 1 - eps_low (it binds only when a rollout feeds several updates: --ppo-epochs
     or --minibatches > 1; with one, the ratio is exactly 1)."""

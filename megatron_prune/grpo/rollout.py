@@ -13,21 +13,22 @@ draws from identical gathered logits.
 
 By default each step recomputes the whole prefix (cost ~ (prompt + new)^2 per token for
 attention, linear for the rest): the simple, layout-agnostic baseline. With
-``SamplingSettings.kv_cache`` (one model chunk per rank) generation runs on Megatron's inference
-path instead, with prompts of different lengths in one batch (per rollout microbatch; the
-sequences are sorted by prompt length first, so a microbatch holds similar lengths): a
-``StaticInferenceContext``, one prefill of the shortest prompt's length, then one
-single-token forward per position. Rows whose prompt is longer are fed their own prompt tokens
-until their prompt ends ("start at the shortest prompt"), so every token sits at its true
-position, the plain causal mask is exact and no padding is ever attended (Megatron's rotary
-embedding on the inference path takes positions from the cache offset, not from
-``position_ids``, so left padding would shift them). Under pipeline parallelism every forward is
-one forward-only microbatch of Megatron's schedule (the p2p carries the hidden states), each stage
-caches its own layers, and the last stage's draws are broadcast as in the uncached sampler. Under
+``SamplingSettings.kv_cache`` generation runs on Megatron's inference path instead, with prompts
+of different lengths in one batch (per rollout microbatch; the sequences are sorted by prompt
+length first, so a microbatch holds similar lengths): a ``StaticInferenceContext``, one prefill
+of the shortest prompt's length, then one single-token forward per position. Rows whose prompt
+is longer are fed their own prompt tokens until their prompt ends ("start at the shortest
+prompt"), so every token sits at its true position, the plain causal mask is exact and no
+padding is ever attended (Megatron's rotary embedding on the inference path takes positions from
+the cache offset, not from ``position_ids``, so left padding would shift them). Under pipeline
+parallelism every forward is one forward-only microbatch of Megatron's schedule (the p2p carries
+the hidden states), each stage caches its own layers, and the last stage's draws are broadcast
+as in the uncached sampler; under the interleaved schedule, which runs microbatches in groups of
+one per stage, the batch is split into that many microbatches, each with its own cache. Under
 sequence parallelism the cached forwards run with it switched off (a decoding step has one token
-per row) and the training passes with it on. On
-CPU the cache is allocated through the ``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and
-uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
+per row) and the training passes with it on. On CPU the cache is allocated through the
+``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and uncached
+samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
 
 Under expert parallelism the ranks of an expert-parallel group (data-parallel ranks with their
 own prompts) must run every MoE forward together. So, only then, the data-parallel ranks agree
@@ -83,8 +84,8 @@ class SamplingSettings:
     kv_cache: bool = False
     """KV-cached generation on Megatron's inference path (``StaticInferenceContext``): prompts of
     any lengths in one batch per microbatch, one prefill, then one single-token forward per
-    position. Needs one model chunk per rank, so no virtual pipeline stages (``generate`` refuses
-    otherwise)."""
+    position. Any TP / PP layout: under the interleaved schedule a cached forward runs one
+    microbatch per stage, each with its own cache."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -233,11 +234,8 @@ def generate(
         for c in completions
     ]
     if settings.kv_cache:
-        if not _kv_cache_supported(model):
-            raise ValueError("KV-cached generation needs one model chunk per rank (no virtual pipeline stages); "
-                             "sample without the cache under the interleaved pipeline schedule")
-        with _sequence_parallel_off(model[0]):
-            _generate_cached(model[0], contexts, completions, generators, settings=settings)
+        with _sequence_parallel_off(model):
+            _generate_cached(model, contexts, completions, generators, settings=settings)
         return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
     active = list(range(len(completions)))
     for _ in range(settings.max_new_tokens):
@@ -264,51 +262,59 @@ def generate(
 
 
 @contextmanager
-def _sequence_parallel_off(chunk: torch.nn.Module):
+def _sequence_parallel_off(model: list[torch.nn.Module]):
     """The model without sequence parallelism while the block runs, as Megatron-Core's own inference
     controller does it (``set_model_to_sequence_parallel``): a decoding step feeds one token per row,
     which cannot be split over the TP ranks. Column- and row-parallel linears then all-reduce
     instead of gathering and reduce-scattering, which gives the same sums; MoE layers outside
     training accept it too. The switch is restored afterwards, also on error."""
-    inner = chunk
-    while hasattr(inner, "module"):  # DDP, Float16Module
-        inner = inner.module
-    if not inner.config.sequence_parallel:
+    chunks = []
+    for chunk in model:
+        while hasattr(chunk, "module"):  # DDP, Float16Module
+            chunk = chunk.module
+        chunks.append(chunk)
+    if not chunks[0].config.sequence_parallel:
         yield
         return
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
-    set_model_to_sequence_parallel(inner, False)
+    for chunk in chunks:
+        set_model_to_sequence_parallel(chunk, False)
     try:
         yield
     finally:
-        set_model_to_sequence_parallel(inner, True)
+        for chunk in chunks:
+            set_model_to_sequence_parallel(chunk, True)
 
 
-def _kv_cache_supported(model: list[torch.nn.Module]) -> bool:
-    return len(model) == 1
+def _cache_parts(model: list[torch.nn.Module]) -> int:
+    """Microbatches of one cached forward: one per pipeline stage under the interleaved schedule
+    (which runs microbatches in groups of one per stage through each chunk), else one."""
+    return parallel_state.get_pipeline_model_parallel_world_size() if len(model) > 1 else 1
 
 
 def _generate_cached(
-    model: torch.nn.Module, contexts: list[list[int]], completions: list[Completion],
+    model: list[torch.nn.Module], contexts: list[list[int]], completions: list[Completion],
     generators: list[torch.Generator], *, settings: SamplingSettings,
 ) -> None:
-    """KV-cached sampling (one stage): sequences sorted by prompt length, ``micro_batch_size`` of
-    them (default: all) per ``StaticInferenceContext``."""
+    """KV-cached sampling: sequences sorted by prompt length, ``micro_batch_size`` of them
+    (default: all) per batch."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     mbs = settings.micro_batch_size or max(len(order), 1)
     num_batches = expert_parallel_max(-(-len(order) // mbs))
-    was_training = model.training
-    model.eval()  # Megatron turns the causal mask off for cached decoding only outside training mode
+    was_training = [chunk.training for chunk in model]
+    for chunk in model:
+        chunk.eval()  # Megatron turns the causal mask off for cached decoding only outside training mode
     try:
         with torch.no_grad():
             for k in range(num_batches):
                 _cached_batch(model, order[k * mbs : (k + 1) * mbs], contexts, completions, generators,
                               settings=settings, context_cls=StaticInferenceContext)
     finally:
-        model.train(was_training)
+        for chunk, mode in zip(model, was_training):
+            chunk.train(mode)
 
 
 def _cached_batch(model, rows, contexts, completions, generators, *, settings, context_cls) -> None:
@@ -318,22 +324,27 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
 
     Under expert parallelism (``rows`` may then be empty: one padding row runs) the batch keeps
     stepping until every data-parallel rank's batch has ended, its cache sized for the most
-    forwards any of them needs."""
+    forwards any of them needs. Under the interleaved schedule the batch is split into one
+    microbatch per stage, each with its own cache, padding rows filling the last."""
     prompts = [contexts[i] for i in rows] or [[settings.pad_id]]
+    shortest = min(len(p) for p in prompts)
+    # A row of length L samples at forwards L - shortest ... L - shortest + max_new_tokens - 1.
+    forwards = expert_parallel_max(max(len(p) for p in prompts) - shortest + settings.max_new_tokens)
+    parts = _cache_parts(model)
+    size = -(-len(prompts) // parts)
+    prompts += [[settings.pad_id] * shortest] * (size * parts - len(prompts))
     b = len(prompts)
     lengths = [len(p) for p in prompts]
-    shortest = min(lengths)
-    # A row of length L samples at forwards L - shortest ... L - shortest + max_new_tokens - 1.
-    forwards = expert_parallel_max(max(lengths) - shortest + settings.max_new_tokens)
-    context = context_cls(b, shortest + forwards)
+    caches = [context_cls(size, shortest + forwards) for _ in range(parts)]
     tokens = torch.tensor([p[:shortest] for p in prompts], dtype=torch.long)
     position_ids = torch.arange(shortest, dtype=torch.long).expand(b, shortest).contiguous()
-    done = [not rows] * b
+    done = [r >= len(rows) for r in range(b)]  # padding rows draw nothing
     fed = shortest  # tokens of each row in the cache once this forward has run
     while True:
-        logits = _cached_forward(model, tokens, position_ids, context)  # None off the last pipeline stage
-        context.sequence_len_offset += tokens.shape[1]
-        context.enable_decode_mode()  # after the prefill every forward is one token
+        logits = _cached_forward(model, tokens, position_ids, caches)  # None off the last pipeline stage
+        for context in caches:
+            context.sequence_len_offset += tokens.shape[1]
+            context.enable_decode_mode()  # after the prefill every forward is one token
         next_tokens = torch.full((b,), settings.pad_id, dtype=torch.long)
         sampling = [r for r in range(b) if not done[r] and fed >= lengths[r]]
         for r in range(b):
@@ -361,22 +372,32 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
         fed += 1
 
 
-def _cached_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, context) -> torch.Tensor | None:
+def _cached_forward(model: list[torch.nn.Module], tokens: torch.Tensor, position_ids: torch.Tensor,
+                    caches: list) -> torch.Tensor | None:
     """One forward of a cached batch: logits ``[b, s, V]`` on the last pipeline stage, None elsewhere.
 
-    Under pipeline parallelism it runs as one forward-only microbatch of Megatron's schedule, which
-    sends the hidden states from stage to stage; each stage keeps its own layers' keys and values
-    in its copy of ``context`` (the same offsets on every stage).
+    Under pipeline parallelism it runs as forward-only microbatches of Megatron's schedule, one
+    per cache (the rows split evenly between them), which sends the hidden states from stage to
+    stage; each stage keeps its own layers' keys and values in its copy of each cache (the same
+    offsets on every stage; under the interleaved schedule each chunk's layers, by their global
+    layer numbers).
     """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return model(tokens, position_ids, None, inference_context=context, runtime_gather_output=True)
+        return model[0](tokens, position_ids, None, inference_context=caches[0], runtime_gather_output=True)
+    size = tokens.shape[0] // len(caches)
+    microbatches = [(tokens[k * size : (k + 1) * size], position_ids[k * size : (k + 1) * size], cache)
+                    for k, cache in enumerate(caches)]
 
     def forward_step(data_iterator, chunk):
-        output = chunk(*next(data_iterator), None, inference_context=context, runtime_gather_output=True)
+        tokens, position_ids, cache = next(data_iterator)
+        output = chunk(tokens, position_ids, None, inference_context=cache, runtime_gather_output=True)
         return output, lambda logits: (torch.zeros((), device=logits.device), {"logits": logits})
 
-    outputs = run_schedule(forward_step_func=forward_step, data_iterator=iter([(tokens, position_ids)]),
-                           model=[model], num_microbatches=1, seq_length=tokens.shape[1],
-                           micro_batch_size=tokens.shape[0], forward_only=True)
-    return outputs[0]["logits"] if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
+    iterators = [iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches)
+    outputs = run_schedule(forward_step_func=forward_step, data_iterator=iterators, model=model,
+                           num_microbatches=len(caches), seq_length=tokens.shape[1], micro_batch_size=size,
+                           forward_only=True)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([o["logits"] for o in outputs])
 

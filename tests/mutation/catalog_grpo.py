@@ -217,9 +217,18 @@ MUTANTS: list[dict] = [
         "why": "the KV-cached sampler switches sequence parallelism off for its forwards and leaves it off: "
                "every later training pass all-reduces full sequences instead of splitting them",
         "file": "megatron_prune/grpo/rollout.py",
-        "old": "set_model_to_sequence_parallel(inner, True)",
+        "old": "set_model_to_sequence_parallel(chunk, True)",
         "new": "pass",
         "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_under_sequence_parallelism"],
+    },
+    {
+        "name": "kv-cache-interleaved-chunks-share-one-iterator",
+        "why": "under the interleaved schedule the KV-cached sampler gives all model chunks one iterator "
+               "of its microbatches: a chunk reads another microbatch's rows and cache",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "iterators = [iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches)",
+        "new": "iterators = iter(microbatches)",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_under_pipeline_parallelism"],
     },
     {
         "name": "top-p-sorts-ascending",

@@ -50,6 +50,14 @@ REFUSED = [
     pytest.param(bench_grpo, ["--group-size", "1"], "argument --group-size: must be >= 2, got 1", id="grpo-group-size"),
     pytest.param(bench_grpo, ["--tensor-model-parallel-size", "3"],
                  "--tensor-model-parallel-size 3 does not divide the model's 4 attention heads", id="grpo-tp"),
+    pytest.param(bench_grpo, ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1",
+                 id="grpo-sp-without-tp"),
+    pytest.param(bench_grpo, ["--virtual-pipeline-model-parallel-size", "2"],
+                 "--virtual-pipeline-model-parallel-size 2 needs --pipeline-model-parallel-size > 1",
+                 id="grpo-vpp-without-pp"),
+    pytest.param(bench_grpo, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "4"],
+                 "--pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 4 does not divide the "
+                 "model's 4 layers", id="grpo-vpp"),
 ]
 
 

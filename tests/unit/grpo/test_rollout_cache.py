@@ -3,9 +3,8 @@
 The reference is the full-recompute sampler (every token recomputes the whole right-padded prefix
 through Megatron's schedule); the cached sampler runs Megatron's static inference context with all
 prompt lengths in one batch ("start at the shortest prompt"). Greedy and sampled (temperature,
-top-p) draws, with and without rollout microbatches, at one rank, TP=2, PP=2 and TP=2 x PP=2.
-Virtual pipeline stages (several model chunks per rank) refuse the cache, in the sampler and in the
-CLI's validation.
+top-p) draws, with and without rollout microbatches, at one rank, TP=2, PP=2, PP=2 x VPP=2,
+TP=2 x PP=2, and with sequence parallelism (TP=2 + SP, TP=2 + SP x PP=2).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ PROMPTS = [(0, (1, 3, 9)), (1, (1, 40, 77, 3, 5)), (2, (1, 3, 6)), (3, (1, 8, 20
            (4, (1, 11, 12, 13, 14, 15, 16, 17, 18, 3, 8)), (5, (1, 60, 3, 4))]
 
 
-def _sample_all(tp: int = 1, pp: int = 1, sp: bool = False, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)),
+def _sample_all(tp: int = 1, pp: int = 1, vpp: int | None = None, sp: bool = False, cases=((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)),
                 micro_batches=(None, 7)) -> dict:
     from megatron_prune.grpo import rollout
     from megatron_prune.grpo.rollout import SamplingSettings, generate
@@ -30,7 +29,8 @@ def _sample_all(tp: int = 1, pp: int = 1, sp: bool = False, cases=((0.0, 1.0), (
     from megatron_prune.training.model_setup import setup_model
     from megatron_prune.training.parallel import model_parallel
 
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp)
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp)
     out: dict = {}
     with model_parallel(par, seed=SEED):
         arch = get_preset("tiny")
@@ -74,6 +74,7 @@ def _check(results: dict) -> None:
         torch.testing.assert_close(torch.tensor([lp for g in cached_lps for c in g for lp in c]),
                                    torch.tensor([lp for g in plain_lps for c in g for lp in c]), rtol=0, atol=1e-5)
         n = len(PROMPTS) * 3  # 18 sequences of 6 prompt lengths
+        assert len(cached_tokens) * 3 == n
         assert batches == ([n] if mbs is None else [7, 7, 4]), f"{label}: one batch per microbatch, got {batches}"
 
 
@@ -146,11 +147,12 @@ def test_mixed_length_cached_batches_under_tensor_parallelism():
 
 @pytest.mark.distributed
 def test_mixed_length_cached_batches_under_pipeline_parallelism():
-    """PP = 2 and TP = 2 x PP = 2: every cached forward runs through the schedule, each stage caching
-    its own layers; the same tokens and log-probs as the uncached sampler of the same layout, and as
-    one rank, on every rank."""
+    """PP = 2, PP = 2 x VPP = 2 and TP = 2 x PP = 2: every cached forward runs through the schedule,
+    each stage caching its own layers (under the interleaved schedule: two microbatches of a
+    batch, each with its own cache, the odd batch of 7 rows padded to 8); the same tokens and
+    log-probs as the uncached sampler of the same layout, and as one rank, on every rank."""
     single = run_distributed(_sample_all, 1, cases=((0.0, 1.0), (0.8, 0.9)))[0]
-    for nproc, layout in ((2, dict(pp=2)), (4, dict(tp=2, pp=2))):
+    for nproc, layout in ((2, dict(pp=2)), (2, dict(pp=2, vpp=2)), (4, dict(tp=2, pp=2))):
         results = run_distributed(_sample_all, nproc, cases=((0.0, 1.0), (0.8, 0.9)), **layout)
         for rank, rank_results in enumerate(results):
             _check(rank_results)
@@ -183,32 +185,14 @@ def test_mixed_length_cached_batches_under_sequence_parallelism():
                                            rtol=0, atol=1e-5)
 
 
-def test_cache_refused_with_several_model_chunks():
-    """Virtual pipeline chunks cannot use the cache: an error, never a silent fallback."""
-    from megatron_prune.grpo.rollout import SamplingSettings, generate
-
-    settings = SamplingSettings(max_new_tokens=2, eos_id=2, pad_id=0, vocab_size=16, seed=0, kv_cache=True)
-    with pytest.raises(ValueError, match="one model chunk per rank"):
-        generate(model=[torch.nn.Identity(), torch.nn.Identity()], prompts=[(0, (1, 2))], group_size=1,
-                 settings=settings, step=0)
-
-
-def test_cli_refuses_kv_cache_under_virtual_pipeline_only(monkeypatch, capsys):
+def test_cli_accepts_kv_cache_under_pipeline_and_sequence_parallelism(monkeypatch):
     from megatron_prune.grpo.__main__ import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    argv = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
-            "--micro-batch-size", "4", "--pipeline-model-parallel-size", "2", "--kv-cache", "--dry-run"]
-    assert main(argv) == 0  # pipeline stages keep their own caches
-    argv += ["--virtual-pipeline-model-parallel-size", "2"]
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    assert "--kv-cache needs one model chunk per rank" in capsys.readouterr().err
-    assert main([a for a in argv if a != "--kv-cache"]) == 0  # the same layout without the cache is fine
-    # Sequence parallelism is switched off for the cached forwards (a decoding step has one token).
-    argv = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
-            "--micro-batch-size", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--kv-cache",
-            "--dry-run"]
-    assert main(argv) == 0
+    base = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy", "--global-batch-size", "4",
+            "--micro-batch-size", "4", "--kv-cache", "--dry-run"]
+    for layout in (["--pipeline-model-parallel-size", "2"],
+                   ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+                   ["--tensor-model-parallel-size", "2", "--sequence-parallel"]):
+        assert main(base + layout) == 0, layout
