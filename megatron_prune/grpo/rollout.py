@@ -261,30 +261,38 @@ def generate(
     return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
 
 
+_SEQUENCE_PARALLEL_FLAGS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
 @contextmanager
 def _sequence_parallel_off(model: list[torch.nn.Module]):
-    """The model without sequence parallelism while the block runs, as Megatron-Core's own inference
-    controller does it (``set_model_to_sequence_parallel``): a decoding step feeds one token per row,
-    which cannot be split over the TP ranks. Column- and row-parallel linears then all-reduce
-    instead of gathering and reduce-scattering, which gives the same sums; MoE layers outside
-    training accept it too. The switch is restored afterwards, also on error."""
+    """The model without sequence parallelism while the block runs, as Megatron-Core's inference
+    controller switches it (the config and the same per-module flags): a decoding step feeds one
+    token per row, which cannot be split over the TP ranks. Column- and row-parallel linears then
+    all-reduce instead of gathering and reduce-scattering, which gives the same sums; MoE layers
+    outside training accept it too. Every flag gets its own value back afterwards, also on error.
+    (Megatron-Core's ``set_model_to_sequence_parallel`` caches the modules by ``id(model)``, which
+    a later model can reuse once the first is freed, so the flags are collected here each time.)"""
     chunks = []
     for chunk in model:
         while hasattr(chunk, "module"):  # DDP, Float16Module
             chunk = chunk.module
         chunks.append(chunk)
-    if not chunks[0].config.sequence_parallel:
+    config = chunks[0].config
+    if not config.sequence_parallel:
         yield
         return
-    from megatron.core.transformer.utils import set_model_to_sequence_parallel
-
-    for chunk in chunks:
-        set_model_to_sequence_parallel(chunk, False)
+    saved = [(module, flag, module.__dict__[flag]) for chunk in chunks for module in chunk.modules()
+             for flag in _SEQUENCE_PARALLEL_FLAGS if flag in module.__dict__]
+    config.sequence_parallel = False
+    for module, flag, _ in saved:
+        setattr(module, flag, False)
     try:
         yield
     finally:
-        for chunk in chunks:
-            set_model_to_sequence_parallel(chunk, True)
+        config.sequence_parallel = True
+        for module, flag, value in saved:
+            setattr(module, flag, value)
 
 
 def _cache_parts(model: list[torch.nn.Module]) -> int:

@@ -217,8 +217,8 @@ MUTANTS: list[dict] = [
         "why": "the KV-cached sampler switches sequence parallelism off for its forwards and leaves it off: "
                "every later training pass all-reduces full sequences instead of splitting them",
         "file": "megatron_prune/grpo/rollout.py",
-        "old": "set_model_to_sequence_parallel(chunk, True)",
-        "new": "pass",
+        "old": "            setattr(module, flag, value)",
+        "new": "            pass",
         "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_under_sequence_parallelism"],
     },
     {
