@@ -1,9 +1,18 @@
-"""Shared fixtures: GPU skip, temporary directories."""
+"""Shared fixtures: GPU skip, temporary directories; Ctrl-C as Python handles it."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # A shell without job control starts background commands with SIGINT ignored, and every
+    # process the tests start would inherit that; the Ctrl-C tests need Python's own handler.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
