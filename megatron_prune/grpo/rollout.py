@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.utils import unwrap_model
 
 from megatron_prune.training.parallel import expert_parallel_max, schedule_microbatches
 from megatron_prune.training.step import run_schedule
@@ -273,11 +274,7 @@ def _sequence_parallel_off(model: list[torch.nn.Module]):
     outside training accept it too. Every flag gets its own value back afterwards, also on error.
     (Megatron-Core's ``set_model_to_sequence_parallel`` caches the modules by ``id(model)``, which
     a later model can reuse once the first is freed, so the flags are collected here each time.)"""
-    chunks = []
-    for chunk in model:
-        while hasattr(chunk, "module"):  # DDP, Float16Module
-            chunk = chunk.module
-        chunks.append(chunk)
+    chunks = unwrap_model(model)
     config = chunks[0].config
     if not config.sequence_parallel:
         yield

@@ -8,8 +8,8 @@ turn, and the last two mixed per pair. The parallel layouts (TP=2, TP=2+SP, PP=2
 virtual stages, DP=2, TP=2 x PP=2) equal the single rank; under PP the pruned responses on stored
 keys run on every stage and ride to the next one as extra rows of the p2p tensor. Packed rows
 (``--dpo-pack-rows``: each microbatch's rows end to end in one row) equal the padded rows in both
-segment layouts and every scheme. The shared layout against the independent plain-PyTorch reference, and branch pruning's unbiasedness in it,
-are in ``test_dpo_objective.py``.
+segment layouts and every scheme. The shared layout against the independent plain-PyTorch
+reference, and branch pruning's unbiasedness in it, are in ``test_dpo_objective.py``.
 """
 
 from __future__ import annotations
