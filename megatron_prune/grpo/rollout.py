@@ -117,31 +117,55 @@ def completion_seed(*, seed: int, step: int, prompt_id: Hashable, index: int) ->
     return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"mp.rollout").digest(), "little") >> 1
 
 
+_SAMPLING_CHUNK_ELEMENTS = 1 << 22  # float64 elements per chunk of rows (32 MiB per temporary)
+
+
 def sample_from_logits(
     logits: torch.Tensor, generators: Sequence[torch.Generator], *, temperature: float, top_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``logits [n, V]``; return ``(tokens [n], sampling log-probs [n])``."""
-    logits = logits.detach().to(torch.float64)
+    """Draw one token per row of ``logits [n, V]``; return ``(tokens [n], sampling log-probs [n])``.
+
+    Row r draws one float64 uniform from ``generators[r]`` and inverts its CDF. The rows are drawn
+    together (in chunks of rows for large vocabularies), each exactly as it would be alone."""
+    logits = logits.detach()
     if temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.to(torch.float64).argmax(dim=-1)
         return tokens, torch.zeros(len(tokens), dtype=torch.float32)
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    assert len(generators) == logits.shape[0], (len(generators), logits.shape)
+    rows = max(1, _SAMPLING_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     tokens, logprobs = [], []
-    for row, generator in zip(logp, generators):
-        probs = row.exp()
-        order = None
-        if top_p < 1.0:
-            probs, order = probs.sort(descending=True, stable=True)
-            keep = probs.cumsum(0) - probs < top_p  # the first token is always kept
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-        cdf = probs.cumsum(0)
-        u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-        pick = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
-        while probs[pick] == 0:  # guard against u landing on a zero-width bin at the end
-            pick -= 1
-        logprobs.append(math.log(probs[pick].item() / cdf[-1].item()))
-        tokens.append(int(order[pick]) if order is not None else pick)
-    return torch.tensor(tokens, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32)
+    for start in range(0, logits.shape[0], rows):
+        t, lp = _inverse_cdf_draws(logits[start : start + rows], generators[start : start + rows],
+                                   temperature=temperature, top_p=top_p)
+        tokens.append(t)
+        logprobs.append(lp)
+    if not tokens:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float32)
+    return torch.cat(tokens), torch.cat(logprobs)
+
+
+def _inverse_cdf_draws(
+    logits: torch.Tensor, generators: Sequence[torch.Generator], *, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.log_softmax(logits.to(torch.float64) / temperature, dim=-1).exp()
+    order = None
+    if top_p < 1.0:
+        probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        keep = probs.cumsum(-1) - probs < top_p  # the first token is always kept
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])[:, None] * total
+    pick = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
+    while True:  # guard against u landing on a zero-width bin at the end
+        empty = probs.gather(-1, pick) == 0
+        if not empty.any():
+            break
+        pick -= empty.long()
+    chosen = probs.gather(-1, pick)[:, 0].tolist()
+    logprobs = [math.log(c / t) for c, t in zip(chosen, total[:, 0].tolist())]
+    tokens = order.gather(-1, pick) if order is not None else pick
+    return tokens[:, 0].cpu(), torch.tensor(logprobs, dtype=torch.float32)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -17,6 +17,7 @@ UNBIASED_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_dppo_gradient_is_unb
 MINIBATCHES = f"{OBJECTIVE}::test_minibatch_updates_use_the_rollout_policy_as_old_and_the_minibatch_normaliser"
 SEQUENCE = f"{OBJECTIVE}::test_sequence_normalisation_is_the_mean_over_each_completion"
 TOP_P = "tests/unit/grpo/test_top_p.py"
+SAMPLER_REFERENCE = "tests/unit/grpo/test_sampler.py::test_batched_draws_equal_one_row_at_a_time"
 TOP_P_NUCLEUS = f"{TOP_P}::test_top_p_samples_the_renormalised_nucleus"
 TOP_P_ABOVE = f"{TOP_P}::test_top_token_above_top_p_is_always_drawn"
 CLIP_FRACTION = "tests/unit/grpo/test_loss.py::test_clip_fraction_uses_eps_low_below_and_eps_high_above"
@@ -231,11 +232,29 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_under_pipeline_parallelism"],
     },
     {
+        "name": "sampler-chunks-reuse-the-first-generators",
+        "why": "when a decoding step's rows are sampled in several chunks, every chunk draws from the first "
+               "chunk's generators: a row's token depends on how many rows share the step",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "generators[start : start + rows],",
+        "new": "generators[0 : rows],",
+        "tests": [SAMPLER_REFERENCE],
+    },
+    {
+        "name": "sampler-uniform-not-scaled-by-the-nucleus-mass",
+        "why": "the uniform is not scaled by the kept mass, so under top-p a draw beyond the nucleus falls on "
+               "its last token far more often than it should",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "for g in generators])[:, None] * total",
+        "new": "for g in generators])[:, None]",
+        "tests": [SAMPLER_REFERENCE],
+    },
+    {
         "name": "top-p-sorts-ascending",
         "why": "the nucleus is built from the least likely tokens (probabilities sorted ascending)",
         "file": "megatron_prune/grpo/rollout.py",
-        "old": "probs, order = probs.sort(descending=True, stable=True)",
-        "new": "probs, order = probs.sort(descending=False, stable=True)",
+        "old": "probs, order = probs.sort(dim=-1, descending=True, stable=True)",
+        "new": "probs, order = probs.sort(dim=-1, descending=False, stable=True)",
         "tests": [TOP_P_NUCLEUS],
     },
     {
@@ -243,16 +262,16 @@ MUTANTS: list[dict] = [
         "why": "the token whose cumulative mass crosses top_p is dropped (empty nucleus when the top token alone "
                "exceeds top_p)",
         "file": "megatron_prune/grpo/rollout.py",
-        "old": "keep = probs.cumsum(0) - probs < top_p",
-        "new": "keep = probs.cumsum(0) < top_p",
+        "old": "keep = probs.cumsum(-1) - probs < top_p",
+        "new": "keep = probs.cumsum(-1) < top_p",
         "tests": [TOP_P_NUCLEUS, TOP_P_ABOVE],
     },
     {
         "name": "top-p-logprob-not-renormalised",
         "why": "the returned sampling log-prob is the full-softmax one, not renormalised over the nucleus",
         "file": "megatron_prune/grpo/rollout.py",
-        "old": "logprobs.append(math.log(probs[pick].item() / cdf[-1].item()))",
-        "new": "logprobs.append(math.log(probs[pick].item()))",
+        "old": "logprobs = [math.log(c / t) for c, t in zip(chosen, total[:, 0].tolist())]",
+        "new": "logprobs = [math.log(c) for c, t in zip(chosen, total[:, 0].tolist())]",
         "tests": [TOP_P_NUCLEUS, TOP_P_ABOVE],
     },
     {
