@@ -14,7 +14,9 @@ because a tensor flows unchanged through Megatron's transformer block, its full 
 pipeline stage, while a Python object or a global would not survive recomputation in a
 backward pass that runs after other microbatches' forwards. Any other ``attention_mask`` (a
 dense bool mask, or None for causal) goes to the parent class unchanged, so without segments
-the layer is Megatron's own attention, bit for bit.
+the layer is Megatron's own attention, bit for bit — except a single query per row with no mask
+outside training (KV-cached decoding), which :class:`SegmentAttention` computes per key/value
+group instead of copying the cache for every query head (:mod:`~megatron_prune.model.decode_attention`).
 
 Paths: on CPU (and in fp32) PyTorch's ``scaled_dot_product_attention`` on padded groups of
 similar-length segments, one call per group (fp16/bf16 inputs are computed in fp32, as Megatron's
@@ -51,6 +53,7 @@ import torch
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from megatron_prune.model.decode_attention import single_query_attention
 from megatron_prune.model.segments import TABLE_FIELDS, Segment, SegmentLayout
 
 __all__ = [
@@ -370,7 +373,23 @@ class SegmentAttentionMixin:
 
 
 class SegmentAttention(SegmentAttentionMixin, DotProductAttention):
-    """Megatron's ``DotProductAttention`` (local layer spec) with the segment path."""
+    """Megatron's ``DotProductAttention`` (local layer spec) with the segment path, and with
+    :func:`~megatron_prune.model.decode_attention.single_query_attention` for a single unmasked
+    query per row outside training (KV-cached decoding)."""
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is None and query.shape[0] == 1 and self._plain_decoding(args, kwargs):
+            return single_query_attention(query, key, value, softmax_scale=self.softmax_scale,
+                                          softmax_in_fp32=bool(self.config.attention_softmax_in_fp32))
+        return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+    def _plain_decoding(self, args, kwargs) -> bool:
+        """Whether Megatron would compute plain softmax attention with no mask, no dropout, no bias."""
+        config = self.config
+        return (not self.training and len(args) <= 1 and kwargs.get("attention_bias") is None
+                and kwargs.get("packed_seq_params") is None and config.window_size is None
+                and not config.apply_query_key_layer_scaling
+                and getattr(config, "softmax_type", "vanilla") == "vanilla")
 
 
 _SEGMENT_CLASSES: dict[type, type] = {DotProductAttention: SegmentAttention}

@@ -247,6 +247,24 @@ MUTANTS: list[dict] = [
         "tests": ["tests/e2e/test_grpo_cli.py::test_dry_run_and_bad_flags"],
     },
     {
+        "name": "decode-attention-heads-take-groups-round-robin",
+        "why": "the one-query decoding path gives query head h the key/value group h % ng instead of "
+               "h // (np / ng): with grouped-query attention every cached token is decoded against the "
+               "wrong heads' keys",
+        "file": "megatron_prune/model/decode_attention.py",
+        "old": "q = query.reshape(b, ng, np_ // ng, hn).to(compute)",
+        "new": "q = query.reshape(b, np_ // ng, ng, hn).transpose(1, 2).to(compute)",
+        "tests": ["tests/unit/model/test_decode_attention.py::test_equals_plain_attention_over_repeated_groups"],
+    },
+    {
+        "name": "decode-attention-in-training",
+        "why": "the decoding path also runs in training mode, where Megatron's attention applies dropout",
+        "file": "megatron_prune/model/segment_attention.py",
+        "old": "return (not self.training and len(args) <= 1",
+        "new": "return (len(args) <= 1",
+        "tests": ["tests/unit/model/test_decode_attention.py::test_local_core_attention_decodes_per_group_and_matches_megatron"],
+    },
+    {
         "name": "segment-causal-not-offset-by-prefix",
         "why": "segment attention's causal mask counts key positions from the start of [prefix ; own] "
                "instead of after the prefix: a response sees the wrong own keys (or too few) whenever "
