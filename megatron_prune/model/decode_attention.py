@@ -1,20 +1,32 @@
-"""Attention of one new token per row over a KV cache, without copying the cache per query head.
+"""KV-cached decoding without per-token work over the whole cache beyond the attention itself.
 
-Megatron's local ``DotProductAttention`` repeats every key/value group ``np / ng`` times
+:func:`single_query_attention`: attention of one new token per row over a KV cache, without
+copying the cache per query head. Megatron's local ``DotProductAttention`` repeats every key/value group ``np / ng`` times
 (``repeat_interleave``) before two batched matmuls. In KV-cached decoding that copies the whole
 cache on every token, and on CPU the copies and the strided matmuls are most of a decoding step.
 With one query per row, the ``np / ng`` query heads of a group can instead act as that group's
 queries: ``[b, ng, np / ng, hn]`` against the group's own keys ``[b, ng, sk, hn]``. No mask is
 needed: one query attends every cached key (Megatron applies no mask there either), and the
 sampler never caches padding a row could attend to. The result equals Megatron's up to float
-rounding (tests/unit/test_decode_attention.py).
+rounding (tests/unit/model/test_decode_attention.py).
+
+:class:`RotatedKeyCacheSelfAttention`: a static KV cache of keys with their rotary embedding
+already applied, so a decoding step rotates its own new keys only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-__all__ = ["single_query_attention"]
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.transformer.attention import SelfAttention
+
+__all__ = ["RotatedKeyCacheSelfAttention", "single_query_attention", "with_rotated_key_cache"]
 
 
 def single_query_attention(
@@ -33,3 +45,40 @@ def single_query_attention(
     v = value.permute(1, 2, 0, 3).to(compute)
     context = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=softmax_scale)  # [b, ng, np/ng, hn]
     return context.to(query.dtype).reshape(1, b, np_ * hn)
+
+
+class RotatedKeyCacheSelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` whose static KV cache holds keys with their rotary embedding
+    applied.
+
+    Megatron's static-batching path caches keys before the rotary embedding and rotates the whole
+    cached prefix again on every forward (positions ``0 .. end``), which costs as much as the
+    attention itself while decoding. Here each forward rotates only its own new keys, at their
+    positions, before they are stored, and tells the forward that the keys are rotated. The
+    rotation is elementwise per position, so the cached keys, and every output, are the same bits
+    as Megatron's. Other paths (no cache, dynamic batching, flash decoding) are Megatron's own.
+    """
+
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, *args,
+                                        inference_params=None, **kwargs):
+        context = inference_context if inference_context is not None else inference_params
+        if (context is None or not context.is_static_batching() or self.config.flash_decode
+                or rotary_pos_emb is None or rotary_pos_emb[1] is None):
+            return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
+                                                           *args, inference_params=inference_params, **kwargs)
+        start = context.sequence_len_offset
+        key = apply_rotary_pos_emb(key, rotary_pos_emb[1][start : start + key.size(0)], config=self.config,
+                                   mscale=_yarn_get_concentration_factor_from_config(self.config),
+                                   cp_group=self.pg_collection.cp)
+        query, key, value, (q_pos_emb, _), attn_mask_type, block_table = super()._adjust_key_value_for_inference(
+            context, query, key, value, rotary_pos_emb, *args, **kwargs)
+        return query, key, value, (q_pos_emb, None), attn_mask_type, block_table
+
+
+def with_rotated_key_cache(layer_spec):
+    """A transformer-layer ``ModuleSpec`` whose ``SelfAttention`` is :class:`RotatedKeyCacheSelfAttention`."""
+    attn = layer_spec.submodules.self_attention
+    if attn.module is not SelfAttention:
+        return layer_spec
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, self_attention=dataclasses.replace(attn, module=RotatedKeyCacheSelfAttention)))

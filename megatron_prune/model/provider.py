@@ -20,6 +20,7 @@ from megatron_prune.config import FULL_RECOMPUTE
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.model.norm import RMSNorm
 from megatron_prune.model.swiglu import SwiGLU
+from megatron_prune.model.decode_attention import with_rotated_key_cache
 from megatron_prune.model.segment_attention import with_segment_attention
 
 # The embedding is padded to a multiple of this, independent of TP, so that one checkpoint
@@ -148,7 +149,7 @@ def _local_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int 
         mlp = sub.mlp
         sub = dataclasses.replace(sub, mlp=dataclasses.replace(
             mlp, submodules=dataclasses.replace(mlp.submodules, activation_func=ModuleSpec(module=SwiGLU))))
-    layer_spec = with_segment_attention(dataclasses.replace(layer_spec, submodules=sub))
+    layer_spec = with_rotated_key_cache(with_segment_attention(dataclasses.replace(layer_spec, submodules=sub)))
     n_local = get_num_layers_to_build(config, vp_stage=vp_stage)
     layer_specs = [layer_spec] * n_local
     if arch.is_moe:
@@ -165,7 +166,8 @@ def _te_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int | N
         config, use_transformer_engine=True, normalization="RMSNorm", qk_layernorm=arch.qk_norm, vp_stage=vp_stage
     )
     # Transformer-Engine's core attention gains the segment path (flash varlen); untested without a GPU.
-    return dataclasses.replace(spec, layer_specs=[with_segment_attention(layer) for layer in spec.layer_specs])
+    return dataclasses.replace(
+        spec, layer_specs=[with_rotated_key_cache(with_segment_attention(layer)) for layer in spec.layer_specs])
 
 
 def build_model_chunks(arch: ModelArch, parallel: ParallelConfig) -> list[torch.nn.Module]:

@@ -257,6 +257,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/model/test_decode_attention.py::test_equals_plain_attention_over_repeated_groups"],
     },
     {
+        "name": "rotated-key-cache-stores-unrotated-keys",
+        "why": "the static KV cache stores keys without their rotary embedding while the forward is told they "
+               "are rotated: every cached key attends as if it sat at position 0",
+        "file": "megatron_prune/model/decode_attention.py",
+        "old": "key = apply_rotary_pos_emb(key, rotary_pos_emb[1][start : start + key.size(0)],",
+        "new": "key = apply_rotary_pos_emb(key, 0 * rotary_pos_emb[1][start : start + key.size(0)],",
+        "tests": ["tests/unit/model/test_decode_attention.py::test_rotated_key_cache_gives_megatrons_bits"],
+    },
+    {
         "name": "decode-attention-in-training",
         "why": "the decoding path also runs in training mode, where Megatron's attention applies dropout",
         "file": "megatron_prune/model/segment_attention.py",

@@ -110,3 +110,55 @@ def test_local_core_attention_decodes_per_group_and_matches_megatron():
     assert_close(out["decoding"].double(), reference(*out["inputs"], out["scale"]), rtol=1e-5, atol=1e-6)
     assert_close(out["training"], out["megatron"], rtol=0, atol=0)
     assert_close(out["prefill"], out["prefill_megatron"], rtol=0, atol=0)
+
+
+def _cached_logits(rotated: bool) -> dict:
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.transformer.attention import SelfAttention
+
+    from megatron_prune.model import decode_attention
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    if not rotated:  # Megatron's own path: unrotated keys cached, the whole prefix rotated every forward
+        decode_attention.RotatedKeyCacheSelfAttention._adjust_key_value_for_inference = (
+            SelfAttention._adjust_key_value_for_inference)
+    with model_parallel(ParallelConfig(), seed=11):
+        model = setup_model(get_preset("tiny"), ParallelConfig(), seed=11)[0]
+        attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
+        model.eval()
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(3, 500, (3, 12), generator=g)
+        context = StaticInferenceContext(3, 12)
+        logits = []
+        with torch.no_grad():
+            prefill = 5
+            out = model(tokens[:, :prefill], torch.arange(prefill).expand(3, prefill), None,
+                        inference_context=context, runtime_gather_output=True)
+            logits.append(out)
+            context.sequence_len_offset += prefill
+            context.enable_decode_mode()
+            for position in range(prefill, 12):
+                out = model(tokens[:, position : position + 1], torch.full((3, 1), position), None,
+                            inference_context=context, runtime_gather_output=True)
+                logits.append(out)
+                context.sequence_len_offset += 1
+            full = model(tokens, torch.arange(12).expand(3, 12), None)  # no cache: a plain causal forward
+    # The prefill returns its last position's logits only.
+    return {"cached": torch.cat(logits, dim=1), "uncached": full[:, prefill - 1 :],
+            "classes": sorted({type(m).__name__ for m in attentions}),
+            "first_key": context.key_value_memory_dict[1][0].clone()}
+
+
+def test_rotated_key_cache_gives_megatrons_bits():
+    ours = run_distributed(_cached_logits, world_size=1, rotated=True)[0]
+    megatron = run_distributed(_cached_logits, world_size=1, rotated=False)[0]
+    assert ours["classes"] == ["RotatedKeyCacheSelfAttention"]
+    assert torch.equal(ours["cached"], megatron["cached"])
+    assert_close(ours["cached"], ours["uncached"], rtol=1e-4, atol=1e-5)
+    # What is cached differs: rotated keys here, unrotated ones in Megatron's path (position 0 is
+    # rotated by angle 0, so only the later positions tell them apart).
+    assert torch.equal(ours["first_key"][0], megatron["first_key"][0])
+    assert not torch.equal(ours["first_key"][1:12], megatron["first_key"][1:12])
