@@ -49,7 +49,7 @@ def single_query_attention(
 
 class RotatedKeyCacheSelfAttention(SelfAttention):
     """Megatron's ``SelfAttention`` whose static KV cache holds keys with their rotary embedding
-    applied.
+    applied (and, with the local core attention, is laid out for :func:`single_query_attention`).
 
     Megatron's static-batching path caches keys before the rotary embedding and rotates the whole
     cached prefix again on every forward (positions ``0 .. end``), which costs as much as the
@@ -58,6 +58,16 @@ class RotatedKeyCacheSelfAttention(SelfAttention):
     rotation is elementwise per position, so the cached keys, and every output, are the same bits
     as Megatron's. Other paths (no cache, dynamic batching, flash decoding) are Megatron's own.
     """
+
+    def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
+        """Megatron's ``[seq, batch, groups, dim]`` cache; for the local core attention stored batch-
+        and group-major, so each row's keys of one group are contiguous for the per-group decoding
+        attention (Megatron indexes the cache by slices only, which work with any strides)."""
+        if not getattr(self.core_attention, "decodes_per_group", False):
+            return super()._allocate_memory(inference_max_sequence_length, batch_size, dim, dtype)
+        storage = torch.empty(batch_size, self.num_query_groups_per_partition, inference_max_sequence_length, dim,
+                              dtype=dtype, device=next(self.parameters()).device)
+        return storage.permute(2, 0, 1, 3)
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, *args,
                                         inference_params=None, **kwargs):

@@ -377,6 +377,9 @@ class SegmentAttention(SegmentAttentionMixin, DotProductAttention):
     :func:`~megatron_prune.model.decode_attention.single_query_attention` for a single unmasked
     query per row outside training (KV-cached decoding)."""
 
+    decodes_per_group = True
+    """Read by the self-attention's KV cache, which is then laid out for the per-group path."""
+
     def forward(self, query, key, value, attention_mask, *args, **kwargs):
         if attention_mask is None and query.shape[0] == 1 and self._plain_decoding(args, kwargs):
             return single_query_attention(query, key, value, softmax_scale=self.softmax_scale,

@@ -266,6 +266,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/model/test_decode_attention.py::test_rotated_key_cache_gives_megatrons_bits"],
     },
     {
+        "name": "kv-cache-sequence-major",
+        "why": "the KV cache for the per-group decoding path is stored sequence-major, so every decoding "
+               "step reads each row's keys scattered over the whole cache",
+        "file": "megatron_prune/model/decode_attention.py",
+        "old": "        return storage.permute(2, 0, 1, 3)\n",
+        "new": "        return storage.permute(2, 0, 1, 3).contiguous()\n",
+        "tests": ["tests/unit/model/test_decode_attention.py::test_rotated_key_cache_gives_megatrons_bits"],
+    },
+    {
         "name": "decode-attention-in-training",
         "why": "the decoding path also runs in training mode, where Megatron's attention applies dropout",
         "file": "megatron_prune/model/segment_attention.py",

@@ -112,7 +112,9 @@ def test_local_core_attention_decodes_per_group_and_matches_megatron():
     assert_close(out["prefill"], out["prefill_megatron"], rtol=0, atol=0)
 
 
-def _cached_logits(rotated: bool) -> dict:
+def _cached_logits(rotated: bool, kv_heads: int) -> dict:
+    import dataclasses
+
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.transformer.attention import SelfAttention
 
@@ -126,7 +128,8 @@ def _cached_logits(rotated: bool) -> dict:
         decode_attention.RotatedKeyCacheSelfAttention._adjust_key_value_for_inference = (
             SelfAttention._adjust_key_value_for_inference)
     with model_parallel(ParallelConfig(), seed=11):
-        model = setup_model(get_preset("tiny"), ParallelConfig(), seed=11)[0]
+        arch = dataclasses.replace(get_preset("tiny"), num_key_value_heads=kv_heads)
+        model = setup_model(arch, ParallelConfig(), seed=11)[0]
         attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
         model.eval()
         g = torch.Generator().manual_seed(3)
@@ -152,9 +155,10 @@ def _cached_logits(rotated: bool) -> dict:
             "first_key": context.key_value_memory_dict[1][0].clone()}
 
 
-def test_rotated_key_cache_gives_megatrons_bits():
-    ours = run_distributed(_cached_logits, world_size=1, rotated=True)[0]
-    megatron = run_distributed(_cached_logits, world_size=1, rotated=False)[0]
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query and plain multi-head attention
+def test_rotated_key_cache_gives_megatrons_bits(kv_heads):
+    ours = run_distributed(_cached_logits, world_size=1, rotated=True, kv_heads=kv_heads)[0]
+    megatron = run_distributed(_cached_logits, world_size=1, rotated=False, kv_heads=kv_heads)[0]
     assert ours["classes"] == ["RotatedKeyCacheSelfAttention"]
     assert torch.equal(ours["cached"], megatron["cached"])
     assert_close(ours["cached"], ours["uncached"], rtol=1e-4, atol=1e-5)
@@ -162,3 +166,5 @@ def test_rotated_key_cache_gives_megatrons_bits():
     # rotated by angle 0, so only the later positions tell them apart).
     assert torch.equal(ours["first_key"][0], megatron["first_key"][0])
     assert not torch.equal(ours["first_key"][1:12], megatron["first_key"][1:12])
+    # The cache is stored row- and group-major: one row's keys of one group are contiguous.
+    assert ours["first_key"].permute(1, 2, 0, 3).is_contiguous()
