@@ -41,14 +41,6 @@ _cpu(
     ('device="cuda"', 'device="cpu"'),
 )
 
-# --- KV cache of the static inference context (GRPO rollout, --kv-cache) ------------------------
-_cpu(
-    "Attention._allocate_memory",
-    "megatron.core.transformer.attention.Attention._allocate_memory",
-    "the inference KV-cache buffers are allocated on torch.cuda.current_device()",
-    (_CUR, '"cpu"'),
-)
-
 # --- tensor-parallel communication buffers ---------------------------------------------------
 # gloo all-gathers equal shapes only: an uneven gather (the MoE token dispatchers at TP > 1) is
 # gathered padded to the largest piece, then each piece is copied out.

@@ -26,9 +26,11 @@ the hidden states), each stage caches its own layers, and the last stage's draws
 as in the uncached sampler; under the interleaved schedule, which runs microbatches in groups of
 one per stage, the batch is split into that many microbatches, each with its own cache. Under
 sequence parallelism the cached forwards run with it switched off (a decoding step has one token
-per row) and the training passes with it on. On CPU the cache is allocated through the
-``cpu.Attention._allocate_memory`` patch. Same generators, same draws: the cached and uncached
-samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
+per row) and the training passes with it on. The model's self-attention
+(:class:`~megatron_prune.model.decode_attention.RotatedKeyCacheSelfAttention`) allocates the cache
+on its own device, caches keys with their rotary embedding applied and, with the local layer spec,
+lays the cache out for attention per key/value group. Same generators, same draws: the cached and
+uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
 
 Under expert parallelism the ranks of an expert-parallel group (data-parallel ranks with their
 own prompts) must run every MoE forward together. So, only then, the data-parallel ranks agree

@@ -1,17 +1,18 @@
 """KV-cached decoding without per-token work over the whole cache beyond the attention itself.
 
-:func:`single_query_attention`: attention of one new token per row over a KV cache, without
-copying the cache per query head. Megatron's local ``DotProductAttention`` repeats every key/value group ``np / ng`` times
-(``repeat_interleave``) before two batched matmuls. In KV-cached decoding that copies the whole
-cache on every token, and on CPU the copies and the strided matmuls are most of a decoding step.
-With one query per row, the ``np / ng`` query heads of a group can instead act as that group's
-queries: ``[b, ng, np / ng, hn]`` against the group's own keys ``[b, ng, sk, hn]``. No mask is
-needed: one query attends every cached key (Megatron applies no mask there either), and the
-sampler never caches padding a row could attend to. The result equals Megatron's up to float
+:func:`single_query_attention` attends one new token per row over a KV cache without copying the
+cache per query head. Megatron's local ``DotProductAttention`` repeats every key/value group
+``np / ng`` times (``repeat_interleave``) before two batched matmuls; in KV-cached decoding that
+copies the whole cache on every token, and on CPU the copies and the strided matmuls are most of a
+decoding step. With one query per row, the ``np / ng`` query heads of a group can instead act as
+that group's queries: ``[b, ng, np / ng, hn]`` against the group's own keys ``[b, ng, sk, hn]``.
+No mask is needed: one query attends every cached key (Megatron applies no mask there either), and
+the sampler never caches padding a row could attend to. The result equals Megatron's up to float
 rounding (tests/unit/model/test_decode_attention.py).
 
-:class:`RotatedKeyCacheSelfAttention`: a static KV cache of keys with their rotary embedding
-already applied, so a decoding step rotates its own new keys only.
+:class:`RotatedKeyCacheSelfAttention` caches keys with their rotary embedding applied, so a
+decoding step rotates its own new keys only, and allocates the cache on the layer's device, laid
+out for :func:`single_query_attention` when the core attention uses it.
 """
 
 from __future__ import annotations
@@ -60,14 +61,15 @@ class RotatedKeyCacheSelfAttention(SelfAttention):
     """
 
     def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
-        """Megatron's ``[seq, batch, groups, dim]`` cache; for the local core attention stored batch-
-        and group-major, so each row's keys of one group are contiguous for the per-group decoding
-        attention (Megatron indexes the cache by slices only, which work with any strides)."""
+        """Megatron's ``[seq, batch, groups, dim]`` cache, on the layer's own device (Megatron's
+        allocates on the current CUDA device). For the local core attention it is stored batch- and
+        group-major, so each row's keys of one group are contiguous for the per-group decoding
+        attention; Megatron indexes the cache by slices only, which work with any strides."""
+        shape = (inference_max_sequence_length, batch_size, self.num_query_groups_per_partition, dim)
+        device = next(self.parameters()).device
         if not getattr(self.core_attention, "decodes_per_group", False):
-            return super()._allocate_memory(inference_max_sequence_length, batch_size, dim, dtype)
-        storage = torch.empty(batch_size, self.num_query_groups_per_partition, inference_max_sequence_length, dim,
-                              dtype=dtype, device=next(self.parameters()).device)
-        return storage.permute(2, 0, 1, 3)
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty((batch_size, shape[2], shape[0], dim), dtype=dtype, device=device).permute(2, 0, 1, 3)
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, *args,
                                         inference_params=None, **kwargs):

@@ -270,8 +270,8 @@ MUTANTS: list[dict] = [
         "why": "the KV cache for the per-group decoding path is stored sequence-major, so every decoding "
                "step reads each row's keys scattered over the whole cache",
         "file": "megatron_prune/model/decode_attention.py",
-        "old": "        return storage.permute(2, 0, 1, 3)\n",
-        "new": "        return storage.permute(2, 0, 1, 3).contiguous()\n",
+        "old": "        return torch.empty((batch_size, shape[2], shape[0], dim), dtype=dtype, device=device).permute(2, 0, 1, 3)\n",
+        "new": "        return torch.empty(shape, dtype=dtype, device=device)\n",
         "tests": ["tests/unit/model/test_decode_attention.py::test_rotated_key_cache_gives_megatrons_bits"],
     },
     {
