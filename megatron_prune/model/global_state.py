@@ -12,11 +12,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import unwrap_model
+
 from megatron_prune.model.init import iter_sharded_tensors
-
-
-def _unwrap(chunk):
-    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 @contextlib.contextmanager
@@ -25,7 +23,7 @@ def _params_hold(chunks, source: str) -> Iterator[None]:
     stash = []
     with torch.no_grad():
         for chunk in chunks:
-            for p in _unwrap(chunk).parameters():
+            for p in unwrap_model(chunk).parameters():
                 value = getattr(p, source, None)
                 if value is None:
                     value = torch.zeros_like(p)
@@ -54,7 +52,7 @@ def gather_global_state(chunks, *, source: str = "param") -> dict[str, torch.Ten
     pieces = []
     with ctx:
         for chunk in chunks:
-            for sh in iter_sharded_tensors(_unwrap(chunk).sharded_state_dict()):
+            for sh in iter_sharded_tensors(unwrap_model(chunk).sharded_state_dict()):
                 if sh.data is None or not torch.is_floating_point(sh.data):
                     continue
                 if any(r != 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,))):
@@ -81,7 +79,7 @@ def replica_differences(chunks) -> list[str]:
     the same sorted list; empty when all copies agree."""
     pieces = []
     for chunk in chunks:
-        for sh in iter_sharded_tensors(_unwrap(chunk).sharded_state_dict()):
+        for sh in iter_sharded_tensors(unwrap_model(chunk).sharded_state_dict()):
             if sh.data is not None and torch.is_floating_point(sh.data):
                 pieces.append((sh.key, tuple(sh.global_offset), sh.data.detach().float().cpu().clone()))
     everyone = _from_every_rank(pieces)

@@ -66,6 +66,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import unwrap_model
 
 from megatron_prune.lora_config import TARGETS, LoRAConfig  # noqa: F401 (re-exported)
 
@@ -215,15 +216,9 @@ class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
 LORA_LINEARS = (LoRAColumnParallelLinear, LoRARowParallelLinear)
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def lora_modules(chunks) -> list[_LoRAMixin]:
     """Every LoRA linear of ``chunks`` (DDP-wrapped or not)."""
-    return [m for c in chunks for m in _unwrap(c).modules() if isinstance(m, LORA_LINEARS)]
+    return [m for c in chunks for m in unwrap_model(c).modules() if isinstance(m, LORA_LINEARS)]
 
 
 def is_lora_model(chunks) -> bool:
@@ -293,7 +288,7 @@ def init_adapters(chunks, *, seed: int) -> None:
     from megatron_prune.model.init import global_slice, iter_sharded_tensors
 
     for chunk in chunks:
-        for sh in iter_sharded_tensors(_unwrap(chunk).sharded_state_dict()):
+        for sh in iter_sharded_tensors(unwrap_model(chunk).sharded_state_dict()):
             if sh.data is None or not sh.key.endswith((".lora_A", ".lora_B")):
                 continue
             p = sh.prepend_axis_num

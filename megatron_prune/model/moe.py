@@ -13,6 +13,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import unwrap_model
+
 from megatron_prune.model.arch import ModelArch
 
 ROUTER_LOSS_NAMES = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
@@ -97,7 +99,7 @@ def pop_router_losses(model, *, num_microbatches: int) -> dict[str, float]:
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    config = _unwrap(model[0]).config
+    config = unwrap_model(model[0]).config
     coeffs = {"moe_aux_loss": config.moe_aux_loss_coeff or 0.0, "moe_z_loss": config.moe_z_loss_coeff or 0.0}
     if not config.num_moe_experts or not any(coeffs.values()):
         return {}
@@ -125,10 +127,6 @@ def pop_router_losses(model, *, num_microbatches: int) -> dict[str, float]:
         out[metric] = coeffs[metric] * float(total) / max(num_microbatches, 1)
     clear_router_losses()
     return out
-
-
-def _unwrap(chunk):
-    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 def add_router_losses(outputs: list[dict], model, *, num_microbatches: int) -> dict[str, float]:

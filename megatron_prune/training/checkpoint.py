@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.core.utils import unwrap_model
+
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.ranks import first_rank
 from megatron_prune.training.parallel import any_rank
@@ -243,13 +245,9 @@ def read_arch(path: str) -> ModelArch:
     return ModelArch.from_dict(read_meta(path)["arch"])
 
 
-def _unwrap(chunk):
-    return chunk.module if hasattr(chunk, "module") else chunk
-
-
 def _model_sharded_state_dict(model: list[torch.nn.Module], *, adapters_only: bool = False) -> dict[str, Any]:
     def chunk_state(chunk) -> dict[str, Any]:
-        state = _unwrap(chunk).sharded_state_dict()
+        state = unwrap_model(chunk).sharded_state_dict()
         # A LoRA checkpoint that records its base (lora_base in meta.json) holds the adapters alone.
         return {k: v for k, v in state.items() if k.endswith((".lora_A", ".lora_B"))} if adapters_only else state
 
@@ -646,10 +644,10 @@ def load_checkpoint(
     except (Exception, CheckpointException) as exc:  # damaged files: many types, torch's a BaseException
         raise CheckpointError(_unreadable(ckpt, "dist/", exc)) from exc
     if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(loaded["model"], strict=False)
+        unwrap_model(model[0]).load_state_dict(loaded["model"], strict=False)
     else:
         for i, chunk in enumerate(model):
-            _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+            unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
     if optimizer is not None:
         loaded_optimizer = loaded["optimizer"]
         if across is not None:  # saved on the other side of the expert split
