@@ -18,9 +18,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_prune.accelerator import get_accelerator
 from megatron_prune.config import FULL_RECOMPUTE
 from megatron_prune.model.arch import ModelArch
+from megatron_prune.model.decode_attention import with_rotated_key_cache
 from megatron_prune.model.norm import RMSNorm
 from megatron_prune.model.swiglu import SwiGLU
-from megatron_prune.model.decode_attention import with_rotated_key_cache
 from megatron_prune.model.segment_attention import with_segment_attention
 
 # The embedding is padded to a multiple of this, independent of TP, so that one checkpoint
