@@ -472,9 +472,12 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
         reference = setup_model(arch, par, seed=seed, trainable=False) if args.kl_beta > 0 else None
         optimizer = build_optimizer(policy, OptimConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad),
                                     bf16=False)
+        max_steps = args.steps if budget_s is None else max(args.steps, int(args.steps * args.max_step_factor))
+        if warmup:
+            max_steps = 1
         configs = {
             "TrainConfig": TrainConfig(global_batch_size=args.prompts, micro_batch_size=args.micro_batch_size,
-                                       seq_length=args.seq_length, seed=seed),
+                                       seq_length=args.seq_length, seed=seed, train_iters=max_steps),
             "GRPOConfig": GRPOConfig(task=args.task, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                                      kl_beta=args.kl_beta, kv_cache=args.kv_cache, temperature=args.temperature,
                                      ppo_epochs=args.ppo_epochs, minibatches=args.minibatches,
@@ -489,9 +492,6 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
             objective.pruner = ZeroVarianceFilter(skip_zero=skip_zero)
         elif mode == "cppo":
             objective.pruner = SmallestAdvantageDrop(args.completion_rate, skip_zero=skip_zero)
-        max_steps = args.steps if budget_s is None else max(args.steps, int(args.steps * args.max_step_factor))
-        if warmup:
-            max_steps = 1
         cum = 0.0
         records_eval0 = {"step": -1, "cum_time_s": 0.0, "time_s": 0.0, "train_tokens": 0.0, "rollout_tokens": 0.0,
                          "density": None, "beyond_steps": False, "seed": seed}
