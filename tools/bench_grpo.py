@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DPPO's completion keep draws (the trainer's --dppo-sampling; default: the trainer's default)")
     p.add_argument("--dppo-prompt-sampling", default=None, choices=("independent", "systematic"),
                    help="DPPO's prompt keep draws (the trainer's --dppo-prompt-sampling; default: the trainer's default)")
+    p.add_argument("--dppo-history-score", default=None, choices=("std", "informative", "pass-rate"),
+                   help="what DPPO's prompt history scores (the trainer's --dppo-history-score; default: the trainer's)")
     p.add_argument("--prompt-floor", type=float, default=None,
                    help="DPPO's prompt keep-probability floor (the trainer's --dppo-prompt-floor; default: the trainer's)")
     p.add_argument("--completion-floor", type=float, default=None,
@@ -325,6 +327,7 @@ def dppo_args(mode: str, args):
              "dppo_completion": (0.0, args.completion_rate), "dppo_prompt": (args.prompt_rate, 0.0),
              "filter": (0.0, 0.0), "cppo": (0.0, 0.0)}[mode]
     chosen = {"sampling": args.dppo_sampling, "prompt_sampling": args.dppo_prompt_sampling,
+              "history_score": args.dppo_history_score,
               "prompt_floor": args.prompt_floor, "completion_floor": args.completion_floor}
     extra = {k: v for k, v in chosen.items() if v is not None}
     return DPPOArgs(prompt_prune_rate=rates[0], completion_prune_rate=rates[1], dense_packing=mode != "grpo",

@@ -158,9 +158,12 @@ class DPPOArgs:
     history_decay: float = field(default=0.5, metadata=_flag("--dppo-history-decay"))
     """EMA decay of each prompt's reward-spread history (it sets the prompt keep probabilities under
     --dppo-prompt-prune-rate)."""
-    history_score: str = field(default="std", metadata=_flag("--dppo-history-score", choices=("std", "informative")))
-    """Per-group observation feeding the prompt history (under --dppo-prompt-prune-rate): reward std, or 1 if the
-    std is nonzero."""
+    history_score: str = field(default="std", metadata=_flag("--dppo-history-score",
+                                                             choices=("std", "informative", "pass-rate")))
+    """What the prompt history scores (under --dppo-prompt-prune-rate): std (moving average of each group's reward
+    std), informative (of 1 if the std is nonzero), or pass-rate (rewards in [0, 1]: the probability that the
+    prompt's next group has unequal rewards, from a Beta posterior of its pass rate with counts decayed by
+    --dppo-history-decay)."""
     sampling: str = field(default="systematic", metadata=_flag("--dppo-sampling", choices=("systematic", "independent")))
     """Completion keep draws under --dppo-completion-prune-rate: systematic (one uniform per group, completions in order of advantage: each group keeps
     a balanced spread of its advantages) or independent (one uniform per completion). Both keep each completion with

@@ -45,11 +45,12 @@ __all__ = [
     "prune_prompts",
     "prune_completions",
     "combine_weights",
+    "varied_group_probability",
 ]
 
 PROMPT_LEVEL = "prompt"
 COMPLETION_LEVEL = "completion"
-_HISTORY_SCORES = ("std", "informative")
+_HISTORY_SCORES = ("std", "informative", "pass-rate")
 SAMPLINGS = ("systematic", "independent")
 PROMPT_BATCH_KEY = "batch"
 """Id of the one uniform of a systematic prompt-level draw (the level keys it apart from items)."""
@@ -71,7 +72,9 @@ class DPPOConfig:
     history_decay: float = 0.5
     """EMA decay of a prompt's history score: ``s <- decay * s + (1 - decay) * observation``."""
     history_score: str = "std"
-    """Per-group observation: ``std`` (reward std of the group) or ``informative`` (1 if std > 0)."""
+    """What a prompt's history scores: ``std`` (EMA of its groups' reward std), ``informative`` (EMA of
+    1 if std > 0) or ``pass-rate`` (the probability that its next group has unequal rewards, from a
+    Beta posterior of its pass rate; rewards in [0, 1])."""
     unseen_prompt_score: float | None = None
     """Score of a prompt with no history; None keeps it with probability 1."""
     sampling: str = "systematic"
@@ -317,14 +320,38 @@ def combine_weights(*, prompt_weights: torch.Tensor, completion_weights: torch.T
 # ---------------------------------------------------------------------------------------
 
 
-class PromptHistory:
-    """Per-prompt exponential moving average of how informative its groups have been.
+def varied_group_probability(*, passes: float, fails: float, group_size: int) -> float:
+    """``1 - E[s^G] - E[(1 - s)^G]`` for ``s ~ Beta(1 + passes, 1 + fails)``, ``G = group_size``:
+    the probability that ``G`` independent pass/fail draws are neither all passes nor all fails."""
+    if passes < 0 or fails < 0 or group_size < 1:
+        raise ValueError(f"need passes, fails >= 0 and group_size >= 1, got {passes}, {fails}, {group_size}")
+    alpha, beta = 1.0 + passes, 1.0 + fails
+    all_pass = all_fail = 1.0
+    for k in range(group_size):  # E[s^G] = prod_k (alpha + k) / (alpha + beta + k)
+        all_pass *= (alpha + k) / (alpha + beta + k)
+        all_fail *= (beta + k) / (alpha + beta + k)
+    return max(0.0, 1.0 - all_pass - all_fail)
 
-    After each step, :meth:`update` records a kept prompt's full group of rewards. The
-    observation is the group's reward std (``score="std"``) or 1/0 for nonzero/zero std
-    (``score="informative"``); the score is ``decay * old + (1 - decay) * observation``,
-    or the first observation itself. Prompts whose groups keep having no reward variance
-    (all solved or all failed) drift to score 0 and are pruned most.
+
+class PromptHistory:
+    """Per-prompt record of how informative its groups have been.
+
+    After each step, :meth:`update` records a kept prompt's full group of rewards.
+
+    * ``score="std"`` / ``"informative"``: the observation is the group's reward std, or 1/0 for
+      nonzero/zero std; the score is ``decay * old + (1 - decay) * observation``, or the first
+      observation itself. Prompts whose groups keep having no reward variance drift to score 0.
+    * ``score="pass-rate"``: rewards in [0, 1] count as passes (a reward of 0.3 is 0.3 of a pass).
+      The prompt keeps decayed counts ``passes <- decay * passes + sum(r)`` and
+      ``fails <- decay * fails + sum(1 - r)``; its pass rate ``s`` has the posterior
+      ``Beta(1 + passes, 1 + fails)``, and the score is the posterior probability that a group of
+      ``G`` completions (the size of its last group) is not all passes or all fails,
+      ``1 - E[s^G] - E[(1 - s)^G]``. A prompt whose groups pass 90% of the time then scores
+      about ``1 - 0.9^8 = 0.57`` at ``G = 8`` whether its last group happened to vary or not,
+      where ``std`` jumps between 0 and 0.3.
+
+    Under every score, prompts that keep giving groups of equal rewards (all solved or all
+    failed) are pruned most.
     """
 
     def __init__(self, *, decay: float = 0.5, score: str = "std") -> None:
@@ -336,6 +363,8 @@ class PromptHistory:
         self.score_kind = score
         self._scores: dict[int | str | tuple, float] = {}
         self._counts: dict[int | str | tuple, int] = {}
+        # pass-rate only: decayed passes, decayed fails and the size of the last group
+        self._evidence: dict[int | str | tuple, tuple[float, float, int]] = {}
 
     @classmethod
     def from_config(cls, config: DPPOConfig) -> PromptHistory:
@@ -348,21 +377,37 @@ class PromptHistory:
         return _canonical_id(prompt_id) in self._scores
 
     def _observation(self, rewards: torch.Tensor) -> float:
-        rewards = rewards.detach().to(torch.float64).flatten()
-        if rewards.numel() == 0:
-            raise ValueError("cannot update a prompt's history from an empty group of rewards")
         std = rewards.std(correction=0).item()
         return std if self.score_kind == "std" else float(std > 0)
 
     def update(self, prompt_id: Hashable, rewards: torch.Tensor) -> float:
         """Record one group of rewards of ``prompt_id``; return its new score."""
         key = _canonical_id(prompt_id)
-        observation = self._observation(rewards)
-        if key in self._scores:
-            observation = self.decay * self._scores[key] + (1.0 - self.decay) * observation
-        self._scores[key] = observation
+        rewards = rewards.detach().to(torch.float64).flatten()
+        if rewards.numel() == 0:
+            raise ValueError("cannot update a prompt's history from an empty group of rewards")
+        if self.score_kind == "pass-rate":
+            score = self._update_pass_rate(key, rewards)
+        else:
+            score = self._observation(rewards)
+            if key in self._scores:
+                score = self.decay * self._scores[key] + (1.0 - self.decay) * score
+        self._scores[key] = score
         self._counts[key] = self._counts.get(key, 0) + 1
-        return observation
+        return score
+
+    def _update_pass_rate(self, key: int | str | tuple, rewards: torch.Tensor) -> float:
+        inside = (rewards >= 0) & (rewards <= 1)
+        if not bool(inside.all()):
+            bad = rewards[~inside][0].item()
+            raise ValueError(f"prompt history score 'pass-rate' counts rewards as passes and needs them in [0, 1]; "
+                             f"prompt {key!r} got a reward of {bad:g} (use the 'std' score for other rewards)")
+        passes, fails, _ = self._evidence.get(key, (0.0, 0.0, 0))
+        passes = self.decay * passes + rewards.sum().item()
+        fails = self.decay * fails + (1.0 - rewards).sum().item()
+        group_size = rewards.numel()
+        self._evidence[key] = (passes, fails, group_size)
+        return varied_group_probability(passes=passes, fails=fails, group_size=group_size)
 
     def update_batch(self, prompt_ids: Sequence[Hashable], rewards: torch.Tensor) -> None:
         """Record rewards ``[P, G]`` of the prompts ``prompt_ids``."""
@@ -394,6 +439,7 @@ class PromptHistory:
             "ids": keys,
             "scores": [self._scores[key] for key in keys],
             "counts": [self._counts[key] for key in keys],
+            **({"evidence": [list(self._evidence[key]) for key in keys]} if self.score_kind == "pass-rate" else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -409,9 +455,14 @@ class PromptHistory:
             if first_rank():
                 logger.warning("the checkpoint's prompt history scores %r, this run --dppo-history-score %r: the "
                                "%d recorded prompts start unseen", state["score"], self.score_kind, len(state["ids"]))
-            self._scores, self._counts = {}, {}
+            self._scores, self._counts, self._evidence = {}, {}, {}
             return
+        if self.score_kind == "pass-rate" and len(state.get("evidence", ())) != len(state["ids"]):
+            raise ValueError("PromptHistory state of score 'pass-rate' needs one (passes, fails, group size) "
+                             "evidence entry per prompt")
         keys = [_canonical_id(item) for item in state["ids"]]
+        if self.score_kind == "pass-rate":
+            self._evidence = {key: (float(p), float(f), int(g)) for key, (p, f, g) in zip(keys, state["evidence"])}
         self._scores = dict(zip(keys, (float(s) for s in state["scores"])))
         self._counts = dict(zip(keys, (int(c) for c in state["counts"])))
 

@@ -78,14 +78,14 @@ def test_resume_with_another_split_of_the_rollout_or_history_score(tmp_path):
     base = ARGS[:at] + ARGS[at + 2:]
     args = [*base, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
     run_cmd(_grpo([*args, "--exit-interval", "1"]), log=tmp_path / "first.txt").check_ok()
-    changed = [*args, "--minibatches", "2", "--ppo-epochs", "1", "--dppo-history-score", "informative",
+    changed = [*args, "--minibatches", "2", "--ppo-epochs", "1", "--dppo-history-score", "pass-rate",
                "--train-iters", "3"]
     resumed = run_cmd(_grpo(changed), log=tmp_path / "resumed.txt").check_ok()
     assert ("the checkpoint stopped inside a rollout split into 1 minibatches for 2 updates; this run has "
             "--minibatches 2 and 2 updates per rollout (--ppo-epochs 1), so that rollout is not reused"
             ) in resumed.output
     assert "step 2/3: resumed inside the rollout of step 1/3: rolling out again with the current policy" in resumed.output
-    assert "--dppo-history-score 'informative': the " in resumed.output
+    assert "--dppo-history-score 'pass-rate': the " in resumed.output
     assert "saved " in resumed.output and "Traceback" not in resumed.output
 
 

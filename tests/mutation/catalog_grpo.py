@@ -345,8 +345,8 @@ MUTANTS: list[dict] = [
         "name": "dppo-history-decay-swapped",
         "why": "the prompt history's moving average weights the old score by 1 - decay (the same only at 0.5)",
         "file": "megatron_prune/grpo/dppo.py",
-        "old": "observation = self.decay * self._scores[key] + (1.0 - self.decay) * observation",
-        "new": "observation = (1.0 - self.decay) * self._scores[key] + self.decay * observation",
+        "old": "score = self.decay * self._scores[key] + (1.0 - self.decay) * score",
+        "new": "score = (1.0 - self.decay) * self._scores[key] + self.decay * score",
         "tests": ["tests/unit/grpo/test_dppo.py::test_history_ema_weights_the_old_score_by_decay"],
     },
     {
@@ -357,6 +357,33 @@ MUTANTS: list[dict] = [
         "old": 'return std if self.score_kind == "std" else float(std > 0)',
         "new": 'return std if self.score_kind == "std" else float(std >= 0)',
         "tests": ["tests/unit/grpo/test_dppo.py::test_informative_score_is_zero_for_a_zero_variance_group"],
+    },
+    {
+        "name": "dppo-pass-rate-forgets-nothing",
+        "why": "--dppo-history-score pass-rate adds each group's passes to undecayed counts: old groups of a "
+               "policy long gone weigh as much as the last one",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "passes = self.decay * passes + rewards.sum().item()",
+        "new": "passes = passes + rewards.sum().item()",
+        "tests": ["tests/unit/grpo/test_dppo.py::test_pass_rate_score_is_the_posterior_probability_that_a_group_varies"],
+    },
+    {
+        "name": "dppo-pass-rate-ignores-all-fail-groups",
+        "why": "--dppo-history-score pass-rate scores only all-pass groups as uninformative: prompts the policy "
+               "always fails are kept as if they taught something",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "return max(0.0, 1.0 - all_pass - all_fail)",
+        "new": "return max(0.0, 1.0 - all_pass)",
+        "tests": ["tests/unit/grpo/test_dppo.py::test_pass_rate_score_is_the_posterior_probability_that_a_group_varies"],
+    },
+    {
+        "name": "dppo-pass-rate-resume-drops-counts",
+        "why": "a resumed pass-rate history keeps the scores but restarts the counts, so its next update "
+               "forgets every group before the checkpoint",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "self._evidence = {key: (float(p), float(f), int(g)) for key, (p, f, g) in zip(keys, state[\"evidence\"])}",
+        "new": "self._evidence = {}",
+        "tests": ["tests/unit/grpo/test_dppo.py::test_pass_rate_history_resumes_with_its_counts"],
     },
     {
         "name": "rollout-uncached-logits-one-past-the-end",

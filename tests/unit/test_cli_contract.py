@@ -25,7 +25,7 @@ CHOICES = {
     "--device": ["auto", "cuda", "npu", "cpu"], "--prune-preset": ["study"], "--dpo-layout": ["full", "concat", "shared"],
     "--dpo-logp-reduction": ["mean", "sum"], "--ref-mode": ["online", "precomputed"], "--on-nonfinite": ["stop", "skip"],
 }
-GRPO_CHOICES = {"--task": ["toy", "toy-binary", "gsm8k", "math"], "--dppo-history-score": ["std", "informative"],
+GRPO_CHOICES = {"--task": ["toy", "toy-binary", "gsm8k", "math"], "--dppo-history-score": ["std", "informative", "pass-rate"],
                 "--advantage-std": ["population", "sample"], "--loss-normalization": ["constant", "sequence"]}
 
 

@@ -25,6 +25,7 @@ from megatron_prune.grpo.dppo import (
     sample_keep,
     solve_keep_probs,
     systematic_keep,
+    varied_group_probability,
 )
 
 scores_strategy = st.lists(
@@ -483,3 +484,87 @@ def test_informative_score_is_zero_for_a_zero_variance_group():
     history = PromptHistory(decay=0.0, score="informative")
     history.update("a", torch.tensor([1.0, 1.0, 1.0]))
     assert history.score("a") == 0.0
+
+
+# --- pass-rate history ----------------------------------------------------------------------
+
+
+def _varied_group_probability_by_quadrature(passes: float, fails: float, group_size: int) -> float:
+    """1 - E[s^G + (1-s)^G] for s ~ Beta(1 + passes, 1 + fails), by the midpoint rule on the density."""
+    s = (torch.arange(200_000, dtype=torch.float64) + 0.5) / 200_000
+    alpha, beta = 1.0 + passes, 1.0 + fails
+    log_norm = math.lgamma(alpha + beta) - math.lgamma(alpha) - math.lgamma(beta)
+    density = torch.exp(log_norm + (alpha - 1) * torch.log(s) + (beta - 1) * torch.log1p(-s))
+    return 1.0 - ((s**group_size + (1 - s) ** group_size) * density).mean().item()
+
+
+@pytest.mark.parametrize("groups, decay", [
+    ([[1, 1, 1, 0]], 0.5),
+    ([[1, 1, 1, 0], [1, 1, 1, 1]], 0.5),
+    ([[0, 0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]], 0.8),
+    ([[0.25, 1.0, 0.5], [1.0, 1.0, 0.0]], 0.3),
+])
+def test_pass_rate_score_is_the_posterior_probability_that_a_group_varies(groups, decay):
+    """After groups r_1..r_T: passes = sum_t decay^(T-t) sum(r_t), fails likewise with 1 - r; the
+    score is 1 - E[s^G] - E[(1-s)^G] under Beta(1 + passes, 1 + fails), G the last group's size."""
+    history = PromptHistory(decay=decay, score="pass-rate")
+    for group in groups:
+        score = history.update("p", torch.tensor(group, dtype=torch.float64))
+    T = len(groups)
+    passes = sum(decay ** (T - 1 - t) * sum(group) for t, group in enumerate(groups))
+    fails = sum(decay ** (T - 1 - t) * sum(1 - r for r in group) for t, group in enumerate(groups))
+    expected = _varied_group_probability_by_quadrature(passes, fails, len(groups[-1]))
+    assert score == history.score("p") == pytest.approx(expected, abs=1e-7)
+    assert history.count("p") == T
+
+
+def test_pass_rate_ranks_prompts_by_how_often_their_groups_vary():
+    """Half-solved > mostly solved > always solved; and one all-pass group of a mostly-solved
+    prompt lowers its score a little, where the std score drops it to a fraction of what it was."""
+    history = PromptHistory(decay=0.5, score="pass-rate")
+    std = PromptHistory(decay=0.5, score="std")
+    half, mostly, always = [1.0, 0.0] * 4, [1.0] * 7 + [0.0], [1.0] * 8
+    for _ in range(4):
+        for prompt, group in (("half", half), ("mostly", mostly), ("always", always)):
+            history.update(prompt, torch.tensor(group))
+            std.update(prompt, torch.tensor(group))
+    assert history.score("half") > history.score("mostly") > history.score("always") > 0
+    before, std_before = history.score("mostly"), std.score("mostly")
+    history.update("mostly", torch.tensor(always))
+    std.update("mostly", torch.tensor(always))
+    assert 0.6 * before < history.score("mostly") < before
+    assert std.score("mostly") == pytest.approx(0.5 * std_before)
+    assert varied_group_probability(passes=0.0, fails=0.0, group_size=8) == pytest.approx(1 - 2 / 9)
+    assert varied_group_probability(passes=3.0, fails=1.0, group_size=1) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_pass_rate_refuses_rewards_outside_zero_one():
+    history = PromptHistory(decay=0.5, score="pass-rate")
+    with pytest.raises(ValueError, match=r"'pass-rate' .* needs them in \[0, 1\]; prompt 'q3' got a reward of -1"):
+        history.update("q3", torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="prompt 4 got a reward of nan"):
+        history.update(4, torch.tensor([float("nan"), 1.0]))
+    assert len(history) == 0
+    with pytest.raises(ValueError, match="group_size >= 1"):
+        varied_group_probability(passes=1.0, fails=0.0, group_size=0)
+
+
+def test_pass_rate_history_resumes_with_its_counts():
+    """The counts, not just the scores, come back: the next update after a resume gives the score
+    of a run that never stopped."""
+    groups = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    history = PromptHistory(decay=0.25, score="pass-rate")
+    history.update_batch([5, "q7"], groups)
+    buffer = io.BytesIO()
+    torch.save(history.state_dict(), buffer)
+    buffer.seek(0)
+    restored = PromptHistory(decay=0.25, score="pass-rate")
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.scores([5, "q7"]).tolist() == history.scores([5, "q7"]).tolist()
+    for h in (history, restored):
+        h.update_batch([5, "q7"], groups.flip(0))
+    assert restored.scores([5, "q7"]).tolist() == history.scores([5, "q7"]).tolist()
+    state = history.state_dict()
+    del state["evidence"]
+    with pytest.raises(ValueError, match="'pass-rate' needs one .* evidence entry per prompt"):
+        PromptHistory(decay=0.25, score="pass-rate").load_state_dict(state)

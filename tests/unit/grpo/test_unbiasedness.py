@@ -33,6 +33,7 @@ from megatron_prune.grpo.dppo import (
     combine_weights,
     prune_completions,
     prune_prompts,
+    solve_keep_probs,
 )
 from megatron_prune.grpo.loss import GRPOLossConfig, grpo_loss, sequence_mean_token_weights
 
@@ -302,6 +303,22 @@ def test_dppo_gradient_is_unbiased_by_exact_enumeration(sampling, prompt_samplin
     full = full_gradient(ROLLOUTS, normaliser=FULL_TOKENS)
     assert full.abs().max() > 1e-3
     torch.testing.assert_close(expected, full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("history_score", ["informative", "pass-rate"])
+def test_dppo_gradient_is_unbiased_under_every_history_score(history_score, uniforms):
+    """The history only sets the prompt keep probabilities; with the 1/p weights any of its scores
+    leaves the estimate unbiased (checked on probabilities the score really spreads)."""
+    config = dataclasses.replace(DPPO, history_score=history_score)
+    scores = prompt_history(config).scores([0, 1, 2])
+    probs = solve_keep_probs(scores, prune_rate=config.prompt_prune_rate, floor=config.prompt_floor).tolist()
+    assert len(set(probs)) >= 2 and all(0.2 <= p < 1.0 for p in probs), probs
+    expected, total = dppo_expected_gradient(
+        rollouts=ROLLOUTS, history=prompt_history(config), config=config,
+        normaliser_fn=lambda kept: FULL_TOKENS, uniforms=uniforms,
+    )
+    assert abs(total - 1.0) < 1e-12
+    torch.testing.assert_close(expected, full_gradient(ROLLOUTS, normaliser=FULL_TOKENS), rtol=1e-10, atol=1e-12)
 
 
 def test_uncorrected_weights_are_caught(uniforms, monkeypatch):
