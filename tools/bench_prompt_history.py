@@ -85,36 +85,37 @@ def simulate(args: argparse.Namespace, *, kind: str, seed: int) -> dict[str, flo
     keep_gen = torch.Generator().manual_seed(seed + 1)
     torch.manual_seed(seed)  # Beta.sample draws from the global generator
     logits = torch.distributions.Beta(*args.beta).sample((args.pool,)).clamp(1e-6, 1 - 1e-6).logit()
-    config = DPPOConfig(prompt_prune_rate=args.prompt_rate, prompt_floor=args.prompt_floor,
-                        history_decay=args.history_decay, history_score=kind if kind in SCORES else "std")
-    pruner = DPPOPruner(config=config, seed=seed)
-    sums = {"zero_var_kept": [], "zero_var_all": [], "recall": [], "added_variance": [], "kept": []}
+    pruner = None
+    if kind in SCORES:
+        config = DPPOConfig(prompt_prune_rate=args.prompt_rate, prompt_floor=args.prompt_floor,
+                            history_decay=args.history_decay, history_score=kind)
+        pruner = DPPOPruner(config=config, seed=seed)
+    figures = {"zero_var_kept": [], "zero_var_all": [], "recall": [], "added_variance": [], "kept": []}
     for step in range(args.steps):
         ids = torch.randperm(args.pool, generator=gen)[: args.batch].tolist()
         rates = (logits[ids] + args.drift * step).sigmoid().double()
         draws = torch.rand(args.batch, args.group_size, generator=gen, dtype=torch.float64)
         rewards = (draws < rates[:, None]).double()
         informative = rewards.std(dim=1, correction=0) > 0
-        if kind in SCORES:
+        if pruner is not None:
             decision = pruner.select_prompts(step=step, prompt_ids=ids)
             probs, keep = decision.probs, decision.keep
+            pruner.observe(prompt_ids=[i for i, k in zip(ids, keep.tolist()) if k], rewards=rewards[keep])
         else:
             vary = 1 - rates ** args.group_size - (1 - rates) ** args.group_size
             scores = vary if kind == "oracle" else torch.ones_like(rates)
             probs = solve_keep_probs(scores, prune_rate=args.prompt_rate, floor=args.prompt_floor)
             keep = torch.rand(args.batch, generator=keep_gen, dtype=torch.float64) < probs
-        kept_ids = [i for i, k in zip(ids, keep.tolist()) if k]
-        pruner.observe(prompt_ids=kept_ids, rewards=rewards[keep])
         if step < args.warmup:
             continue
-        sums["kept"].append(keep.double().mean().item())
-        sums["zero_var_all"].append(1 - informative.double().mean().item())
+        figures["kept"].append(keep.double().mean().item())
+        figures["zero_var_all"].append(1 - informative.double().mean().item())
         if keep.any():
-            sums["zero_var_kept"].append(1 - informative[keep].double().mean().item())
+            figures["zero_var_kept"].append(1 - informative[keep].double().mean().item())
         if informative.any():
-            sums["recall"].append((informative & keep).sum().item() / informative.sum().item())
-            sums["added_variance"].append((1 / probs[informative] - 1).mean().item())
-    return {key: statistics.fmean(values) for key, values in sums.items()}
+            figures["recall"].append((informative & keep).sum().item() / informative.sum().item())
+            figures["added_variance"].append((1 / probs[informative] - 1).mean().item())
+    return {key: statistics.fmean(values) for key, values in figures.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -363,8 +363,8 @@ class PromptHistory:
         self.score_kind = score
         self._scores: dict[int | str | tuple, float] = {}
         self._counts: dict[int | str | tuple, int] = {}
-        # pass-rate only: decayed passes, decayed fails and the size of the last group
-        self._evidence: dict[int | str | tuple, tuple[float, float, int]] = {}
+        # pass-rate only: decayed passes and decayed fails
+        self._evidence: dict[int | str | tuple, tuple[float, float]] = {}
 
     @classmethod
     def from_config(cls, config: DPPOConfig) -> PromptHistory:
@@ -402,12 +402,11 @@ class PromptHistory:
             bad = rewards[~inside][0].item()
             raise ValueError(f"prompt history score 'pass-rate' counts rewards as passes and needs them in [0, 1]; "
                              f"prompt {key!r} got a reward of {bad:g} (use the 'std' score for other rewards)")
-        passes, fails, _ = self._evidence.get(key, (0.0, 0.0, 0))
+        passes, fails = self._evidence.get(key, (0.0, 0.0))
         passes = self.decay * passes + rewards.sum().item()
         fails = self.decay * fails + (1.0 - rewards).sum().item()
-        group_size = rewards.numel()
-        self._evidence[key] = (passes, fails, group_size)
-        return varied_group_probability(passes=passes, fails=fails, group_size=group_size)
+        self._evidence[key] = (passes, fails)
+        return varied_group_probability(passes=passes, fails=fails, group_size=rewards.numel())
 
     def update_batch(self, prompt_ids: Sequence[Hashable], rewards: torch.Tensor) -> None:
         """Record rewards ``[P, G]`` of the prompts ``prompt_ids``."""
@@ -458,11 +457,11 @@ class PromptHistory:
             self._scores, self._counts, self._evidence = {}, {}, {}
             return
         if self.score_kind == "pass-rate" and len(state.get("evidence", ())) != len(state["ids"]):
-            raise ValueError("PromptHistory state of score 'pass-rate' needs one (passes, fails, group size) "
-                             "evidence entry per prompt")
+            raise ValueError("PromptHistory state of score 'pass-rate' needs one (passes, fails) evidence entry "
+                             "per prompt")
         keys = [_canonical_id(item) for item in state["ids"]]
         if self.score_kind == "pass-rate":
-            self._evidence = {key: (float(p), float(f), int(g)) for key, (p, f, g) in zip(keys, state["evidence"])}
+            self._evidence = {key: (float(p), float(f)) for key, (p, f) in zip(keys, state["evidence"])}
         self._scores = dict(zip(keys, (float(s) for s in state["scores"])))
         self._counts = dict(zip(keys, (int(c) for c in state["counts"])))
 

@@ -381,7 +381,7 @@ MUTANTS: list[dict] = [
         "why": "a resumed pass-rate history keeps the scores but restarts the counts, so its next update "
                "forgets every group before the checkpoint",
         "file": "megatron_prune/grpo/dppo.py",
-        "old": "self._evidence = {key: (float(p), float(f), int(g)) for key, (p, f, g) in zip(keys, state[\"evidence\"])}",
+        "old": "self._evidence = {key: (float(p), float(f)) for key, (p, f) in zip(keys, state[\"evidence\"])}",
         "new": "self._evidence = {}",
         "tests": ["tests/unit/grpo/test_dppo.py::test_pass_rate_history_resumes_with_its_counts"],
     },
