@@ -294,12 +294,15 @@ def _parse_explicit(record: dict[str, Any]) -> PreferenceText:
     chosen, rejected = _field(record, "chosen", (str, list)), _field(record, "rejected", (str, list))
     removed = False
     if isinstance(prompt, str):
-        chosen, rejected, removed = _without_repeated_prompt(prompt, chosen, rejected, is_hh=is_hh)
+        chosen, rejected, removed = _without_repeated_prompt(prompt, chosen, rejected)
+        if is_hh:
+            # An HH transcript writes "Assistant: reply"; the template puts that one space back.
+            chosen, rejected = (_drop_one_space(r) if isinstance(r, str) else r for r in (chosen, rejected))
     return PreferenceText(messages, _response(chosen, messages, "chosen"), _response(rejected, messages, "rejected"),
                           repeated_prompt_removed=removed)
 
 
-def _without_repeated_prompt(prompt: str, chosen: Any, rejected: Any, *, is_hh: bool) -> tuple[Any, Any, bool]:
+def _without_repeated_prompt(prompt: str, chosen: Any, rejected: Any) -> tuple[Any, Any, bool]:
     """String responses that both start with the prompt string (full transcripts beside their
     prompt) lose that copy, as message-list responses lose the prompt's messages; otherwise the
     prompt would be trained twice. Only both together: one response that merely begins with the
@@ -308,8 +311,7 @@ def _without_repeated_prompt(prompt: str, chosen: Any, rejected: Any, *, is_hh: 
     if not (isinstance(chosen, str) and isinstance(rejected, str)
             and chosen.startswith(prompt) and rejected.startswith(prompt)):
         return chosen, rejected, False
-    cut = (lambda text: _drop_one_space(text[len(prompt):])) if is_hh else (lambda text: text[len(prompt):])
-    return cut(chosen), cut(rejected), True
+    return chosen[len(prompt):], rejected[len(prompt):], True
 
 
 def _response(value: str | list, prompt: list[Message], name: str) -> str:

@@ -51,6 +51,21 @@ def test_explicit_string_prompt_in_hh_form_is_a_dialogue():
     text = parse_preference_record({"prompt": prompt, "chosen": " Bye!", "rejected": " No."})
     assert [m["role"] for m in text.prompt] == ["user", "assistant", "user"]
     assert render_plain_template(text.prompt) == prompt
+    assert (text.chosen, text.rejected) == ("Bye!", "No.")
+
+
+def test_hh_prompt_split_from_its_responses_tokenizes_as_the_whole_transcripts(tmp_path, tiny_tokenizer):
+    """HH-RLHF as prompt / chosen / rejected (the responses keep the space after "Assistant:")
+    trains the same tokens as the whole transcripts: no second space before each response."""
+    prompt = "\n\nHuman: Tell me a joke\n\nAssistant:"
+    whole = {"chosen": prompt + " Why did the chicken cross?", "rejected": prompt + " No."}
+    split = {"prompt": prompt, "chosen": " Why did the chicken cross?", "rejected": " No."}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [whole, split])
+    pairs, _ = load_preference_pairs(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(max_seq_length=256))
+    ids = [(p.prompt_ids, p.chosen_ids, p.rejected_ids) for p in pairs]
+    assert len(ids) == 2 and ids[0] == ids[1]
+    transcript = tiny_tokenizer.decode(pairs[1].prompt_ids + pairs[1].chosen_ids[:-1])
+    assert transcript.endswith(whole["chosen"])
 
 
 def test_explicit_message_lists():
