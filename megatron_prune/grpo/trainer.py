@@ -220,13 +220,13 @@ class GRPOObjective:
         self._steps_done = 0
 
     # -- rollout ----------------------------------------------------------------------------------
-    def _generate(self, prompts: list[Prompt], rollout: int) -> dict[Hashable, list[Completion]]:
+    def _generate(self, prompts: list[Prompt], step: int) -> dict[Hashable, list[Completion]]:
         dp_rank, dp_size = _dp()
         mine = prompts[dp_rank::dp_size]
         groups = []
         if mine or _expert_parallel():  # a rank without prompts still runs the MoE forwards of its EP group
             groups = generate(model=self.runner.policy, prompts=[(p.prompt_id, p.tokens) for p in mine],
-                              group_size=self.grpo.group_size, settings=self.sampling, step=rollout)
+                              group_size=self.grpo.group_size, settings=self.sampling, step=step)
         local = [(p.prompt_id, [c.tokens for c in group]) for p, group in zip(mine, groups)]
         return dict(_gather_over_dp(local))
 
@@ -235,23 +235,24 @@ class GRPOObjective:
         return f"step {step + 1}/{self.train_cfg.train_iters}"
 
     def _rollout(self, rollout: int, step: int | None = None) -> RolloutBuffer:
-        """The rollout of index ``rollout``, drawn at ``step`` (messages name the step; by default the
-        rollout's first)."""
+        """The rollout of index ``rollout``, drawn at ``step`` (by default the rollout's first). Its
+        draws are keyed by that step, not by the index: a resume that changes the updates per
+        rollout maps later steps onto indices an earlier split already drew with."""
         step = rollout * self.grpo.updates_per_rollout if step is None else step
         timer = time.perf_counter()
         G = self.grpo.group_size
         ids = self.sampler.next_indices(self.train_cfg.global_batch_size)
         prompts = {i: self.source.get(i) for i in ids}
-        prompt_decision = self.pruner.select_prompts(step=rollout, prompt_ids=ids)
+        prompt_decision = self.pruner.select_prompts(step=step, prompt_ids=ids)
         kept_ids = [i for i, keep in zip(ids, prompt_decision.keep.tolist()) if keep]
-        completions = self._generate([prompts[i] for i in kept_ids], rollout)
+        completions = self._generate([prompts[i] for i in kept_ids], step)
         rollout_time = time.perf_counter() - timer
 
         rewards = torch.tensor(
             [[self.source.score(prompts[i], tokens) for tokens in completions[i]] for i in kept_ids], dtype=torch.float32
         ).reshape(len(kept_ids), G)
         advantages = group_advantages(rewards, config=self.grpo.advantage_config())
-        completion_decision = self.pruner.select_completions(step=rollout, prompt_ids=kept_ids, advantages=advantages)
+        completion_decision = self.pruner.select_completions(step=step, prompt_ids=kept_ids, advantages=advantages)
         weights = combine_weights(prompt_weights=prompt_decision.weights[prompt_decision.keep],
                                   completion_weights=completion_decision.weights)
         self.pruner.observe(prompt_ids=kept_ids, rewards=rewards)
@@ -384,14 +385,38 @@ class GRPOObjective:
         if "rollout" in state:
             saved = state["rollout"]
             splits = (len(saved["minibatches"]), saved.get("updates_per_rollout", self.grpo.updates_per_rollout))
-            if splits == (self.grpo.minibatches, self.grpo.updates_per_rollout):
+            changed = self._changed_rollout_flags(saved)
+            if splits != (self.grpo.minibatches, self.grpo.updates_per_rollout):
+                if is_logging_rank():  # its minibatches and update count no longer map onto this run's steps
+                    logger.warning("the checkpoint stopped inside a rollout split into %d minibatches for %d "
+                                   "updates; this run has --minibatches %d and %d updates per rollout (--ppo-epochs "
+                                   "%d), so that rollout is not reused", *splits, self.grpo.minibatches,
+                                   self.grpo.updates_per_rollout, self.grpo.ppo_epochs)
+            elif changed:
+                if is_logging_rank():
+                    logger.warning("the checkpoint stopped inside a rollout made with %s, so that rollout is not "
+                                   "reused", "; ".join(changed))
+            else:
                 self.buffer = self._load_buffer(saved)
-            elif is_logging_rank():
-                # Its minibatches and update count no longer map onto this run's steps.
-                logger.warning("the checkpoint stopped inside a rollout split into %d minibatches for %d updates; "
-                               "this run has --minibatches %d and %d updates per rollout (--ppo-epochs %d), so that "
-                               "rollout is not reused", *splits, self.grpo.minibatches, self.grpo.updates_per_rollout,
-                               self.grpo.ppo_epochs)
+
+    def _rollout_flags(self) -> dict[str, Any]:
+        """The flags a saved rollout was made for: its reference log-probs and kept zero-advantage
+        completions (a KL term or not), its normalisers and its old log-probs' temperature."""
+        return {"--kl-beta": "> 0" if self.grpo.kl_beta > 0 else "0",
+                "--loss-normalization": self.grpo.loss_normalization,
+                "--max-new-tokens": self.grpo.max_new_tokens,
+                "--group-size": self.grpo.group_size,
+                "--temperature": self.grpo.temperature}
+
+    def _changed_rollout_flags(self, saved: dict[str, Any]) -> list[str]:
+        """``"--flag X (this run: Y)"`` for each of :meth:`_rollout_flags` the saved rollout differs in.
+        A checkpoint from before the flags were recorded is checked for its reference log-probs only."""
+        mine = self._rollout_flags()
+        if "flags" not in saved:
+            has_ref = any(which == "ref" for _, _, which in saved["logprobs"])
+            saved = {"flags": {"--kl-beta": "> 0" if has_ref else "0"} if saved["logprobs"] else {}}
+        return [f"{flag} {value} (this run: {mine[flag]})" for flag, value in saved["flags"].items()
+                if flag in mine and value != mine[flag]]
 
     def _buffer_state(self) -> dict[str, Any]:
         buffer = self.buffer
@@ -409,7 +434,7 @@ class GRPOObjective:
         fields = ("prompt_id", "index", "prompt", "completion", "advantage", "weight")
         return {
             "index": buffer.index, "normalisers": list(buffer.normalisers), "metrics": dict(buffer.metrics),
-            "updates_per_rollout": self.grpo.updates_per_rollout,
+            "updates_per_rollout": self.grpo.updates_per_rollout, "flags": self._rollout_flags(),
             "minibatches": [[{name: getattr(item, name) for name in fields} for item in items]
                             for items in buffer.minibatches],
             "logprobs": scored,

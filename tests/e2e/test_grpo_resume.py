@@ -92,14 +92,20 @@ def test_resume_with_another_split_of_the_rollout_or_history_score(tmp_path):
 def test_resume_may_turn_the_kl_term_on(tmp_path):
     """A run saved at --kl-beta 0 records its reference (the preset's initialisation here), so a
     resume with --kl-beta > 0 compares against it; it was refused, after the ranks had started,
-    with a hint to pass --ref-load that no preset run has."""
+    with a hint to pass --ref-load that no preset run has. Saved inside a rollout (two updates per
+    rollout), the resume rolls out again: the saved rollout has no reference log-probs and has
+    dropped the zero-advantage completions the KL term trains (reusing it crashed)."""
     at = ARGS.index("--save-interval")
     base = ARGS[:at] + ARGS[at + 2:]
     args = [*base, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
-    run_cmd(_grpo([*args, "--train-iters", "2"]), log=tmp_path / "first.txt").check_ok()
+    run_cmd(_grpo([*args, "--train-iters", "1"]), log=tmp_path / "first.txt").check_ok()
     metrics = tmp_path / "m.jsonl"
     resumed = run_cmd(_grpo([*args, "--train-iters", "3", "--kl-beta", "0.05", "--metrics-jsonl", str(metrics)]),
                       log=tmp_path / "resumed.txt").check_ok()
     assert "--kl-beta 0.05 (checkpoint: 0.0)" in resumed.output
-    (last,) = read_jsonl(metrics)
-    assert last["step"] == 2 and "kl" in last and last["kl"] >= 0
+    assert ("the checkpoint stopped inside a rollout made with --kl-beta 0 (this run: > 0), so that rollout is "
+            "not reused") in resumed.output
+    assert "step 2/3: resumed inside the rollout of step 1/3: rolling out again" in resumed.output
+    records = read_jsonl(metrics)
+    assert [r["step"] for r in records] == [1, 2] and [r["fresh_rollout"] for r in records] == [1.0, 1.0]
+    assert all("kl" in r and r["kl"] >= 0 for r in records)
