@@ -89,6 +89,15 @@ MUTANTS: list[dict] = [
         "tests": [UNBIASED],
     },
     {
+        "name": "grpo-resume-reuses-a-rollout-made-for-other-flags",
+        "why": "a checkpoint saved inside a rollout at --kl-beta 0 resumed with --kl-beta > 0 reuses that rollout, "
+               "which has no reference log-probs (the run crashed)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "            elif changed:\n",
+        "new": "            elif changed and False:\n",
+        "tests": [f"{RESUME}::test_resume_may_turn_the_kl_term_on"],
+    },
+    {
         "name": "grpo-resume-sampler-not-restored",
         "why": "a resumed GRPO run starts the prompt order from the beginning instead of the saved position",
         "file": "megatron_prune/grpo/trainer.py",
