@@ -47,8 +47,11 @@ FORMATS = ("auto", "gsm8k", "math")
 GSM8K_PROMPT_TEMPLATE = '{question}\nLet\'s think step by step and output the final answer after "####".'
 MATH_PROMPT_TEMPLATE = "{question}\nLet's think step by step and output the final answer within \\boxed{}."
 _GSM8K_ANSWER = re.compile(r"^####\s*(.+?)\s*$")
-_NUMBER_WITH_COMMAS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
+_NUMBER_WITH_COMMAS = re.compile(r"^\$?[-+]?\d{1,3}(,\d{3})+(\.\d+)?%?$")
 _ONE_NUMBER = re.compile(r"^\$?[-+]?(?:\d+(?:\.\d+)?|\.\d+)%?$")
+MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+"""The minus sign and the small and fullwidth hyphen-minus, each read as ``-`` (dashes are not:
+an en dash is as often a range or a bullet as a sign)."""
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 PathLike = str | os.PathLike
@@ -97,7 +100,7 @@ def gsm8k_answer(answer: str) -> str:
     match = _GSM8K_ANSWER.match(lines[-1].strip()) if lines else None
     if match is None:
         raise RecordError("no final answer", "the last line of 'answer' must be '#### <answer>'")
-    value = match.group(1)
+    value = match.group(1).translate(MINUS_SIGNS)
     plain = value.replace(",", "") if _NUMBER_WITH_COMMAS.match(value) else value
     # The reward compares one number: a reference like "1/2" or "3 apples and 4 pears" could never be matched.
     if not _ONE_NUMBER.match(plain):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol, runtime_checkable
 
+from megatron_prune.data.math import MINUS_SIGNS
+
 __all__ = [
     "RewardFn",
     "register_reward",
@@ -88,11 +90,6 @@ def available_rewards() -> list[str]:
 _NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 
 
-_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
-"""The minus sign and the small and fullwidth hyphen-minus, each read as ``-`` (dashes are not:
-an en dash is as often a range or a bullet as a sign)."""
-
-
 def _to_fraction(text: str) -> Fraction | None:
     try:
         return Fraction(text.replace(",", ""))
@@ -121,7 +118,7 @@ def normalize_number(text: str) -> str | None:
     ``"$1,234.50"`` -> ``"1234.5"``, ``"72.0"`` -> ``"72"``, ``"- 5"`` -> ``"-5"``.
     """
     # Read past, the sign of "−3" (U+2212) was lost and it scored as 3.
-    cleaned = text.translate(_MINUS_SIGNS).replace("$", "").replace("%", "").replace("\\", "")
+    cleaned = text.translate(MINUS_SIGNS).replace("$", "").replace("%", "").replace("\\", "")
     cleaned = re.sub(r"(?<=[-+])\s+(?=\d|\.)", "", cleaned.strip())
     match = _NUMBER_RE.search(cleaned)
     if match is None:
@@ -147,7 +144,7 @@ def extract_gsm8k_answer(text: str) -> str | None:
     if _GSM8K_MARKER in text:
         tail = text.rsplit(_GSM8K_MARKER, 1)[1]
         return normalize_number(tail)
-    cleaned = text.replace("$", "")
+    cleaned = text.translate(MINUS_SIGNS).replace("$", "")
     matches = _NUMBER_RE.findall(cleaned)
     if not matches:
         return None
@@ -233,7 +230,7 @@ def normalize_math_answer(answer: str) -> str:
     a trailing ``.``, and a leading ``x =``; maps ``\\dfrac``/``\\tfrac`` to ``\\frac``,
     ``\\frac12`` to ``\\frac{1}{2}``, and a plain ``a/b`` of integers to ``\\frac{a}{b}``.
     """
-    text = answer.strip()
+    text = answer.strip().translate(MINUS_SIGNS)
     text = re.sub(r"\\left(?![a-zA-Z])", "", text)
     text = re.sub(r"\\right(?![a-zA-Z])", "", text)
     text = re.sub(r"\\[!,;:]|\\ |~", "", text)

@@ -40,6 +40,8 @@ def test_gsm8k_answer():
     assert gsm8k_answer("step\n#### 1,234") == "1234"
     assert gsm8k_answer("step\n####-5.5\n") == "-5.5"
     assert gsm8k_answer("#### $5") == "$5" and gsm8k_answer("#### 10%") == "10%"
+    assert gsm8k_answer("#### $1,000") == "$1000" and gsm8k_answer("#### 12,500%") == "12500%"
+    assert gsm8k_answer("#### \u22123") == "-3"  # the Unicode minus sign
     for bad in ("no answer", "#### \nmore", "####"):
         with pytest.raises(RecordError, match="no final answer"):
             gsm8k_answer(bad)

@@ -76,6 +76,8 @@ def test_normalize_number(text, expected):
         ("#### \u22123", "#### -3", 1.0),  # the Unicode minus sign is a sign
         ("#### \u22123", "#### 3", 0.0),  # ... so -3 is not 3
         ("#### \uff0d3", "#### -3", 1.0),  # fullwidth hyphen-minus
+        ("The answer is \u22123", "#### -3", 1.0),  # without a marker the sign counts too
+        ("The answer is \u22123", "#### 3", 0.0),
         ("#### 5 #### 6", "#### 6", 1.0),  # the last marker wins
     ],
 )
@@ -132,6 +134,8 @@ def test_extract_boxed(text, expected):
         ("50\\%", "50"),
         ("\\$ 1,000", "1000"),
         ("\\sqrt2", "\\sqrt{2}"),
+        ("\u22123", "-3"),  # the Unicode minus sign
+        ("\\frac{\u22121}{2}", "\\frac{-1}{2}"),
     ],
 )
 def test_normalize_math_answer(answer, normalized):
