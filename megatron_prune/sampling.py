@@ -8,8 +8,23 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
+from collections.abc import Hashable
 
 import torch
+
+
+def canonical_id(item_id: Hashable) -> int | str | tuple:
+    """``item_id`` as a plain int, str or tuple of them, so that ``5``, ``numpy.int64(5)`` and
+    ``torch.tensor(5)`` key the same draws."""
+    if isinstance(item_id, str):
+        return item_id
+    if isinstance(item_id, tuple):
+        return tuple(canonical_id(part) for part in item_id)
+    try:
+        return operator.index(item_id)
+    except TypeError:
+        raise ValueError(f"item ids must be ints, strings or tuples of them, got {item_id!r}") from None
 
 
 def draw_key(seed: int, step: int, sample_id: int, what: str) -> int:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from megatron_prune.ranks import first_rank
+from megatron_prune.sampling import canonical_id
 
 logger = logging.getLogger(__name__)
 
@@ -205,30 +205,19 @@ def solve_keep_probs(scores: torch.Tensor, *, prune_rate: float, floor: float) -
 # ---------------------------------------------------------------------------------------
 
 
-def _canonical_id(item_id: Hashable) -> int | str | tuple:
-    if isinstance(item_id, str):
-        return item_id
-    if isinstance(item_id, tuple):
-        return tuple(_canonical_id(part) for part in item_id)
-    try:
-        return operator.index(item_id)
-    except TypeError:
-        raise ValueError(f"item ids must be ints, strings or tuples of them, got {item_id!r}") from None
-
-
 def keep_uniform(*, seed: int, step: int, level: str, item_id: Hashable) -> float:
     """A uniform number in [0, 1) that depends only on ``(seed, step, level, item_id)``.
 
     Counter-based: a BLAKE2b hash of the key, so it is the same on every rank, in every
     layout and after a resume, and different keys give (pseudo-)independent numbers.
     """
-    key = repr((int(seed), int(step), str(level), _canonical_id(item_id))).encode()
+    key = repr((int(seed), int(step), str(level), canonical_id(item_id))).encode()
     digest = hashlib.blake2b(key, digest_size=8, person=b"mp.dppo").digest()
     return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
 
 
 def _check_ids(item_ids: Sequence[Hashable], count: int, what: str) -> list:
-    ids = [_canonical_id(item_id) for item_id in item_ids]
+    ids = [canonical_id(item_id) for item_id in item_ids]
     if len(ids) != count:
         raise ValueError(f"got {len(ids)} {what} ids for {count} items")
     if len(set(ids)) != len(ids):
@@ -374,7 +363,7 @@ class PromptHistory:
         return len(self._scores)
 
     def __contains__(self, prompt_id: Hashable) -> bool:
-        return _canonical_id(prompt_id) in self._scores
+        return canonical_id(prompt_id) in self._scores
 
     def _observation(self, rewards: torch.Tensor) -> float:
         std = rewards.std(correction=0).item()
@@ -382,7 +371,7 @@ class PromptHistory:
 
     def update(self, prompt_id: Hashable, rewards: torch.Tensor) -> float:
         """Record one group of rewards of ``prompt_id``; return its new score."""
-        key = _canonical_id(prompt_id)
+        key = canonical_id(prompt_id)
         rewards = rewards.detach().to(torch.float64).flatten()
         if rewards.numel() == 0:
             raise ValueError("cannot update a prompt's history from an empty group of rewards")
@@ -417,11 +406,11 @@ class PromptHistory:
 
     def score(self, prompt_id: Hashable) -> float | None:
         """The prompt's score, or None if it has no history."""
-        return self._scores.get(_canonical_id(prompt_id))
+        return self._scores.get(canonical_id(prompt_id))
 
     def count(self, prompt_id: Hashable) -> int:
         """How many groups of the prompt were recorded."""
-        return self._counts.get(_canonical_id(prompt_id), 0)
+        return self._counts.get(canonical_id(prompt_id), 0)
 
     def scores(self, prompt_ids: Sequence[Hashable], *, unseen: float | None = None) -> torch.Tensor:
         """Float64 scores of ``prompt_ids``; a prompt with no history gets ``unseen`` (None: +inf)."""
@@ -459,7 +448,7 @@ class PromptHistory:
         if self.score_kind == "pass-rate" and len(state.get("evidence", ())) != len(state["ids"]):
             raise ValueError("PromptHistory state of score 'pass-rate' needs one (passes, fails) evidence entry "
                              "per prompt")
-        keys = [_canonical_id(item) for item in state["ids"]]
+        keys = [canonical_id(item) for item in state["ids"]]
         if self.score_kind == "pass-rate":
             self._evidence = {key: (float(p), float(f)) for key, (p, f) in zip(keys, state["evidence"])}
         self._scores = dict(zip(keys, (float(s) for s in state["scores"])))
@@ -510,11 +499,11 @@ def prune_completions(
         probs = _keep_probs_skipping_zeros(scores, config)
     else:
         probs = solve_keep_probs(scores, prune_rate=config.completion_prune_rate, floor=config.completion_floor)
+    ids = _check_ids(prompt_ids, len(prompt_ids), PROMPT_LEVEL)
     if config.sampling == "independent":
-        item_ids = [(prompt_id, j) for prompt_id in prompt_ids for j in range(advantages.shape[1])]
+        item_ids = [(prompt_id, j) for prompt_id in ids for j in range(advantages.shape[1])]
         keep = sample_keep(probs, seed=seed, step=step, level=COMPLETION_LEVEL, item_ids=item_ids)
     else:
-        ids = _check_ids(prompt_ids, len(prompt_ids), COMPLETION_LEVEL)
         keep = torch.zeros(probs.shape, dtype=torch.bool)
         for k, prompt_id in enumerate(ids):
             row = advantages[k].detach().to(torch.float64).tolist()

@@ -56,6 +56,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.utils import unwrap_model
 
+from megatron_prune.sampling import canonical_id
 from megatron_prune.training.parallel import expert_parallel_max, schedule_microbatches
 from megatron_prune.training.step import run_schedule
 
@@ -115,7 +116,7 @@ class Completion:
 
 def completion_seed(*, seed: int, step: int, prompt_id: Hashable, index: int) -> int:
     """63-bit seed of completion ``index`` of ``prompt_id`` at rollout ``step``."""
-    key = repr((int(seed), int(step), prompt_id, int(index))).encode()
+    key = repr((int(seed), int(step), canonical_id(prompt_id), int(index))).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"mp.rollout").digest(), "little") >> 1
 
 

@@ -181,6 +181,10 @@ def test_duplicate_or_bad_ids_raise():
         sample_keep(torch.ones(2), seed=0, step=0, level=PROMPT_LEVEL, item_ids=[1])
     with pytest.raises(ValueError, match="ints, strings"):
         sample_keep(torch.ones(1), seed=0, step=0, level=PROMPT_LEVEL, item_ids=[1.5])
+    for sampling in ("independent", "systematic"):  # a repeated prompt is named as one
+        config = DPPOConfig(completion_prune_rate=0.5, sampling=sampling)
+        with pytest.raises(ValueError, match="^prompt ids must be unique"):
+            prune_completions(advantages=torch.ones(2, 3), prompt_ids=[4, 4], config=config, seed=0, step=0)
 
 
 def test_keep_decision_weights():

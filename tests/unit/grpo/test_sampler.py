@@ -84,3 +84,13 @@ def test_greedy_and_empty_batches():
     assert tokens.tolist() == logits.argmax(dim=-1).tolist() and not logprobs.any()
     tokens, logprobs = sample_from_logits(torch.zeros(0, 9), [], temperature=1.0, top_p=1.0)
     assert tokens.shape == (0,) and logprobs.shape == (0,)
+
+
+def test_completion_seeds_depend_on_the_prompt_ids_value_not_its_type():
+    np = pytest.importorskip("numpy")
+    seeds = {completion_seed(seed=1, step=2, prompt_id=prompt_id, index=3)
+             for prompt_id in (5, np.int64(5), torch.tensor(5))}
+    assert len(seeds) == 1
+    assert completion_seed(seed=1, step=2, prompt_id=6, index=3) not in seeds
+    with pytest.raises(ValueError, match="ints, strings or tuples"):
+        completion_seed(seed=1, step=2, prompt_id=5.0, index=3)
