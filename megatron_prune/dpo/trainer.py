@@ -138,7 +138,7 @@ def reference_identity(ref_meta: dict, *, ref_source: str | None, lora_base: dic
     from megatron_prune.training.checkpoint import read_meta
 
     if adapter_off_base:
-        record = json.dumps(lora_base, sort_keys=True)
+        record = json.dumps({k: v for k, v in lora_base.items() if k != "path"}, sort_keys=True)
         if lora_base.get("kind") == "hf":
             return record + "|hf:" + hf_fingerprint(lora_base["path"], full=True)
         if lora_base.get("kind") == "megatron":

@@ -62,6 +62,14 @@ def test_reference_is_identified_by_its_weights_not_its_path(tmp_path):
     keys = {reference_identity({"reference_load": None, "reference_hf_model": None}, ref_source=None, lora_base=b,
                                adapter_off_base=True) for b in bases}
     assert len(keys) == 2
+    # ... by content too: a moved copy of the base reuses its table, an edited one does not.
+    from megatron_prune.model.lora_base import hf_base
+
+    def adapter_off(hf_dir):
+        return reference_identity({"reference_load": None, "reference_hf_model": None}, ref_source=None,
+                                  lora_base=hf_base(str(hf_dir)).to_dict(), adapter_off_base=True)
+
+    assert adapter_off(first) == adapter_off(copy) != adapter_off(edited)
 
 
 def test_key_changes_with_the_precision_seed_architecture_and_reference():
