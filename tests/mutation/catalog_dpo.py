@@ -353,8 +353,16 @@ MUTANTS: list[dict] = [
         "why": "under LoRA the cache key leaves out the base the adapter-off policy scores with: two bases of one "
                "architecture share a table",
         "file": "megatron_prune/dpo/trainer.py",
-        "old": "        record = json.dumps(lora_base, sort_keys=True)\n",
+        "old": '        record = json.dumps({k: v for k, v in lora_base.items() if k != "path"}, sort_keys=True)\n',
         "new": '        return "initialisation"\n',
+        "tests": ["tests/unit/test_ref_cache_key.py"],
+    },
+    {
+        "name": "dpo-ref-cache-key-holds-the-lora-base-path",
+        "why": "under LoRA the cache key holds the base's path: a moved copy of the same base scores the table again",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": '        record = json.dumps({k: v for k, v in lora_base.items() if k != "path"}, sort_keys=True)\n',
+        "new": "        record = json.dumps(lora_base, sort_keys=True)\n",
         "tests": ["tests/unit/test_ref_cache_key.py"],
     },
     {
