@@ -484,6 +484,9 @@ def load_layer(dist_dir: str, *, metadata: dict, keys: list[str], layer: int | N
     return {k: (loaded[k] if layer is None else loaded[k][0]) for k in keys}
 
 
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
 def _check_checkpoint_tensors(metadata: dict, arch: ModelArch, ckpt: str) -> None:
     """Every model tensor the mapping needs, with its shape, and no model tensor it would drop."""
     expected = megatron_shapes(arch)
@@ -493,7 +496,8 @@ def _check_checkpoint_tensors(metadata: dict, arch: ModelArch, ckpt: str) -> Non
         found = tuple(metadata[key].global_shape)
         if found != want:
             raise ValueError(f"{ckpt}: tensor {key} has shape {list(found)}, expected {list(want)} for {arch.model_type}")
-    unmapped = sorted(k for k in metadata if k not in expected and not k.startswith("optimizer."))
+    # Optimizer state: "optimizer.*", or "chained_<i>.optimizer.*" where expert parallelism splits the optimizer.
+    unmapped = sorted(k for k in metadata if k not in expected and not _OPTIMIZER_KEY.match(k))
     if unmapped:
         raise ValueError(f"{ckpt}: model tensor(s) {', '.join(unmapped[:6])} have no HF counterpart; "
                          "refusing to drop them")

@@ -4,6 +4,8 @@ a resume of it at EP=1); GRPO at EP=2."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -20,6 +22,12 @@ def test_dpo_cli_runs_moe_with_expert_parallelism(tmp_path):
     # Reported on every step; positive (each is coefficient x a positive loss, over 3 MoE layers).
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in rows)
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000002")
+    # Exported to HF although EP=2 saved its optimizer state as chained_<i>.optimizer.* (it was refused).
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_megatron_to_hf.py")
+    export = subprocess.run([sys.executable, tool, "--load", str(tmp_path / "ckpt"), "--hf-out", str(tmp_path / "hf")],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
     # Resumed at EP=1 (one optimizer where EP=2 saved a dense and an expert one), optimizer state included.
     resumed_dir = tmp_path / "ep1"
     resumed_dir.mkdir()
