@@ -22,6 +22,7 @@ the hf_assets/ kept next to it).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -46,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "iter_* directory); it must hold the same weights")
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="dtype of the written weights; auto keeps the checkpoint's")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 4GiB")
+    p.add_argument("--max-shard-size", default=None,
+                   help="largest safetensors file of --hf-out, e.g. 5GB, 500MB, 4GiB (default 5GB)")
     p.add_argument("--hf-assets", default=None,
                    help="directory with the original config.json and tokenizer files (default: hf_assets/ inside --load, "
                         "else next to it)")
@@ -55,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give --hf-out DIR (HF model) and/or --peft-out DIR (LoRA adapters)")
     if args.merge_lora and args.hf_out is None:
         p.error("--merge-lora writes to --hf-out DIR")
+    if args.hf_out is None:  # they shape the HF model directory alone
+        for flag, value in (("--hf-assets", args.hf_assets), ("--max-shard-size", args.max_shard_size)):
+            if value is not None:
+                p.error(f"{flag} applies to --hf-out DIR (a PEFT directory has no tokenizer files or shards)")
+    if args.hf_out and args.peft_out and os.path.abspath(args.hf_out) == os.path.abspath(args.peft_out):
+        p.error("--hf-out and --peft-out must be different directories")
+    args.max_shard_size = args.max_shard_size or "5GB"
     return args
 
 
@@ -68,12 +77,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         parse_size(args.max_shard_size)
+        from megatron_prune.model.hf_convert import check_output_dir
         from megatron_prune.model.lora_base import META_KEY, resolve_base
         from megatron_prune.model.lora_export import check_peft_export, checkpoint_lora, export_merged, export_peft
         from megatron_prune.training.checkpoint import read_meta
 
         meta = read_meta(args.load)
         lora = checkpoint_lora(meta)
+        # Every output is checked before any is written: a refused second one left the first behind.
+        for flag, path in (("--hf-out", args.hf_out), ("--peft-out", args.peft_out)):
+            if path:
+                check_output_dir(path, flag=flag)
         base = None
         if lora is not None:
             if args.hf_out and not args.merge_lora:
@@ -84,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             # The frozen base is not in a LoRA checkpoint: find it (and check it) before any rank works.
             base = resolve_base(meta.get(META_KEY), ckpt=meta["path"], override=args.base_hf, flag="--base-hf",
                                 megatron_override=args.base_load)
+        elif args.peft_out:
+            raise ValueError(f"--peft-out: {meta['path']} holds no LoRA adapters (not trained with --lora-rank), "
+                             "so there are none to write; export its weights with --hf-out DIR")
         elif args.base_hf or args.base_load:
             flag = "--base-hf" if args.base_hf else "--base-load"
             raise ValueError(f"{flag}: {meta['path']} holds no LoRA adapters, so it needs no base model")

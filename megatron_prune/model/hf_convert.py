@@ -289,11 +289,13 @@ def check_save_dir(save_dir: str) -> None:
     """The converter's ``--save`` is a new directory, or one that holds no checkpoint yet."""
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise ValueError(f"--save {save_dir} exists and is not a directory; choose a new directory")
-    if os.path.isdir(save_dir):
-        taken = [n for n in os.listdir(save_dir) if n.startswith("iter_") or n == "latest_checkpointed_iteration.txt"]
-        if taken:
-            raise ValueError(f"--save {save_dir} already holds checkpoints ({', '.join(sorted(taken)[:3])}); "
-                             "choose a new directory")
+    from megatron_prune.training.checkpoint import holds_checkpoint
+
+    # A save a kill left unfinished (iter_*.tmp) is no checkpoint: the converter's save replaces it.
+    if holds_checkpoint(save_dir):
+        taken = sorted(n for n in os.listdir(save_dir) if n.startswith("iter_") and n[5:].isdigit())
+        raise ValueError(f"--save {save_dir} already holds checkpoints ({', '.join(taken[:3])}); "
+                         "choose a new directory")
 
 
 def convert_hf_to_megatron(

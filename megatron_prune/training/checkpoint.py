@@ -104,6 +104,7 @@ def _partial_saves(root: str) -> list[str]:
 
 def _describe_partial(root: str, names: list[str]) -> str:
     return ", ".join(f"{name} (a save that did not finish)" if name.endswith(".tmp")
+                     else f"{name} (a replaced checkpoint not yet deleted)" if name.endswith(".old")
                      else f"{name} ({_lacks(os.path.join(root, name))})" for name in names)
 
 
@@ -594,8 +595,7 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
             meta.update(_record_of(optimizer))
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        _replace_dir(tmp, final)
         tracker_tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tracker_tmp, "w") as f:
             f.write(str(iteration))
@@ -603,6 +603,18 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
         logger.info("saved checkpoint %s", final)
     _barrier()
     return final
+
+
+def _replace_dir(new: str, final: str) -> None:
+    """Publish ``new`` as ``final``. An existing ``final`` (a re-save of the same iteration) is
+    renamed aside before it is deleted: a kill while deleting it in place could leave its metadata
+    and index with half its shards, which would pass for a complete checkpoint."""
+    aside = final + ".old"
+    if os.path.isdir(final):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(new, final)
+    shutil.rmtree(aside, ignore_errors=True)  # also one that a kill left behind
 
 
 def load_checkpoint(

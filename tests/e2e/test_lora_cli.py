@@ -77,6 +77,13 @@ def test_lora_dpo_kill_resume_and_export(tmp_path):
     tool = [sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--load", str(ref_dir / "ckpt")]
     refused = run_cmd([*tool, "--hf-out", str(tmp_path / "plain")], log=tmp_path / "refused.txt", env=launch_env())
     assert refused.returncode == 2 and "--merge-lora" in refused.output
+    # Both outputs are checked before either is written: a full --peft-out leaves no --hf-out behind.
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    refused = run_cmd([*tool, "--hf-out", str(tmp_path / "merged"), "--merge-lora", "--peft-out",
+                       str(tmp_path / "full")], log=tmp_path / "refused_peft.txt", env=launch_env())
+    assert refused.returncode == 2 and f"--peft-out {tmp_path / 'full'} exists and is not an empty" in refused.output
+    assert not (tmp_path / "merged").exists()
     exported = run_cmd([*tool, "--hf-out", str(tmp_path / "merged"), "--merge-lora", "--peft-out",
                         str(tmp_path / "peft")], log=tmp_path / "export.txt", env=launch_env()).check_ok()
     assert (f"note: {tmp_path / 'peft'}/adapter_config.json names no base_model_name_or_path: the base is the "

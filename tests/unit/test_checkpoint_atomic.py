@@ -186,6 +186,44 @@ def test_retry_after_a_killed_save_replaces_the_leftover(tmp_path, stub_io):
     assert ckpt.read_meta(str(tmp_path))["iteration"] == 4
 
 
+@pytest.mark.parametrize("killed_at", ["publish", "delete"])
+def test_resaving_an_iteration_never_leaves_a_partial_checkpoint_in_place(tmp_path, stub_io, killed_at):
+    """A re-save of an existing iteration (a launch that goes back: --load X/iter_2 --save X) moves
+    the old directory aside before deleting it. Killed before the new one is in place, the run
+    falls back to the newest complete checkpoint; killed while deleting the old one, the new one is
+    complete. Deleting in place, a kill could leave meta.json and the index without the shards."""
+    import shutil
+
+    _save(tmp_path, 2)
+    _save(tmp_path, 4)
+    real_replace, real_rmtree = os.replace, shutil.rmtree
+
+    def dies_publishing(src, dst):
+        if str(src).endswith(".tmp") and str(dst).endswith("iter_0000004"):
+            raise Killed
+        return real_replace(src, dst)
+
+    def dies_deleting(path, *args, **kwargs):
+        if str(path).endswith(".old") and os.path.exists(path):
+            real_rmtree(os.path.join(path, "dist"))  # half deleted
+            raise Killed
+        return real_rmtree(path, *args, **kwargs)
+
+    if killed_at == "publish":
+        stub_io.setattr(os, "replace", dies_publishing)
+    else:
+        stub_io.setattr(shutil, "rmtree", dies_deleting)
+    with pytest.raises(Killed):
+        _save(tmp_path, 4)
+    stub_io.setattr(os, "replace", real_replace)
+    stub_io.setattr(shutil, "rmtree", real_rmtree)
+    expected = "iter_0000002" if killed_at == "publish" else "iter_0000004"
+    assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / expected)
+    assert (tmp_path / "iter_0000004.old").is_dir()
+    _save(tmp_path, 4)  # the next save of that iteration clears what was left
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == ["iter_0000002", "iter_0000004"]
+
+
 # --------------------------------------------------------------------------- --save / --load of one launch
 
 
@@ -392,3 +430,15 @@ def test_a_failed_shard_write_names_the_save_directory_and_the_cause(tmp_path, s
         "[Errno 28] No space left on device (on rank 0; failed on ranks 0, 1)); the checkpoints published before it "
         "are intact")
     assert ckpt.read_meta(str(tmp_path))["iteration"] == 2
+
+
+def test_converter_save_dir_left_by_a_killed_conversion_is_reused(tmp_path, stub_io):
+    """tools/convert_hf_to_megatron.py's --save: a killed conversion's iter_*.tmp is no checkpoint
+    (the next save replaces it); a complete checkpoint is refused."""
+    from megatron_prune.model.hf_convert import check_save_dir
+
+    (tmp_path / "iter_0000000.tmp" / "dist").mkdir(parents=True)
+    check_save_dir(str(tmp_path))
+    _save(tmp_path, 0)
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(iter_0000000\); choose a new directory"):
+        check_save_dir(str(tmp_path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import re
 import shutil
 
@@ -362,3 +363,24 @@ def test_resume_from_an_iteration_folder_finds_the_run_s_own_tokenizer_copy(tmp_
     for load in (ckpt, str(tmp_path / "run")):
         assert session.resolve_tokenizer(ModelConfig(), CheckpointConfig(load=load)) == os.path.join(
             os.path.dirname(ckpt) if load == ckpt else load, "hf_assets")
+
+
+def test_export_tool_refuses_what_it_cannot_write_before_writing_anything(tmp_path, capsys):
+    """tools/convert_megatron_to_hf.py: flags of the HF directory without --hf-out, one directory for
+    both outputs, and --peft-out of a checkpoint without adapters are refused before any file is written."""
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "tools")))
+    import convert_megatron_to_hf as tool
+
+    ckpt = _megatron_checkpoint(tmp_path / "full", data=os.urandom(64))
+    hf_out, peft_out = str(tmp_path / "hf"), str(tmp_path / "peft")
+    cases = {
+        "--hf-assets applies to --hf-out DIR": ["--peft-out", peft_out, "--hf-assets", str(tmp_path)],
+        "--max-shard-size applies to --hf-out DIR": ["--peft-out", peft_out, "--max-shard-size", "1KB"],
+        "--hf-out and --peft-out must be different directories": ["--hf-out", hf_out, "--peft-out", hf_out],
+        f"--peft-out: {ckpt} holds no LoRA adapters": ["--hf-out", hf_out, "--peft-out", peft_out],
+    }
+    for message, flags in cases.items():
+        with pytest.raises(SystemExit) as exc:
+            tool.main(["--load", ckpt, *flags])
+        assert exc.value.code == 2 and message in capsys.readouterr().err, message
+    assert not os.path.exists(hf_out) and not os.path.exists(peft_out)
