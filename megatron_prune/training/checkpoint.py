@@ -577,6 +577,7 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
                               f"({_cause(exc)}); the checkpoints published before it are intact") from exc
     rng = {
         "torch": torch.get_rng_state(),
+        "device": _device_rng_state(),
         "tracker": _rng_tracker_states(),
     }
     gathered: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
@@ -674,8 +675,10 @@ def load_checkpoint(
     meta["scheduler"] = extra.get("scheduler", {})
     per_rank = extra.get("rng_per_rank") or []
     if restore_rng and len(per_rank) == (dist.get_world_size() if dist.is_initialized() else 1):
-        torch.set_rng_state(per_rank[_rank()]["torch"])
-        _set_rng_tracker_states(per_rank[_rank()]["tracker"])
+        mine = per_rank[_rank()]
+        torch.set_rng_state(mine["torch"])
+        _set_device_rng_state(mine.get("device"))
+        _set_rng_tracker_states(mine["tracker"])
     if _rank() == 0:
         logger.info("loaded checkpoint %s (iteration %s)", ckpt, meta["iteration"])
     return meta
@@ -690,6 +693,27 @@ def load_model_weights(path: str, *, model: list[torch.nn.Module], arch: ModelAr
 
 def _describe(fmt: str) -> str:
     return "with --use-distributed-optimizer" if fmt == DISTRIBUTED_OPTIMIZER else "without --use-distributed-optimizer"
+
+
+def _device_rng_state() -> dict | None:
+    """The GPU's (NPU's) default generator, which draws what runs outside Megatron's tracker forks
+    (LoRA dropout, hidden dropout), with the device kind; None on CPU, where torch's generator is
+    the device's."""
+    from megatron_prune.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    module = accelerator.module
+    return None if module is None else {"kind": accelerator.kind, "state": module.get_rng_state()}
+
+
+def _set_device_rng_state(saved: dict | None) -> None:
+    """Restore :func:`_device_rng_state`; one from another kind of device (or none) is left alone:
+    the launch's seeding stands."""
+    from megatron_prune.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if saved is not None and accelerator.module is not None and saved["kind"] == accelerator.kind:
+        accelerator.module.set_rng_state(saved["state"])
 
 
 def _rng_tracker_states():

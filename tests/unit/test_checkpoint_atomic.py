@@ -399,6 +399,46 @@ def test_resume_restores_the_rng_states_saved_with_the_checkpoint(tmp_path, stub
     assert len(restored) == 1 and torch.equal(restored[0]["model-parallel-rng"], tracker_then["model-parallel-rng"])
 
 
+class _FakeDeviceRNG:
+    """Stands in for ``torch.cuda``'s default generator (no GPU here): a state that draws move."""
+
+    def __init__(self):
+        self.state = torch.tensor([0], dtype=torch.uint8)
+
+    def get_rng_state(self):
+        return self.state.clone()
+
+    def set_rng_state(self, state):
+        self.state = state.clone()
+
+    def draw(self):
+        self.state += 1
+
+
+def test_resume_restores_the_devices_own_generator(tmp_path, stub_load, monkeypatch):
+    """On a GPU, draws outside Megatron's tracker forks (LoRA dropout) come from the device's default
+    generator, which every launch reseeds: the checkpoint keeps its state per rank and a resume on
+    the same kind of device restores it; on another kind (CPU here) it is left alone."""
+    from megatron_prune import accelerator
+
+    device = _FakeDeviceRNG()
+    gpu = type("FakeGPU", (), {"kind": "cuda", "module": device})()
+    monkeypatch.setattr(accelerator, "get_accelerator", lambda: gpu)
+    device.draw()
+    _save(tmp_path, 3)
+    saved = device.get_rng_state()
+    device.draw()
+    device.draw()
+    ckpt.load_checkpoint(str(tmp_path), model=[], restore_rng=True)
+    assert torch.equal(device.state, saved)
+
+    device.draw()
+    moved = device.get_rng_state()
+    monkeypatch.setattr(accelerator, "get_accelerator", lambda: type("FakeNPU", (), {"kind": "npu", "module": device})())
+    ckpt.load_checkpoint(str(tmp_path), model=[], restore_rng=True)
+    assert torch.equal(device.state, moved)
+
+
 def test_checkpoint_saved_without_an_optimizer_refuses_to_resume_one(tmp_path, stub_load):
     """A checkpoint saved without optimizer state says so, and loading it with an optimizer (a resume)
     is refused instead of starting the optimizer from nothing."""
