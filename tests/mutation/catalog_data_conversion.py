@@ -223,7 +223,7 @@ MUTANTS: list[dict] = [
         "why": "a resume does not restore the saved torch RNG state, so dropout and any CPU draw differ from "
                "the uninterrupted run",
         "file": CHECKPOINT,
-        "old": "        torch.set_rng_state(per_rank[_rank()][\"torch\"])\n",
+        "old": "        torch.set_rng_state(mine[\"torch\"])\n",
         "new": "",
         "tests": [f"{CKPT_TESTS}::test_resume_restores_the_rng_states_saved_with_the_checkpoint"],
     },
@@ -232,9 +232,27 @@ MUTANTS: list[dict] = [
         "why": "a resume does not restore Megatron's model-parallel RNG tracker states (tensor-parallel "
                "dropout streams)",
         "file": CHECKPOINT,
-        "old": "        _set_rng_tracker_states(per_rank[_rank()][\"tracker\"])\n",
+        "old": "        _set_rng_tracker_states(mine[\"tracker\"])\n",
         "new": "",
         "tests": [f"{CKPT_TESTS}::test_resume_restores_the_rng_states_saved_with_the_checkpoint"],
+    },
+    {
+        "name": "checkpoint-device-rng-not-restored",
+        "why": "a resume on a GPU does not restore the device's default generator, so LoRA dropout masks start "
+               "over from the launch's seed",
+        "file": CHECKPOINT,
+        "old": "        _set_device_rng_state(mine.get(\"device\"))\n",
+        "new": "",
+        "tests": [f"{CKPT_TESTS}::test_resume_restores_the_devices_own_generator"],
+    },
+    {
+        "name": "checkpoint-resave-deletes-the-old-directory-in-place",
+        "why": "a re-save of an existing iteration deletes the old directory where it stands: a kill mid-delete "
+               "leaves its meta.json and index without shards, which pass for a complete checkpoint",
+        "file": CHECKPOINT,
+        "old": "        os.replace(final, aside)\n",
+        "new": "        shutil.rmtree(final)\n",
+        "tests": [f"{CKPT_TESTS}::test_resaving_an_iteration_never_leaves_a_partial_checkpoint_in_place"],
     },
     {
         "name": "checkpoint-always-claims-optimizer-state",
