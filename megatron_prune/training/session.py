@@ -251,7 +251,7 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
         _refuse_new_run_into_its_source(ckpt, lora_active(configs.get("LoRAConfig")))
         if ref_load is not None:
             find_latest(ref_load, flag="--ref-load")
-            _check_full_weights(ref_load)
+            _check_full_weights(ref_load, arch)
         from megatron_prune.training.loop import check_resumable
 
         lora = configs.get("LoRAConfig")
@@ -281,15 +281,20 @@ MERGE_HINT = ("merge them into full weights first (python tools/convert_megatron
               "--ref-load REF")
 
 
-def _check_full_weights(ref_load: str) -> None:
-    """A reference is a whole frozen model: a LoRA checkpoint (adapters, no base weights) is refused
-    before any rank builds one."""
+def _check_full_weights(ref_load: str, arch: ModelArch) -> None:
+    """A reference is a whole frozen model of the policy's architecture: a LoRA checkpoint (adapters,
+    no base weights) or another architecture is refused before any rank builds one."""
+    from megatron_prune.model.arch import arch_difference
     from megatron_prune.training.checkpoint import read_meta
 
     meta = read_meta(ref_load)
     if meta.get("lora"):
         raise UsageError(f"--ref-load {ref_load} holds LoRA adapters (rank {meta['lora']['rank']}), not a whole "
                          f"model, and a reference loads whole models only; " + MERGE_HINT.format(ckpt=ref_load))
+    if ModelArch.from_dict(meta["arch"]) != arch:
+        raise UsageError(f"--ref-load {ref_load}: {meta['path']} holds another architecture "
+                         f"({arch_difference(meta['arch'], arch.to_dict())}) than the policy; the reference must be "
+                         "the same model")
 
 
 def finetune_notice(ckpt: CheckpointConfig, ref_load: str | None) -> str | None:

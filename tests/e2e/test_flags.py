@@ -192,6 +192,14 @@ def test_checkpoint_of_another_architecture_rejected(tmp_path, monkeypatch, caps
     assert "tie_word_embeddings True (not False)" in err, err  # what differs, not only the shared summary
     assert "Traceback" not in err
     assert _no_process_group()
+    # The same checkpoint as the reference: named by --ref-load (it was refused only after the ranks
+    # had built the models, with a hint to drop --model-preset).
+    code, err = _main([*TINY_DPO, "--ref-load", str(tmp_path / "ckpt"), *(["--dry-run"] if dry_run else [])],
+                      monkeypatch, capsys)
+    assert code == 2
+    assert (f"--ref-load {tmp_path / 'ckpt'}: {tmp_path / 'ckpt' / 'iter_0000002'} holds another architecture "
+            "(tie_word_embeddings True (not False)) than the policy; the reference must be the same model") in err, err
+    assert _no_process_group()
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])

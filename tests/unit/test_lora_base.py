@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 
+from megatron_prune.model.arch import get_preset
 from megatron_prune.lora_config import LoRAConfig, check_load, lora_meta
 from megatron_prune.model.lora_base import BaseSource, hf_base, hf_fingerprint, preset_base, resolve_base
 from tests.unit.model.hf_models import make_hf_model
@@ -320,7 +321,7 @@ def test_lora_checkpoint_as_reference_is_refused_and_finetune_says_what_the_refe
     with pytest.raises(session.UsageError, match=r"^--ref-load \S+ holds LoRA adapters \(rank 4\), not a whole "
                                                  r"model.*convert_megatron_to_hf.py --load \S+ --hf-out MERGED "
                                                  r"--merge-lora, then .*convert_hf_to_megatron.py"):
-        session._check_full_weights(str(tmp_path / "lora"))
+        session._check_full_weights(str(tmp_path / "lora"), get_preset("tiny"))
     notice = session.finetune_notice(CheckpointConfig(load=str(tmp_path / "lora"), finetune=True), None)
     assert "the reference is its base with the adapters off" in notice and "--merge-lora" in notice
     assert session.finetune_notice(CheckpointConfig(load=str(tmp_path / "lora")), None) is None
