@@ -31,9 +31,10 @@ when it has none, see ``tokenizer.py``) with the generation prompt; each respons
 
 Truncation rule (``max_seq_length`` L, ``max_prompt_length`` P):
 
-1. a prompt longer than P tokens keeps its fixed chat-template head (BOS and whatever the
-   template puts before the first message's text, :func:`prompt_head_length`) and its last
-   ``P - head`` tokens (left truncation that never drops BOS or the template's preamble);
+1. a prompt longer than P tokens keeps its head (BOS, the template's preamble and any leading
+   system messages: everything before the text of its first user or assistant message,
+   :func:`prompt_head`) and its last ``P - head`` tokens (left truncation that never drops BOS,
+   the preamble or the system prompt; a head of P tokens or more is not kept);
 2. each response keeps its first ``L - len(prompt)`` tokens (right truncation; a cut response
    loses its eos), so prompt+chosen and prompt+rejected both fit in L;
 3. when the prompt leaves no room for a response token (only possible when P is None or
@@ -359,6 +360,26 @@ def prompt_head_length(tokenizer: Tokenizer) -> int:
     return n
 
 
+def prompt_head(tokenizer: Tokenizer, messages: list[Message], prompt_ids: Sequence[int]) -> int:
+    """Tokens of ``prompt_ids`` (``messages`` rendered) before the text of its first message that
+    is not a system message: BOS, the template's preamble and the system prompt.
+
+    The common prefix with the same messages whose that text is one probe character, for two
+    probes. Measured on the prompt's own messages, not a one-message probe: a template that adds a
+    default system prompt when there is none has a longer preamble than the prompt, which would
+    keep the start of the user's text as "head".
+    """
+    first = next((k for k, m in enumerate(messages) if m["role"] != "system"), None)
+    if first is None:
+        return 0
+    n = len(prompt_ids)
+    for probe in _HEAD_PROBES:
+        changed = [*messages[:first], {**messages[first], "content": probe}, *messages[first + 1:]]
+        ids = tokenizer.apply_chat_template(changed, add_generation_prompt=True, tokenize=True)
+        n = min(n, next((k for k, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), min(len(ids), n)))
+    return n
+
+
 def truncate_prompt(prompt_ids: Sequence[int], *, max_length: int, keep_head: int = 0) -> list[int]:
     """Left-truncate ``prompt_ids`` to ``max_length`` tokens, keeping its first ``keep_head`` tokens
     (BOS and the template's preamble) when there is room for more than them."""
@@ -415,10 +436,9 @@ def tokenize_preference(
     chosen_ids = tokenizer.encode(tokenizer.render_response(text.chosen)) + [tokenizer.eos_id]
     rejected_ids = tokenizer.encode(tokenizer.render_response(text.rejected)) + [tokenizer.eos_id]
     whole = (prompt_ids, chosen_ids, rejected_ids)
-    kept = truncate_pair(
-        *whole, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length,
-        keep_head=prompt_head_length(tokenizer) if max_prompt_length is not None else 0,
-    )
+    too_long = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
+    kept = truncate_pair(*whole, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length,
+                         keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0)
     if truncated is not None:
         truncated.update(part for part, before, after in zip(PAIR_PARTS, whole, kept) if len(after) < len(before))
     return kept

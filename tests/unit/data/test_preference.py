@@ -21,6 +21,7 @@ from megatron_prune.data.preference import (
     parse_preference_record,
     split_hh_transcript,
     prompt_head_length,
+    tokenize_preference,
     truncate_pair,
     truncate_prompt,
 )
@@ -588,3 +589,22 @@ def test_directory_as_data_path_says_it_is_a_directory(tmp_path, tiny_tokenizer)
         PreferenceDataset(tmp_path, tokenizer=tiny_tokenizer)
     assert str(info.value) == (f"{tmp_path}: is a directory: expected a data file "
                                "(.jsonl, .json, .jsonl.gz, .json.gz, .parquet)")
+
+
+def test_prompt_head_is_measured_on_the_prompts_own_messages(tmp_path):
+    """A template that adds a default system prompt when there is none: a prompt with its own short
+    system prompt keeps that one and the template's markers as its head, not as many tokens as the
+    default preamble has (which reached into the user's text)."""
+    template = ("{% if messages[0]['role'] != 'system' %}<s>[SYS]You are a helpful assistant made by someone[/SYS]"
+                "{% endif %}{% for m in messages %}{% if m['role'] == 'system' %}<s>[SYS]{{ m['content'] }}[/SYS]"
+                "{% else %}[{{ m['role'] }}]{{ m['content'] }}</s>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    tokenizer = load_tokenizer(save_hf_tokenizer(str(tmp_path / "tok"), chat_template=template))
+    user = {"role": "user", "content": "FIRSTWORDS " + "the quick brown fox " * 30 + "LASTQUESTION?"}
+    for messages, head_text in (([{"role": "system", "content": "Be brief"}, user], "<s>[SYS]Be brief[/SYS][user]"),
+                                ([user], "<s>[SYS]You are a helpful assistant made by someone[/SYS][user]")):
+        prompt, _, _ = tokenize_preference(PreferenceText(messages, "hello", "world"), tokenizer,
+                                           max_seq_length=200, max_prompt_length=100)
+        text = tokenizer.decode(prompt)
+        assert len(prompt) == 100 and text.startswith(head_text) and text.endswith("LASTQUESTION?</s>[assistant]")
+        assert "FIRSTWORDS" not in text
