@@ -96,9 +96,18 @@ MUTANTS: list[dict] = [
         "name": "pref-prompt-truncation-drops-bos",
         "why": "left truncation of a long prompt keeps no template head: BOS and the chat preamble are cut",
         "file": PREFERENCE,
-        "old": "keep_head=prompt_head_length(tokenizer) if max_prompt_length is not None else 0,",
-        "new": "keep_head=0,",
+        "old": "keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0)",
+        "new": "keep_head=0)",
         "tests": [f"{PREF_TESTS}::test_truncation_on_tokenized_pairs"],
+    },
+    {
+        "name": "pref-prompt-head-from-a-one-message-probe",
+        "why": "the kept head is measured on a one-user-message probe: a template that adds a default system "
+               "prompt keeps the start of a prompt's own user text as head",
+        "file": PREFERENCE,
+        "old": "keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0)",
+        "new": "keep_head=prompt_head_length(tokenizer) if too_long else 0)",
+        "tests": [f"{PREF_TESTS}::test_prompt_head_is_measured_on_the_prompts_own_messages"],
     },
     # --- record files -------------------------------------------------------------------------
     {
