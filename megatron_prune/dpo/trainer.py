@@ -117,9 +117,11 @@ def _fingerprint(dataset: PreferenceDataset, extra: str) -> str:
 
 def reference_table_key(dataset: PreferenceDataset, *, arch, identity: str, seed: int, bf16: bool) -> str:
     """Key of a precomputed reference table: the tokens (see :func:`_fingerprint`), the
-    architecture, the reference's identity, the seed (a preset's initialisation) and the precision
-    it was scored in (bf16 log-probs are not fp32's: the step-0 log-ratio would not be 0)."""
-    return _fingerprint(dataset, f"{arch.to_dict()}|{identity}|{seed}|{'bf16' if bf16 else 'fp32'}")
+    architecture, the reference's identity, the seed where it is a preset's initialisation (the
+    weights of a checkpoint or HF directory do not depend on it) and the precision it was scored in
+    (bf16 log-probs are not fp32's: the step-0 log-ratio would not be 0)."""
+    initialised = seed if identity == "initialisation" else ""
+    return _fingerprint(dataset, f"{arch.to_dict()}|{identity}|{initialised}|{'bf16' if bf16 else 'fp32'}")
 
 
 def reference_identity(ref_meta: dict, *, ref_source: str | None, lora_base: dict | None,

@@ -370,8 +370,8 @@ MUTANTS: list[dict] = [
         "why": "the reference cache key leaves out the precision: a table scored under --bf16 is reused by an fp32 "
                "run (or the other way round), so the step-0 log-ratio is not 0",
         "file": "megatron_prune/dpo/trainer.py",
-        "old": "{seed}|{'bf16' if bf16 else 'fp32'}",
-        "new": "{seed}",
+        "old": "{initialised}|{'bf16' if bf16 else 'fp32'}",
+        "new": "{initialised}",
         "tests": ["tests/unit/test_ref_cache_key.py"],
     },
     {
