@@ -77,6 +77,7 @@ def _open(load_dir: str, base=None):
     else the recorded one) of the newest LoRA checkpoint under ``load_dir``."""
     from megatron.core import dist_checkpointing
 
+    from megatron_prune.model.hf_convert import is_optimizer_key
     from megatron_prune.model.lora_base import META_KEY, resolve_base
     from megatron_prune.training.checkpoint import read_meta
 
@@ -90,7 +91,7 @@ def _open(load_dir: str, base=None):
         base = resolve_base(meta.get(META_KEY), ckpt=ckpt, override=None, flag="--base-hf")
     dist_dir = os.path.join(ckpt, "dist")
     metadata = dist_checkpointing.load_tensors_metadata(dist_dir)
-    adapters = {k: v for k, v in metadata.items() if k.endswith(ADAPTER_SUFFIXES)}
+    adapters = {k: v for k, v in metadata.items() if k.endswith(ADAPTER_SUFFIXES) and not is_optimizer_key(k)}
     for weight_key in _adapted_weight_keys(ModelArch.from_dict(meta["arch"]), lora["targets"]):
         for key in adapter_keys(weight_key):
             if key not in adapters:
