@@ -274,10 +274,12 @@ def _check_num_samples(saved: int | None, mine: int | None, load: str, *, kind: 
         )
 
 
-def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *, train_iters: int) -> int:
-    """Load ``--load`` if given; return the first step to run (of ``train_iters``)."""
+def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *,
+           train_iters: int) -> tuple[int, dict[str, Any]]:
+    """Load ``--load`` if given; return the first step to run (of ``train_iters``) and the loop's own
+    saved state (``skipped_in_a_row``; empty for a fresh or weights-only start)."""
     if not ckpt.load:
-        return 0
+        return 0, {}
     meta = ckpt_io.read_meta(ckpt.load)
     from megatron_prune.model.lora import is_lora_model
 
@@ -288,7 +290,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *
                   f"{meta['iteration']}) as its frozen base: fresh adapters and optimizer, iteration 0"
                   f"{'; its optimizer and trainer state are not used' if meta.get('has_optimizer') else ''}",
                   flush=True)
-        return 0
+        return 0, {}
     weights_only = ckpt.finetune or not meta.get("has_optimizer")
     if not weights_only:
         _check_same_trainer(meta, trainer_kind(objective), ckpt.load)
@@ -303,7 +305,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *
         print(f"[megatron-prune] loaded {loaded['path']} (iteration {loaded['iteration']}"
               f"{', weights only' if weights_only else ''})", flush=True)
     if weights_only:
-        return 0
+        return 0, {}
     _say_flags_changed(meta.get("flags"), parts.extra_meta.get("flags"))
     _say_reference_changed(meta, parts.extra_meta)
     _apply_optimizer_flags(parts.optimizer)
@@ -312,7 +314,7 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *
                            train_iters=train_iters, override=parts.scheduler.override_opt_param_scheduler)
         parts.scheduler.load_state_dict(loaded["scheduler"])
     objective.load_state_dict(saved_state)
-    return int(loaded["iteration"])
+    return int(loaded["iteration"]), loaded.get("trainer", {}).get("loop", {})
 
 
 # Scheduler fields a resumed run takes from its checkpoint (Megatron's rule), and the flags that set them.
@@ -451,12 +453,14 @@ def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
         shutil.copytree(src, dst, dirs_exist_ok=True)
 
 
-def save(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, step: int) -> None:
+def save(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, step: int, *,
+         skipped_in_a_row: int = 0) -> None:
     _carry_hf_assets(ckpt, parts.hf_assets)
     kind = trainer_kind(objective)
     path = ckpt_io.save_checkpoint(
         ckpt.save, iteration=step, model=parts.model, arch=parts.arch, optimizer=parts.optimizer,
-        scheduler_state=parts.scheduler.state_dict(), trainer_state={"objective": objective.state_dict()},
+        scheduler_state=parts.scheduler.state_dict(),
+        trainer_state={"objective": objective.state_dict(), "loop": {"skipped_in_a_row": skipped_in_a_row}},
         extra_meta={**parts.extra_meta, **({"trainer_kind": kind} if kind else {})},
     )
     if is_logging_rank():
@@ -475,7 +479,7 @@ def train(
     """Run steps from the resumed position to ``train_iters``; return the per-step records."""
     acc = get_accelerator()
     with guard_collectives(f"loading --load {ckpt.load}"):
-        start = resume(parts, objective, ckpt, train_iters=train_cfg.train_iters)
+        start, loop_state = resume(parts, objective, ckpt, train_iters=train_cfg.train_iters)
     total = train_cfg.train_iters
     _check_iteration(start, total, ckpt.load)
     if start == total:
@@ -496,7 +500,8 @@ def train(
     writer = MetricsWriter(log_cfg)
     records = []
     step = start
-    skipped_in_a_row = 0
+    # Carried across a resume: --on-nonfinite skip counts the steps skipped in a row of the whole run.
+    skipped_in_a_row = int(loop_state.get("skipped_in_a_row", 0))
     with exits.watching():
         try:
             for step in range(start, train_cfg.train_iters):
@@ -553,11 +558,11 @@ def train(
                 done = step + 1
                 saved = bool(ckpt.save and ((ckpt.save_interval and done % ckpt.save_interval == 0) or done == total))
                 if saved:
-                    save(parts, objective, ckpt, done)
+                    save(parts, objective, ckpt, done, skipped_in_a_row=skipped_in_a_row)
                 reason = exits.reason(done) if done < total else None
                 if reason:
                     if ckpt.save and not saved:
-                        save(parts, objective, ckpt, done)
+                        save(parts, objective, ckpt, done, skipped_in_a_row=skipped_in_a_row)
                     if is_logging_rank():
                         then = f"--load {ckpt.save} resumes" if ckpt.save else "nothing saved (no --save)"
                         print(f"[megatron-prune] stopping after step {done}/{total}: {reason}; {then}", flush=True)

@@ -127,6 +127,20 @@ def test_skipping_stops_after_ten_non_finite_steps_in_a_row(tmp_path):
     assert [r["skipped"] for r in records] == [False] + [True] * 9
 
 
+def test_steps_skipped_in_a_row_are_counted_across_a_resume(tmp_path):
+    """The count of skipped steps in a row is saved with the checkpoint: a run killed (here: ended)
+    after 5 of them and resumed stops at the same step as the uninterrupted run (the count started
+    over, so a broken run went on for up to 9 more steps after each resume)."""
+    save = tmp_path / "ckpt"
+    first, _ = _run_with_nan(tmp_path, "skip", iters=6, every=True, extra=("--save", str(save)))
+    first.check_ok()
+    run, records = _run_with_nan(tmp_path, "skip", iters=14, every=True, extra=("--save", str(save), "--load", str(save)))
+    assert run.returncode != 0
+    assert ("step 11/14: 10 steps in a row had a non-finite loss or gradient; --on-nonfinite skip stops here (the "
+            "weights or the data are broken, not one batch: steps 2..11 were skipped)") in run.output, run.output[-4000:]
+    assert [r["skipped"] for r in records] == [False] + [True] * 9
+
+
 HANG = textwrap.dedent(
     """
     import sys, time
