@@ -145,10 +145,14 @@ def extract_gsm8k_answer(text: str) -> str | None:
         tail = text.rsplit(_GSM8K_MARKER, 1)[1]
         return normalize_number(tail)
     cleaned = text.translate(MINUS_SIGNS).replace("$", "")
-    matches = _NUMBER_RE.findall(cleaned)
+    matches = list(_NUMBER_RE.finditer(cleaned))
     if not matches:
         return None
-    return normalize_number(matches[-1])
+    last = matches[-1]
+    number = last.group(0)
+    if number[0] in "+-" and last.start() > 0 and cleaned[last.start() - 1].isalnum():
+        number = number[1:]  # "2023-2024", "x-5": a hyphen after a word or number joins, it is no sign
+    return normalize_number(number)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -78,6 +78,8 @@ def test_normalize_number(text, expected):
         ("#### \uff0d3", "#### -3", 1.0),  # fullwidth hyphen-minus
         ("The answer is \u22123", "#### -3", 1.0),  # without a marker the sign counts too
         ("The answer is \u22123", "#### 3", 0.0),
+        ("From 2023-2024 it grew", "#### 2024", 1.0),  # a hyphen after a number is no sign
+        ("It is -5 now", "#### -5", 1.0),
         ("#### 5 #### 6", "#### 6", 1.0),  # the last marker wins
     ],
 )
