@@ -288,8 +288,11 @@ def _parse_explicit(record: dict[str, Any]) -> PreferenceText:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise RecordError("empty prompt", "'prompt' is empty")
-        is_hh = prompt.startswith(PLAIN_ROLE_MARKERS["user"]) and prompt.endswith(PLAIN_GENERATION_PROMPT)
-        messages = parse_hh_dialogue(prompt) if is_hh else [{"role": "user", "content": prompt}]
+        # HH form, also with its text stripped ("Human: ...\n\nAssistant:"): otherwise it would be
+        # wrapped in a second Human/Assistant turn.
+        hh_form = "\n\n" + prompt.lstrip("\n").rstrip(" ")
+        is_hh = hh_form.startswith(PLAIN_ROLE_MARKERS["user"]) and hh_form.endswith(PLAIN_GENERATION_PROMPT)
+        messages = parse_hh_dialogue(hh_form) if is_hh else [{"role": "user", "content": prompt}]
     else:
         messages = _messages(prompt, "prompt")
     chosen, rejected = _field(record, "chosen", (str, list)), _field(record, "rejected", (str, list))

@@ -53,6 +53,9 @@ def test_explicit_string_prompt_in_hh_form_is_a_dialogue():
     assert [m["role"] for m in text.prompt] == ["user", "assistant", "user"]
     assert render_plain_template(text.prompt) == prompt
     assert (text.chosen, text.rejected) == ("Bye!", "No.")
+    # The same prompt stripped of its leading newlines and with a space after the last marker.
+    stripped = parse_preference_record({"prompt": prompt.lstrip("\n") + " ", "chosen": "Bye!", "rejected": "No."})
+    assert stripped == text
 
 
 def test_hh_prompt_split_from_its_responses_tokenizes_as_the_whole_transcripts(tmp_path, tiny_tokenizer):
