@@ -92,11 +92,15 @@ _WRAPPERS: dict[str, Callable[[Any], Any]] = {}
 
 # --- 1. which device ----------------------------------------------------------------------------
 def requested_device(argv: Sequence[str] | None = None) -> str:
-    """The value of ``--device`` in ``argv`` (default ``sys.argv[1:]``), ``auto`` when absent."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    """The value of ``--device`` in ``argv`` (default ``sys.argv[1:]``), ``auto`` when absent or
+    malformed (the trainer's own parser then reports it, with its usage line)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--device", default="auto")
-    known, _ = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    return known.device
+    try:
+        known, _ = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    except argparse.ArgumentError:
+        return "auto"
+    return known.device if known.device in ("auto", *acc_mod.KINDS) else "auto"
 
 
 def bootstrap_device(argv: Sequence[str] | None = None) -> str:

@@ -34,7 +34,9 @@ def run_cli(
     try:
         kind = bootstrap_device(argv)
     except (AcceleratorError, RuntimeError) as exc:
-        _fail_early(exc)
+        if not {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+            _fail_early(exc)
+        kind = "cpu"  # the help needs no device
     # MindSpeed's own flags (e.g. --use-flash-attn) are accepted on the NPU only.
     args, configs = parse_configs(prog, groups, description, argv,
                                   unknown_handler=parse_mindspeed_flags if kind == "npu" else None)

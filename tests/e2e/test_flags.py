@@ -414,3 +414,25 @@ def test_unusable_tokenizer_or_data_file_stops_the_run_in_one_line(extra, messag
     assert len(lines) == 1 and lines[0].startswith(f"megatron-prune: error: {message.format(tmp=tmp_path)}"), err
     assert "--skip-invalid-records" not in err  # skipping records would not help
     assert _no_process_group()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from 'auto', 'cuda', 'npu', 'cpu')"),
+    (["--device"], "argument --device: expected one argument"),
+], ids=["unknown", "no-value"])
+def test_bad_device_is_one_usage_error_of_the_trainer(flags, message, monkeypatch, capsys):
+    """A mistyped --device is the trainer parser's usage error (exit 2, its program name), not a
+    traceback from the device bootstrap, nor an error of an internal parser."""
+    code, err = _main([*TINY_DPO, *flags], monkeypatch, capsys)
+    assert code == 2 and f"megatron-prune-dpo: error: {message}" in err, err
+    assert "Traceback" not in err and "__main__.py" not in err
+
+
+def test_help_needs_no_device(monkeypatch, capsys):
+    """--help prints on a machine without the device --device names (no GPU here)."""
+    from megatron_prune.dpo.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cuda", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--prune-branch" in out
