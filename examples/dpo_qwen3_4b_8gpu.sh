@@ -5,7 +5,9 @@
 #
 # Overrides: GPUS (8), TP (2), PP (1), GBS (64), MBS (2), SEQ (2048), STEPS (1000), LR (5e-7),
 # ALPHA (0.6), RHO_MIN (0.5), BRANCH (1), LAYOUT (concat), SAVE (ckpt/qwen3-4b-dpo),
-# EXTRA (more flags), DRY_RUN=1 (print the command only).
+# EXTRA (more flags), DRY_RUN=1 (print the command only), SHUTDOWN_TIMEOUT (600: seconds torchrun
+# waits after SIGTERM before it kills the ranks; above one step and one save, so --exit-signal-handler
+# can finish the step and save; torchrun's default is 30 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The project's environment (created by examples/quickstart.sh), unless one is active already.
@@ -32,7 +34,7 @@ ARGS=(--hf-model "$HF_MODEL" --data-path "$DATA"
 # shellcheck disable=SC2206
 ARGS+=(${EXTRA:-})
 
-CMD=(torchrun --nproc-per-node "$GPUS" -m megatron_prune.dpo "${ARGS[@]}")
+CMD=(torchrun --nproc-per-node "$GPUS" --shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}" -m megatron_prune.dpo "${ARGS[@]}")
 if [ "${DRY_RUN:-0}" = "1" ]; then
   echo "${CMD[@]}"
   exit 0

@@ -4,6 +4,8 @@
 #   HF_MODEL=/models/Qwen3-4B DATA=megatron_prune/data/samples/gsm8k_sample.jsonl (the bundled sample;
 #   point it at your full train.jsonl) TASK=gsm8k ITERS=500
 #   PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 OUT=runs/grpo_qwen3_4b DRY_RUN=1 (print the command only)
+#   SHUTDOWN_TIMEOUT=900: seconds torchrun waits after SIGTERM before it kills the ranks; above one
+#   step and one save, so --exit-signal-handler can finish the step and save (torchrun's default: 30 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The project's environment (created by examples/quickstart.sh), unless one is active already.
@@ -15,6 +17,7 @@ HF_MODEL=${HF_MODEL:-/models/Qwen3-4B}; TASK=${TASK:-gsm8k}; DATA=${DATA:-megatr
 PRUNE_PROMPTS=${PRUNE_PROMPTS:-0.3}; PRUNE_COMPLETIONS=${PRUNE_COMPLETIONS:-0.3}
 OUT=${OUT:-runs/grpo_qwen3_4b}
 cmd=(torchrun --nnodes "$NODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS"
+  --shutdown-timeout "${SHUTDOWN_TIMEOUT:-900}"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m megatron_prune.grpo
   --hf-model "$HF_MODEL" --bf16 --task "$TASK" --data-path "$DATA"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --use-distributed-optimizer

@@ -284,6 +284,8 @@ def test_example_dry_run_uses_the_project_env(script, env, module):
     words = [w for w in words if "=" not in w or w.startswith("-")]  # drop leading VAR=value
     assert module in " ".join(words)
     _assert_flags_exist(words)
+    if "--exit-signal-handler" in words:  # torchrun's 30 s before SIGKILL would cut the step and its save
+        assert "--shutdown-timeout" in words[:words.index("-m")], words
 
 
 def _assert_flags_exist(words: list[str]) -> None:
