@@ -91,8 +91,14 @@ class Setting:
         return lora_active(self.lora)
 
     @property
+    def schedule_from_flags(self) -> bool:
+        """Whether this launch's schedule flags set the learning rate: a resume keeps the checkpoint's
+        schedule (and says so) unless --override-opt-param-scheduler."""
+        return not self.resumes or self.train.override_opt_param_scheduler
+
+    @property
     def warmup_outlasts_run(self) -> bool:
-        return self.train.lr_warmup_iters >= self.train.train_iters
+        return self.schedule_from_flags and self.train.lr_warmup_iters >= self.train.train_iters
 
     @property
     def preset_flags(self) -> str:
@@ -118,7 +124,7 @@ RULES: list[Rule] = [
          "shards nothing at data-parallel size 1: each rank holds its parameters' whole optimizer state "
          "either way; it only saves that state in the distributed format, which a resume then needs {flag} to read"),
     # training: the optimizer and its schedule
-    Rule(("TrainConfig.lr",), lambda s: s.train.lr == 0,
+    Rule(("TrainConfig.lr",), lambda s: s.schedule_from_flags and s.train.lr == 0,
          "trains nothing: every update is scaled by the learning rate, so the weights never change; give --lr > 0"),
     Rule(("TrainConfig.lr_warmup_iters",), lambda s: s.warmup_outlasts_run,
          "is not below --train-iters {s.train.train_iters}: the run ends inside the warm-up, so the learning rate "
@@ -126,7 +132,7 @@ RULES: list[Rule] = [
     Rule(("TrainConfig.lr_decay_style", "TrainConfig.min_lr"), lambda s: s.warmup_outlasts_run,
          "has no effect: --lr-warmup-iters {s.train.lr_warmup_iters} is not below --train-iters "
          "{s.train.train_iters}, so the run ends before any decay"),
-    Rule(("TrainConfig.min_lr",), lambda s: s.train.lr_decay_style == "constant",
+    Rule(("TrainConfig.min_lr",), lambda s: s.schedule_from_flags and s.train.lr_decay_style == "constant",
          "has no effect with --lr-decay-style constant (the rate stays at --lr after the warm-up); "
          "--lr-decay-style linear or cosine decays to it"),
     Rule(("TrainConfig.adam_beta1", "TrainConfig.adam_beta2"), lambda s: s.train.optimizer == "sgd",

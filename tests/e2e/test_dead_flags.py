@@ -338,3 +338,14 @@ def test_the_example_and_readme_commands_warn_nothing(tmp_path, monkeypatch, cap
         cli, argv, world = _as_dry_run(command, tmp_path)
         code, err = _dry_run(cli, argv, monkeypatch, capsys, world=world)
         assert (code, err) == (0, []), f"{command}\n  as {argv}: {err}"
+
+
+def test_schedule_flags_of_a_resume_are_not_judged(tmp_path, monkeypatch, capsys):
+    """A resume keeps the checkpoint's learning-rate schedule (and its note says which flags it
+    ignores), so --lr 0 or a long warm-up is not said to train nothing; with
+    --override-opt-param-scheduler the flags set the schedule again, and are judged."""
+    saved = _checkpoint(tmp_path / "saved", optimizer_format="local")
+    flags = [*DPO[2:], "--load", saved, "--train-iters", "5", "--lr", "0", "--lr-warmup-iters", "8"]
+    assert _dry_run("dpo", flags, monkeypatch, capsys) == (0, [])
+    code, err = _dry_run("dpo", [*flags, "--override-opt-param-scheduler"], monkeypatch, capsys)
+    assert code == 0 and [line.split(" ", 3)[2] for line in err] == ["--lr", "--lr-warmup-iters"], err
