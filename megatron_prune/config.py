@@ -152,7 +152,8 @@ class TrainConfig:
     train_iters: int = field(default=10, metadata=_flag("--train-iters"))
     """Optimizer steps to run."""
     global_batch_size: int = field(default=8, metadata=_flag("--global-batch-size"))
-    """Samples (DPO pairs / GRPO prompts) per optimizer step, over all DP ranks."""
+    """Samples per optimizer step over all DP ranks: DPO pairs; in GRPO the prompts of a rollout
+    (each of its --minibatches optimizer steps trains 1/--minibatches of them)."""
     micro_batch_size: int = field(default=1, metadata=_flag("--micro-batch-size"))
     """Samples per microbatch per DP rank: DPO pairs; in GRPO the rows of a training or scoring
     pass (a completion, a packed row of several, or a prompt's group with --shared-prompt)."""

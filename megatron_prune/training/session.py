@@ -205,7 +205,8 @@ def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig, arch: ModelArch)
     try:
         tokenizer = load_tokenizer(name)
     except (TokenizerError, FileNotFoundError) as exc:
-        raise UsageError(str(exc)) from None
+        hint = "" if model.tokenizer else " (the run took it from the model; pass --tokenizer DIR to name one)"
+        raise UsageError(f"{exc}{hint}") from None
     if tokenizer.vocab_size > arch.vocab_size:
         raise UsageError(f"tokenizer {name} has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}: "
                          "its ids past the model's vocabulary have no embedding; pass the model's own tokenizer "

@@ -436,3 +436,13 @@ def test_help_needs_no_device(monkeypatch, capsys):
         main(["--device", "cuda", "--help"])
     out = capsys.readouterr().out
     assert exc.value.code == 0 and "--prune-branch" in out
+
+
+def test_a_model_directory_without_a_tokenizer_is_told_to_pass_one(tmp_path, monkeypatch, capsys):
+    """--hf-model of a directory that holds weights but no tokenizer files: the error says to name one."""
+    from tests.unit.model.hf_models import make_hf_model
+
+    hf = make_hf_model("qwen3", str(tmp_path / "hf"), assets=False)
+    code, err = _main([*TINY_DPO[2:], "--hf-model", hf, "--dry-run"], monkeypatch, capsys)
+    assert code == 2 and f"megatron-prune: error: {hf}: not a Hugging Face tokenizer directory" in err, err
+    assert err.rstrip().endswith("(the run took it from the model; pass --tokenizer DIR to name one)"), err
