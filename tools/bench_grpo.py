@@ -107,11 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=at_least(1), default=None,
                    help="rows per training microbatch (default: --prompts)")
     p.add_argument("--rollout-micro-batch-size", type=at_least(1), default=None,
-                   help="prompts per rollout forward (default: the trainer's)")
+                   help="sequences (completions) per rollout forward (default: the trainer's)")
     p.add_argument("--seq-length", type=at_least(2), default=None, help="packing capacity (default: 64 toy, 512 gsm8k)")
     p.add_argument("--toy-prompt-length", type=at_least(3), default=3, help="prompt tokens of the toy tasks")
     p.add_argument("--data-path", nargs="+", default=None, help="gsm8k problems (default: the bundled sample)")
-    p.add_argument("--max-prompt-length", type=at_least(1), default=256, help="gsm8k prompts keep their last N tokens")
+    p.add_argument("--max-prompt-length", type=at_least(1), default=None,
+                   help="gsm8k prompts keep their last N tokens (default 256)")
     p.add_argument("--prompt-rate", type=float, default=0.5, help="r_q of dppo and dppo_prompt")
     p.add_argument("--completion-rate", type=float, default=0.5, help="r_o of dppo, dppo_completion and cppo")
     p.add_argument("--dppo-sampling", default=None, choices=("independent", "systematic"),
@@ -191,6 +192,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     refuse_unrunnable_layout(p, get_preset("tiny"), tp=args.tensor_model_parallel_size,
                              pp=args.pipeline_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
                              sp=args.sequence_parallel)
+    if args.task != "gsm8k":  # the toy tasks make their own prompts
+        for flag, value in (("--data-path", args.data_path), ("--max-prompt-length", args.max_prompt_length)):
+            if value is not None:
+                p.error(f"{flag} is for --task gsm8k; --task {args.task} makes its own prompts")
+    args.max_prompt_length = args.max_prompt_length or 256
     refuse_bad_data_files(p, "--data-path", args.data_path)
     if args.from_json:
         try:

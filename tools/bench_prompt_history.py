@@ -44,8 +44,9 @@ REFERENCES = ("uniform", "oracle")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     summary, _, details = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(description=summary, epilog=details,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_prune.arguments import ToolHelpFormatter
+
+    p = argparse.ArgumentParser(description=summary, epilog=details, formatter_class=ToolHelpFormatter)
     p.add_argument("--pool", type=int, default=256, help="prompts in the pool")
     p.add_argument("--batch", type=int, default=64, help="prompts per step, drawn from the pool")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
@@ -61,9 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--history-decay", type=float, default=0.5, help="the history's decay")
     p.add_argument("--json", metavar="PATH", help="write the figures")
     args = p.parse_args(argv)
-    for name in ("pool", "batch", "group_size", "steps", "seeds"):
+    for name in ("pool", "batch", "steps", "seeds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.group_size < 2:  # one completion is never a varied group: nothing would be informative
+        p.error(f"--group-size must be >= 2, got {args.group_size}")
     if args.batch > args.pool:
         p.error(f"--batch {args.batch} is larger than --pool {args.pool}")
     if args.warmup >= args.steps:

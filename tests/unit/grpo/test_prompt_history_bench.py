@@ -37,6 +37,7 @@ def test_pass_rate_history_adds_about_the_oracles_variance_where_std_doubles_it(
     (["--batch", "300"], "--batch 300 is larger than --pool 256"),
     (["--warmup", "5", "--steps", "5"], "--warmup 5 leaves no step of --steps 5"),
     (["--prompt-rate", "0.8"], "--prompt-rate 0.8 cannot be reached with --prompt-floor 0.3"),
+    (["--group-size", "1"], "--group-size must be >= 2, got 1"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
