@@ -184,6 +184,13 @@ def flag_record(configs: dict) -> dict:
             value = getattr(cfg, f.name)
             if f.name not in _UNRECORDED and (value is None or isinstance(value, (bool, int, float, str))):
                 record[flag_of(f)] = value
+    model = configs.get("ModelConfig")
+    if model is not None:  # the model's flags that are terms of the loss
+        from megatron_prune.config import ModelConfig
+
+        fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            record[flag_of(fields[name])] = getattr(model, name)
     dpo = configs.get("DPOConfig")
     if dpo is not None:  # the mode that runs, not "unset": a resume then names a real change only
         from megatron_prune.lora_config import resolve_ref_mode
