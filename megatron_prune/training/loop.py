@@ -412,7 +412,12 @@ def _say_schedule_kept(launch: dict[str, Any], saved: dict, *, train_iters: int,
     keys = [k for k in _SCHEDULE_FLAGS if k != "lr_decay_steps" or saved.get("lr_decay_style") != "constant"]
 
     def named(key: str, value) -> str:
-        return f"the decay horizon --train-iters {value}" if key == "lr_decay_steps" else f"{_SCHEDULE_FLAGS[key]} {value}"
+        if key != "lr_decay_steps":
+            return f"{_SCHEDULE_FLAGS[key]} {value}"
+        if value == train_iters:
+            return f"the decay horizon --train-iters {value}"
+        # A warm-up that outlasts --train-iters sets the horizon (the schedule needs one step past it).
+        return f"the decay horizon of {value} steps (--lr-warmup-iters {launch['lr_warmup_steps']} + 1)"
 
     changed = [f"{named(key, launch[key])} (checkpoint: {saved[key]})"
                for key in keys if key in saved and launch[key] != saved[key]]

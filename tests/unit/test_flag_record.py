@@ -1,4 +1,4 @@
-"""The flags a checkpoint records, which a resume that changes them names."""
+"""What a resume says about the flags it changed: those a checkpoint records, and the schedule's."""
 
 from __future__ import annotations
 
@@ -21,3 +21,16 @@ def test_the_router_loss_coefficients_are_recorded_and_a_change_is_named(capsys,
     loop._say_flags_changed(saved, resumed)
     assert ("resuming with flags that differ from the checkpoint's run: --moe-aux-loss-coeff 0.1 (checkpoint: 0.01), "
             "--moe-z-loss-coeff 0.001 (checkpoint: 0.0)") in capsys.readouterr().out
+
+
+def test_a_horizon_set_by_the_warm_up_is_not_named_as_train_iters(capsys, monkeypatch):
+    """A warm-up that outlasts --train-iters sets the decay horizon to one step past it; the resume
+    note names where the number comes from (it read "--train-iters 11" for --train-iters 4)."""
+    monkeypatch.setattr(loop, "is_logging_rank", lambda: True)
+    launch = loop._schedule_of(TrainConfig(train_iters=4, lr_warmup_iters=10, lr_decay_style="linear"))
+    saved = {**launch, "lr_warmup_steps": 0, "lr_decay_steps": 2, "num_steps": 2}
+    loop._say_schedule_kept(launch, saved, train_iters=4, override=False)
+    out = capsys.readouterr().out
+    assert "--lr-warmup-iters 10 (checkpoint: 0), the decay horizon of 11 steps (--lr-warmup-iters 10 + 1) " \
+           "(checkpoint: 2)" in out, out
+    assert "--train-iters 11" not in out
