@@ -69,6 +69,9 @@ def _checked_run(prog: str, args, configs: dict[str, Any], *, kind: str, run: Ca
             print(f"[megatron-prune] dry run: world {world}, data-parallel {dp}, {versions}; configs:")
             for name, cfg in configs.items():
                 print(f"  {name}: {cfg}")
+            resolved = _resolved_defaults(configs)
+            if resolved:
+                print(f"  resolved: {', '.join(resolved)}")
             from megatron_prune.lora_config import lora_active
             from megatron_prune.training.loop import say_resume_notes
 
@@ -136,6 +139,20 @@ def _record_failure(exc: Exception) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(exc)
+
+
+def _resolved_defaults(configs: dict[str, Any]) -> list[str]:
+    """The flags left unset above whose value the run decides, as it will run them: the DPO
+    reference mode, and LoRA's alpha (the rank, or a resumed checkpoint's)."""
+    from megatron_prune.lora_config import lora_active, resolve_ref_mode
+
+    lora, dpo = configs.get("LoRAConfig"), configs.get("DPOConfig")
+    resolved = []
+    if dpo is not None:
+        resolved.append(f"--ref-mode {resolve_ref_mode(dpo.ref_mode, lora, ref_load=dpo.ref_load)}")
+    if lora_active(lora):
+        resolved.append(f"--lora-alpha {lora.rank * lora.scale:g} (scale {lora.scale:g})")
+    return resolved
 
 
 def _fail_early(exc: Exception) -> None:

@@ -446,3 +446,16 @@ def test_a_model_directory_without_a_tokenizer_is_told_to_pass_one(tmp_path, mon
     code, err = _main([*TINY_DPO[2:], "--hf-model", hf, "--dry-run"], monkeypatch, capsys)
     assert code == 2 and f"megatron-prune: error: {hf}: not a Hugging Face tokenizer directory" in err, err
     assert err.rstrip().endswith("(the run took it from the model; pass --tokenizer DIR to name one)"), err
+
+
+def test_dry_run_prints_the_values_the_run_resolves(monkeypatch, capsys):
+    """Flags left out whose value the run decides are printed as it will run them (the configs
+    above show them unset: ref_mode=None, alpha=None)."""
+    from megatron_prune.dpo.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main([*TINY_DPO, "--lora-rank", "4", "--dry-run"]) == 0
+    assert "  resolved: --ref-mode adapter-off, --lora-alpha 4 (scale 1)\n" in capsys.readouterr().out
+    assert main([*TINY_DPO, "--dry-run"]) == 0
+    assert "  resolved: --ref-mode online\n" in capsys.readouterr().out
