@@ -212,7 +212,7 @@ def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig, arch: ModelArch)
     try:
         tokenizer = load_tokenizer(name)
     except (TokenizerError, FileNotFoundError) as exc:
-        hint = "" if model.tokenizer else " (the run took it from the model; pass --tokenizer DIR to name one)"
+        hint = "" if model.tokenizer else " (no --tokenizer was given, so the run looked there; pass --tokenizer DIR)"
         raise UsageError(f"{exc}{hint}") from None
     if tokenizer.vocab_size > arch.vocab_size:
         raise UsageError(f"tokenizer {name} has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}: "

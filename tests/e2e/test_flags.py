@@ -445,7 +445,7 @@ def test_a_model_directory_without_a_tokenizer_is_told_to_pass_one(tmp_path, mon
     hf = make_hf_model("qwen3", str(tmp_path / "hf"), assets=False)
     code, err = _main([*TINY_DPO[2:], "--hf-model", hf, "--dry-run"], monkeypatch, capsys)
     assert code == 2 and f"megatron-prune: error: {hf}: not a Hugging Face tokenizer directory" in err, err
-    assert err.rstrip().endswith("(the run took it from the model; pass --tokenizer DIR to name one)"), err
+    assert err.rstrip().endswith("(no --tokenizer was given, so the run looked there; pass --tokenizer DIR)"), err
 
 
 def test_dry_run_prints_the_values_the_run_resolves(monkeypatch, capsys):
