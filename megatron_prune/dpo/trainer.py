@@ -22,7 +22,7 @@ from megatron_prune.lora_config import lora_active
 from megatron_prune.ranks import first_rank
 from megatron_prune.training import session
 from megatron_prune.training.loop import check_resumed_data_size, train
-from megatron_prune.training.parallel import is_logging_rank
+from megatron_prune.training.parallel import is_logging_rank, world_size_from_env
 from megatron_prune.training.step import reduce_metrics
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ def check_dpo_flags(configs: dict[str, Any]) -> session.LaunchChecks:
     model, train = configs["ModelConfig"], configs["TrainConfig"]
     from megatron_prune.training.parallel import validate_layout
 
-    dp = validate_layout(session.parallel_config(model), int(os.environ.get("WORLD_SIZE", "1")))
+    dp = validate_layout(session.parallel_config(model), world_size_from_env())
     session.check_interleaved_microbatches(model, train, dp=dp)
     if not dpo.data_path:
         raise session.UsageError("--data-path is required")
@@ -328,7 +328,7 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
     if eval_dataset is not None:
         from megatron_prune.training.parallel import validate_layout
 
-        dp = validate_layout(session.parallel_config(model_cfg), int(os.environ.get("WORLD_SIZE", "1")))
+        dp = validate_layout(session.parallel_config(model_cfg), world_size_from_env())
         vpp = model_cfg.virtual_pipeline_model_parallel_size or 1
         interleaved = model_cfg.pipeline_model_parallel_size if vpp > 1 else 1
         eval_pairs = heldout_pairs(len(eval_dataset), micro_batch_size=train_cfg.micro_batch_size, dp=dp,

@@ -52,10 +52,10 @@ def _checked_run(prog: str, args, configs: dict[str, Any], *, kind: str, run: Ca
     from megatron_prune.data.records import DataError
     from megatron_prune.data.tokenizer import TokenizerError
     from megatron_prune.training import dead_flags, session
-    from megatron_prune.training.parallel import check_rendezvous_env
+    from megatron_prune.training.parallel import check_rendezvous_env, world_size_from_env
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        world = world_size_from_env()
         versions = session.check_versions(kind)
         dp = session.validate(configs["ModelConfig"], configs["TrainConfig"], configs["CheckpointConfig"],
                               world_size=world, batch_of_microbatches="GRPOConfig" not in configs)

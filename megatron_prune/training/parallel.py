@@ -56,6 +56,15 @@ def validate_layout(parallel: ParallelConfig, world_size: int, *, dry_run_hint: 
     return world_size // (tp * pp)
 
 
+def world_size_from_env() -> int:
+    """``WORLD_SIZE`` (1 when unset), or a ValueError naming a value that is not a positive integer."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"WORLD_SIZE={text!r} is not a positive integer (torchrun sets it; unset it to run one "
+                         "process)")
+    return int(text)
+
+
 def check_rendezvous_env() -> None:
     """Several ranks need a rendezvous address: refuse ``WORLD_SIZE > 1`` without ``MASTER_PORT``."""
     world_size = os.environ.get("WORLD_SIZE", "1")

@@ -459,3 +459,9 @@ def test_dry_run_prints_the_values_the_run_resolves(monkeypatch, capsys):
     assert "  resolved: --ref-mode adapter-off, --lora-alpha 4 (scale 1)\n" in capsys.readouterr().out
     assert main([*TINY_DPO, "--dry-run"]) == 0
     assert "  resolved: --ref-mode online\n" in capsys.readouterr().out
+
+
+def test_a_malformed_world_size_is_one_line(monkeypatch, capsys):
+    code, err = _main([*TINY_DPO, "--dry-run"], monkeypatch, capsys, world="8x")
+    assert code == 2 and err.strip() == ("megatron-prune: error: WORLD_SIZE='8x' is not a positive integer (torchrun "
+                                         "sets it; unset it to run one process)"), err
