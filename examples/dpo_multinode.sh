@@ -16,7 +16,7 @@
 #   TP [1]  PP [1]                 tensor / pipeline parallel sizes (DP = NODES*GPUS / (TP*PP))
 #   MODEL      --model-preset NAME, or an HF model directory [tiny]
 #   DATA       preference JSONL/Parquet [bundled HH-RLHF sample]
-#   SAVE       checkpoint directory; a rerun resumes from it [none]
+#   SAVE       checkpoint directory; a rerun resumes from it [none]; SAVE_INTERVAL steps between saves [10]
 #   SHUTDOWN_TIMEOUT  seconds torchrun waits after SIGTERM before it kills the ranks, with SAVE [600]
 #   TRAIN_ITERS [20]  GBS [8]  MBS [1]  SEQ_LEN [256]  MAX_PROMPT_LEN [SEQ_LEN / 2]  LR [1e-6]
 #   PYTHON     interpreter that runs torchrun [.venv/bin/python when present, else python]
@@ -58,7 +58,7 @@ PLUGIN=(
 )
 if [ -n "${SAVE:-}" ]; then
   # A first launch starts fresh, a rerun resumes; SIGTERM (scancel, preemption) saves after the step in progress.
-  PLUGIN+=(--save "$SAVE" --load "$SAVE" --save-interval 100 --exit-signal-handler)
+  PLUGIN+=(--save "$SAVE" --load "$SAVE" --save-interval "${SAVE_INTERVAL:-10}" --exit-signal-handler)
   LAUNCH+=(--shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}")  # torchrun's 30 s would cut the step and save
 fi
 

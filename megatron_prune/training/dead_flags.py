@@ -162,6 +162,14 @@ RULES: list[Rule] = [
     Rule(("CheckpointConfig.exit_interval",),
          lambda s: s.ckpt.exit_interval is not None and s.ckpt.exit_interval >= s.train.train_iters,
          "has no effect: its first multiple is not below --train-iters {s.train.train_iters}, where the run ends anyway"),
+    Rule(("CheckpointConfig.save_interval",),
+         lambda s: s.ckpt.save_interval is not None and s.ckpt.save_interval >= s.train.train_iters,
+         "has no effect: its first multiple is not below --train-iters {s.train.train_iters}, where the run saves "
+         "anyway"),
+    Rule(("DPOConfig.eval_interval",),
+         lambda s: s.dpo.eval_interval is not None and s.dpo.eval_interval >= s.train.train_iters,
+         "has no effect: its first multiple is not below --train-iters {s.train.train_iters}, where the run evaluates "
+         "anyway"),
     # LoRA
     Rule(("LoRAConfig.alpha", "LoRAConfig.dropout", "LoRAConfig.targets"), lambda s: not s.lora_on,
          "needs --lora-rank > 0 (LoRA is off at rank 0): give --lora-rank, or drop {flag}", error=True),

@@ -22,6 +22,7 @@ from tests.e2e.conftest import REPO, SAMPLE, TINY_DPO
 pytestmark = pytest.mark.e2e
 
 GSM8K = str(REPO / "megatron_prune" / "data" / "samples" / "gsm8k_sample.jsonl")
+HELDOUT = str(REPO / "megatron_prune" / "data" / "samples" / "hh_rlhf_heldout.jsonl")
 DPO = ["--model-preset", "tiny", "--data-path", SAMPLE, "--seq-length", "128", "--global-batch-size", "8",
        "--micro-batch-size", "2", "--lr", "1e-3"]
 TINY_GRPO = ["--model-preset", "tiny", "--device", "cpu", "--task", "toy"]
@@ -123,6 +124,12 @@ WARNINGS = [
     pytest.param("dpo", ["--train-iters", "4", "--exit-interval", "4"],
                  "--exit-interval 4 has no effect: its first multiple is not below --train-iters 4, where the run ends anyway",
                  id="exit-interval-past-the-run"),
+    pytest.param("dpo", ["--train-iters", "4", "--save", "{tmp}/ckpt", "--save-interval", "10"],
+                 "--save-interval 10 has no effect: its first multiple is not below --train-iters 4, where the run "
+                 "saves anyway", id="save-interval-past-the-run"),
+    pytest.param("dpo", ["--train-iters", "4", "--eval-data-path", HELDOUT, "--eval-interval", "4"],
+                 "--eval-interval 4 has no effect: its first multiple is not below --train-iters 4, where the run "
+                 "evaluates anyway", id="eval-interval-past-the-run"),
     # GRPO
     pytest.param("grpo", ["--toy-num-digits", "4", "--task", "gsm8k", "--data-path", GSM8K],
                  "--toy-num-digits 4 has no effect with --task gsm8k (it shapes the toy tasks' prompts)",
@@ -160,9 +167,9 @@ WARNINGS = [
 
 
 @pytest.mark.parametrize("cli, extra, line", WARNINGS)
-def test_an_ignored_flag_is_said_in_one_line_and_the_run_goes_on(cli, extra, line, monkeypatch, capsys):
+def test_an_ignored_flag_is_said_in_one_line_and_the_run_goes_on(cli, extra, line, monkeypatch, capsys, tmp_path):
     base = DPO if cli == "dpo" else TINY_GRPO
-    code, err = _dry_run(cli, [*base, *extra], monkeypatch, capsys)
+    code, err = _dry_run(cli, [*base, *(a.format(tmp=tmp_path) for a in extra)], monkeypatch, capsys)
     assert code == 0, err
     if line is not None:
         assert err == [WARNING + line]
