@@ -335,9 +335,13 @@ def layout_items(items: list[TrainItem], *, settings: GRPOStepSettings, tp: int 
 
 
 def _forward_step(data_iterator, model):
+    from megatron_prune.model.moe import router_losses_off
+
     batch: GRPOMicrobatch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection,
-                   segments=batch.segments)
+    # A placeholder trains nothing: a MoE router's losses on its pad rows would still move the weights.
+    with router_losses_off(model) if not batch.items else contextlib.nullcontext():
+        output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection,
+                       segments=batch.segments)
     return output, partial(batch.extras["loss_func"], batch)
 
 

@@ -7,6 +7,7 @@ computes the same function at every expert-parallel layout; the router runs in f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -78,6 +79,23 @@ def layer_specs_with_moe(arch: ModelArch, config, dense_spec, *, vp_stage: int |
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = arch.moe_layer_pattern()
     return [moe_spec if pattern[offset + i] else dense_spec for i in range(n_local)]
+
+
+@contextlib.contextmanager
+def router_losses_off(model_chunk):
+    """Inside: ``model_chunk``'s MoE routers add no load-balancing or z-loss (a forward of rows that
+    carry nothing to train: a placeholder microbatch keeps its zero loss and gradient). The routers
+    read the coefficients from the shared config at each forward; they are restored on exit."""
+    config = unwrap_model(model_chunk).config
+    if not getattr(config, "num_moe_experts", None):
+        yield
+        return
+    saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+    config.moe_aux_loss_coeff, config.moe_z_loss_coeff = 0.0, None  # None: Megatron skips the z-loss
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
 
 
 def clear_router_losses() -> None:

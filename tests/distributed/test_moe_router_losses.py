@@ -186,3 +186,41 @@ def test_router_losses_are_averaged_over_data_parallel_ranks():
     for rank, step in enumerate(ranks):
         assert step["metrics"]["moe_aux_loss"] == pytest.approx(expected_aux, rel=RTOL, abs=0), f"rank {rank}"
         assert step["metrics"]["moe_z_loss"] == pytest.approx(expected_z, rel=RTOL, abs=0), f"rank {rank}"
+
+
+def grpo_placeholder_pass() -> dict:
+    """A GRPO training pass with nothing to train (a placeholder microbatch: every completion pruned,
+    or every advantage 0), then one with a completion, on tiny-moe with both router losses on."""
+    from megatron_prune.grpo.loss import GRPOLossConfig
+    from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig(moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z)
+    out = {}
+    with model_parallel(par, seed=7):
+        policy = setup_model(get_preset("tiny-moe"), par, seed=7)
+        step = GRPOStep(settings=GRPOStepSettings(loss=GRPOLossConfig(), micro_batch_size=4, pad_id=0), policy=policy)
+        item = TrainItem(prompt_id=0, index=0, prompt=[1, 5, 9], completion=[4, 7, 2], advantage=1.0, weight=1.0)
+        for name, items in (("empty", []), ("one", [item])):
+            for chunk in policy:
+                chunk.zero_grad_buffer()
+            metrics, layout = step.train(items, normaliser=8.0)
+            grads = [p.main_grad for chunk in policy for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+            out[name] = {"metrics": metrics, "microbatches": len(layout.batches),
+                         "grad_abs_sum": float(sum(g.abs().sum() for g in grads))}
+    return out
+
+
+@pytest.mark.distributed
+def test_a_placeholder_microbatch_adds_no_router_loss():
+    """A placeholder's loss and gradient are 0, router losses included: its pad rows still go through
+    the routers, whose load-balancing and z-losses moved every weight on a step said to train nothing
+    (Adam turns any gradient into an update of about the learning rate). The next pass has them again."""
+    (got,) = run_distributed(grpo_placeholder_pass, 1)
+    empty, one = got["empty"], got["one"]
+    assert empty["microbatches"] == 1 and empty["grad_abs_sum"] == 0.0
+    assert empty["metrics"]["moe_aux_loss"] == 0.0 and empty["metrics"]["moe_z_loss"] == 0.0
+    assert one["grad_abs_sum"] > 0 and one["metrics"]["moe_aux_loss"] > 0 and one["metrics"]["moe_z_loss"] > 0

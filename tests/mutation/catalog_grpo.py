@@ -98,6 +98,15 @@ MUTANTS: list[dict] = [
         "tests": [f"{RESUME}::test_resume_may_turn_the_kl_term_on"],
     },
     {
+        "name": "grpo-placeholder-keeps-router-losses",
+        "why": "a placeholder microbatch (nothing to train) still adds the MoE routers' load-balancing and z-losses "
+               "of its pad rows: a step said to train nothing moves every weight",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "    with router_losses_off(model) if not batch.items else contextlib.nullcontext():\n",
+        "new": "    with contextlib.nullcontext():\n",
+        "tests": ["tests/distributed/test_moe_router_losses.py::test_a_placeholder_microbatch_adds_no_router_loss"],
+    },
+    {
         "name": "grpo-resume-sampler-not-restored",
         "why": "a resumed GRPO run starts the prompt order from the beginning instead of the saved position",
         "file": "megatron_prune/grpo/trainer.py",
