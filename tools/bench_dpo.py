@@ -291,8 +291,9 @@ def run_worker(args) -> None:
     initialize_distributed()
     arch = build_arch(args)
     samples, pad_id = load_pairs(args, arch.vocab_size)
-    par = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    tp = args.tensor_model_parallel_size
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                         sequence_parallel=tp > 1 and arch.is_moe,  # Megatron's MoE at TP > 1 needs it
                          bf16=PRESETS[args.preset]["bf16"], recompute=args.recompute_activations)
     with model_parallel(par, seed=SEED):
         if args.lora_rank:
@@ -764,25 +765,27 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[bench_dpo] {mode}: FAILED ({exc}); continuing", flush=True)
                 result.setdefault("failed", {})[mode] = str(exc)
                 raw_modes.pop(mode, None)
-                continue
-            with open(out) as f:
-                raw = json.load(f)
-            if mode in raw_modes:
-                raw_modes[mode]["records"].extend(raw["records"])
             else:
-                raw_modes[mode] = raw
-            config["device_name"] = raw.get("device_name")
-            print(f"[bench_dpo] {mode} (round {rnd + 1}/{args.rounds}): done in {time.perf_counter() - t:.0f}s, "
-                  f"median step {statistics.median(r['step_time_s'] for r in raw['records']):.3f}s", flush=True)
-            if "concat" in raw_modes:
-                done = {m: summarise(m, raw_modes[m], shape=shape, recompute=args.recompute_activations,
-                                     bytes_per_elem=bytes_per_elem, lora_rank=args.lora_rank)
-                        for m in order if m in raw_modes}
+                with open(out) as f:
+                    raw = json.load(f)
+                if mode in raw_modes:
+                    raw_modes[mode]["records"].extend(raw["records"])
+                else:
+                    raw_modes[mode] = raw
+                config["device_name"] = raw.get("device_name")
+                print(f"[bench_dpo] {mode} (round {rnd + 1}/{args.rounds}): done in {time.perf_counter() - t:.0f}s, "
+                      f"median step {statistics.median(r['step_time_s'] for r in raw['records']):.3f}s", flush=True)
+            # After every launch, failed ones too: a failed mode leaves the table, and without concat
+            # (the denominator of every ratio) no mode has a row.
+            done = {m: summarise(m, raw_modes[m], shape=shape, recompute=args.recompute_activations,
+                                 bytes_per_elem=bytes_per_elem, lora_rank=args.lora_rank)
+                    for m in order if m in raw_modes} if "concat" in raw_modes else {}
+            if done:
                 add_ratios(done)
-                result["modes"] = done
-                result["records"] = {m: raw_modes[m]["records"] for m in order if m in raw_modes}
-                if args.json:
-                    _write_json(args.json, result)
+            result["modes"] = done
+            result["records"] = {m: raw_modes[m]["records"] for m in order if m in done}
+            if args.json:
+                _write_json(args.json, result)
     if args.lora_rank and result["modes"]:
         # The memory to beat: full-parameter concat with an online reference (same data and steps).
         try:

@@ -222,6 +222,42 @@ def test_a_failed_mode_fails_the_run(tmp_path, capsys):
     assert "concat: FAILED" in capsys.readouterr().out
 
 
+def _fake_worker(fails: set, seconds: dict):
+    """A stand-in for a bench_dpo worker: ``(mode, round)`` in ``fails`` exits non-zero, others write
+    one record whose step takes ``seconds[mode, round]``."""
+    import subprocess
+
+    def launch(args, mode, out_path, *, lora_rank=None):
+        rnd = int(out_path.rsplit("-", 1)[1].split(".")[0])
+        if (mode, rnd) in fails:
+            raise subprocess.CalledProcessError(1, ["worker", mode])
+        t = seconds[mode, rnd]
+        mb = {"rows": [[10]], "seq_length": 16, "scored": 5, "selective": True}
+        record = {"step": 1, "step_time_s": t, "splits": {"train": t}, "peak_mem_bytes": 100,
+                  "counters": {"policy_tokens": 10, "ref_tokens": 10, "policy_padded_tokens": 16, "logits_rows": 5},
+                  "passes": [{"kind": "forward", "microbatches": [mb]}, {"kind": "train", "microbatches": [mb]}],
+                  "peak_mem_by_phase_bytes": {"train": 100}}
+        with open(out_path, "w") as f:
+            json.dump({"mode": mode, "records": [record], "state_mem_bytes": 1000}, f)
+
+    return launch
+
+
+@pytest.mark.parametrize("failed", ["branch", "concat"])
+def test_a_mode_that_fails_in_a_later_round_leaves_the_table(failed, tmp_path, monkeypatch):
+    """--rounds 2, one mode failing in round 2: its round-1 figures leave the table and the JSON (they
+    stayed as if measured); without concat, the denominator of every ratio, no mode keeps a row (the
+    others' round-2 figures were silently left out of ratios to a stale concat)."""
+    seconds = {("concat", 0): 1.0, ("branch", 0): 0.5, ("concat", 1): 1.0, ("branch", 1): 0.5}
+    monkeypatch.setattr(bench_dpo, "launch", _fake_worker({(failed, 1)}, seconds))
+    with pytest.raises(SystemExit, match=f"failed.*{failed}"):
+        bench_dpo.main(["--preset", "cpu-small", "--modes", "concat", "branch", "--rounds", "2", "--steps", "1",
+                        "--json", str(tmp_path / "out.json")])
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert failed not in saved["modes"] and failed in saved["failed"]
+    assert sorted(saved["modes"]) == ([] if failed == "concat" else ["concat"])
+
+
 @pytest.mark.parametrize("extra, message", [
     ([], "broken.jsonl:1: malformed json"),
     (["--skip-invalid-records"], "broken.jsonl: no usable preference pairs"),
