@@ -222,7 +222,7 @@ def test_a_failed_mode_fails_the_run(tmp_path, capsys):
     assert "concat: FAILED" in capsys.readouterr().out
 
 
-def _fake_worker(fails: set, seconds: dict):
+def _worker_that_fails(fails: set, seconds: dict):
     """A stand-in for a bench_dpo worker: ``(mode, round)`` in ``fails`` exits non-zero, others write
     one record whose step takes ``seconds[mode, round]``."""
     import subprocess
@@ -249,7 +249,7 @@ def test_a_mode_that_fails_in_a_later_round_leaves_the_table(failed, tmp_path, m
     stayed as if measured); without concat, the denominator of every ratio, no mode keeps a row (the
     others' round-2 figures were silently left out of ratios to a stale concat)."""
     seconds = {("concat", 0): 1.0, ("branch", 0): 0.5, ("concat", 1): 1.0, ("branch", 1): 0.5}
-    monkeypatch.setattr(bench_dpo, "launch", _fake_worker({(failed, 1)}, seconds))
+    monkeypatch.setattr(bench_dpo, "launch", _worker_that_fails({(failed, 1)}, seconds))
     with pytest.raises(SystemExit, match=f"failed.*{failed}"):
         bench_dpo.main(["--preset", "cpu-small", "--modes", "concat", "branch", "--rounds", "2", "--steps", "1",
                         "--json", str(tmp_path / "out.json")])
