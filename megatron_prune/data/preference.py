@@ -355,12 +355,8 @@ def prompt_head_length(tokenizer: Tokenizer) -> int:
     Measured as the common prefix of two one-message prompts that differ only in their text, so
     it never reaches into a message (a merge across the boundary only makes it shorter).
     """
-    a, b = (tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                          tokenize=True) for c in _HEAD_PROBES)
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    probe = [{"role": "user", "content": _HEAD_PROBES[0]}]
+    return prompt_head(tokenizer, probe, tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True))
 
 
 def prompt_head(tokenizer: Tokenizer, messages: list[Message], prompt_ids: Sequence[int]) -> int:

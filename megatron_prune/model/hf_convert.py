@@ -486,15 +486,6 @@ def load_layer(dist_dir: str, *, metadata: dict, keys: list[str], layer: int | N
     return {k: (loaded[k] if layer is None else loaded[k][0]) for k in keys}
 
 
-_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
-
-
-def is_optimizer_key(key: str) -> bool:
-    """Whether a checkpoint tensor key is optimizer state: ``optimizer.*``, or ``chained_<i>.optimizer.*``
-    where expert parallelism splits the optimizer."""
-    return _OPTIMIZER_KEY.match(key) is not None
-
-
 def _check_checkpoint_tensors(metadata: dict, arch: ModelArch, ckpt: str) -> None:
     """Every model tensor the mapping needs, with its shape, and no model tensor it would drop."""
     expected = megatron_shapes(arch)
@@ -504,6 +495,8 @@ def _check_checkpoint_tensors(metadata: dict, arch: ModelArch, ckpt: str) -> Non
         found = tuple(metadata[key].global_shape)
         if found != want:
             raise ValueError(f"{ckpt}: tensor {key} has shape {list(found)}, expected {list(want)} for {arch.model_type}")
+    from megatron_prune.training.checkpoint import is_optimizer_key
+
     unmapped = sorted(k for k in metadata if k not in expected and not is_optimizer_key(k))
     if unmapped:
         raise ValueError(f"{ckpt}: model tensor(s) {', '.join(unmapped[:6])} have no HF counterpart; "

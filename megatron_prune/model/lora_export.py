@@ -77,9 +77,8 @@ def _open(load_dir: str, base=None):
     else the recorded one) of the newest LoRA checkpoint under ``load_dir``."""
     from megatron.core import dist_checkpointing
 
-    from megatron_prune.model.hf_convert import is_optimizer_key
     from megatron_prune.model.lora_base import META_KEY, resolve_base
-    from megatron_prune.training.checkpoint import read_meta
+    from megatron_prune.training.checkpoint import is_optimizer_key, read_meta
 
     meta = read_meta(load_dir)
     ckpt = meta["path"]

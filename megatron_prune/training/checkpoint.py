@@ -331,6 +331,12 @@ def _unsplit(key: str) -> str:
     return key.split(".", 1)[1] if key.startswith("chained_") else key
 
 
+def is_optimizer_key(key: str) -> bool:
+    """Whether a checkpoint tensor key is optimizer state: ``optimizer.*``, or ``chained_<i>.optimizer.*``
+    where expert parallelism splits the optimizer."""
+    return _unsplit(key).startswith("optimizer.")
+
+
 def _expert_split_keys(ckpt: str, optimizer_state: dict[str, Any]) -> dict[str, str] | None:
     """Whether the optimizer state of ``ckpt`` was saved across Megatron's expert split.
 
