@@ -147,8 +147,8 @@ def _check_floor(name: str, floor: float) -> None:
 def solve_keep_probs(scores: torch.Tensor, *, prune_rate: float, floor: float) -> torch.Tensor:
     """Keep probabilities (float64, shape of ``scores``) for non-negative ``scores``.
 
-    ``prob = clip(c * score, floor, 1)``, with ``c >= 0`` found by bisection so that
-    ``mean(prob) = 1 - prune_rate``. A score of ``+inf`` means "always keep" (prob 1).
+    ``prob = clip(c * score, floor, 1)``, with ``c >= 0`` found by bisection (on ``log c``) so
+    that ``mean(prob) = 1 - prune_rate``. A score of ``+inf`` means "always keep" (prob 1).
     Monotone: a larger score never gets a smaller probability.
 
     Two targets cannot be met by the rule alone, and are handled as follows:
@@ -173,10 +173,7 @@ def solve_keep_probs(scores: torch.Tensor, *, prune_rate: float, floor: float) -
     finite = torch.where(always, torch.zeros_like(flat), flat)
     positive = (finite > 0) & ~always
 
-    def probs_at(multiplier: float) -> torch.Tensor:
-        return torch.where(always, torch.ones_like(flat), (multiplier * finite).clamp(min=floor, max=1.0))
-
-    lowest = probs_at(0.0)
+    lowest = torch.where(always, torch.ones_like(flat), torch.full_like(flat, floor))
     if lowest.mean().item() >= target:
         return lowest.reshape(scores.shape)
     highest = torch.where(positive | always, torch.ones_like(flat), torch.full_like(flat, floor))
@@ -188,16 +185,50 @@ def solve_keep_probs(scores: torch.Tensor, *, prune_rate: float, floor: float) -
         raised = (target * flat.numel() - (flat.numel() - num_zero)) / num_zero
         raised_probs = torch.full_like(flat, min(max(raised, floor), 1.0))
         return torch.where(zero, raised_probs, highest).reshape(scores.shape)
-    low, high = 0.0, 1.0 / max(finite[positive].min().item(), 1e-300)  # c at which every positive score is 1
+    return _bisect_multiplier(finite, positive, always, target=target, floor=floor).reshape(scores.shape)
+
+
+def _bisect_multiplier(finite: torch.Tensor, positive: torch.Tensor, always: torch.Tensor, *, target: float,
+                       floor: float) -> torch.Tensor:
+    """``clip(c * score, floor, 1)`` at the smallest ``c`` whose mean reaches ``target`` (which lies strictly
+    between the means at ``c = 0`` and ``c = inf``).
+
+    ``c`` is first narrowed on a log scale, then halved to adjacent floats. The log scale is needed where
+    a score has decayed to 1e-100 of the others (a prompt whose groups kept coming out all-equal): c's
+    bracket then spans hundreds of decades, which halving c alone would never narrow. The last phase
+    keeps simple cases exact (equal scores at rate 1/2 give probabilities of exactly 1/2)."""
+    ones = torch.ones_like(finite)
+    relative = torch.where(positive, finite / finite[positive].max(), ones)  # largest positive score: 1
+    log_relative = relative.log()
+
+    def probs_at(scaled: torch.Tensor) -> torch.Tensor:
+        return torch.where(always, ones, torch.where(positive, scaled, 0.0 * ones).clamp(min=floor, max=1.0))
+
+    def reaches(scaled: torch.Tensor) -> bool:
+        # an exactly rounded sum, so that the batch's order (a layout, a DP split) cannot flip a comparison
+        return math.fsum(probs_at(scaled).tolist()) / finite.numel() >= target
+
+    low, high = math.log(floor), -log_relative[positive].min().item()  # every score at the floor / at 1
+    for _ in range(_BISECTION_STEPS):
+        if high - low <= math.log(2.0):
+            break
+        middle = 0.5 * (low + high)
+        if reaches((middle + log_relative).exp()):
+            high = middle
+        else:
+            low = middle
+    if high > math.log(torch.finfo(torch.float64).max) - 1.0:  # c beyond float64: keep the log-scale answer
+        return probs_at((high + log_relative).exp())
+    low, high = math.exp(low), math.exp(high)
     for _ in range(_BISECTION_STEPS):
         middle = 0.5 * (low + high)
-        if probs_at(middle).mean().item() < target:
-            low = middle
-        else:
-            high = middle
-        if high - low <= 1e-15 * high:
+        if not low < middle < high:
             break
-    return probs_at(high).reshape(scores.shape)
+        if reaches(middle * relative):
+            high = middle
+        else:
+            low = middle
+    return probs_at(high * relative)
 
 
 # ---------------------------------------------------------------------------------------

@@ -453,9 +453,19 @@ MUTANTS: list[dict] = [
         "why": "the bisection's upper bracket is the multiplier that brings the largest score to 1, not the "
                "smallest: rates that need small positive scores kept with certainty are not reached",
         "file": "megatron_prune/grpo/dppo.py",
-        "old": "1.0 / max(finite[positive].min().item(), 1e-300)",
-        "new": "1.0 / max(finite[positive].max().item(), 1e-300)",
+        "old": "high = math.log(floor), -log_relative[positive].min().item()",
+        "new": "high = math.log(floor), -log_relative[positive].max().item()",
         "tests": [DPPO_UNIT],
+    },
+    {
+        "name": "dppo-bisection-halves-c-not-log-c",
+        "why": "the keep-probability multiplier is halved from the start, not first narrowed on a log scale: once "
+               "a prompt's score has decayed to 1e-60 of the others, 200 halvings leave c far off and almost "
+               "nothing is pruned",
+        "file": "megatron_prune/grpo/dppo.py",
+        "old": "        if high - low <= math.log(2.0):\n",
+        "new": "        if True:\n",
+        "tests": [f"{DPPO_UNIT}::test_the_target_is_met_when_a_score_has_decayed_to_almost_nothing"],
     },
     {
         "name": "dppo-unseen-prompts-score-zero",

@@ -70,6 +70,16 @@ def test_scaling_regime_gives_proportional_probs_and_floor_at_zero_advantage():
     assert inner.sum() >= 2 and torch.allclose(ratios, ratios[0].expand_as(ratios))
 
 
+@pytest.mark.parametrize("tiny", [1e-20, 1e-100, 1e-300, 5e-324])
+def test_the_target_is_met_when_a_score_has_decayed_to_almost_nothing(tiny):
+    # a prompt whose groups kept coming out all-equal: its moving-average score decays towards 0
+    scores = torch.tensor([tiny] + [0.5] * 8, dtype=torch.float64)
+    probs = solve_keep_probs(scores, prune_rate=0.5, floor=0.3)
+    assert 1 - probs.mean().item() == pytest.approx(0.5, abs=1e-9)
+    assert probs[0].item() == 0.3
+    assert torch.allclose(probs[1:], torch.full((8,), (0.5 * 9 - 0.3) / 8, dtype=torch.float64))
+
+
 def test_low_rate_with_many_zero_scores_raises_their_floor_exactly():
     scores = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     probs = solve_keep_probs(scores, prune_rate=0.1, floor=0.1)
