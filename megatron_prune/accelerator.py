@@ -326,8 +326,17 @@ def set_accelerator(requested: str = "auto") -> Accelerator:
 
 
 def get_accelerator() -> Accelerator:
-    """The accelerator chosen by :func:`set_accelerator`, auto-detected on first use."""
+    """The accelerator chosen by :func:`set_accelerator`, auto-detected on first use.
+
+    A process that chose none (the converters, a library caller) gets an NPU only where MindSpeed
+    has prepared one (the trainers do that before importing Megatron); on an NPU host without that
+    it runs on CUDA or the CPU, instead of stopping at the import-order check it cannot pass."""
     global _CURRENT
     if _CURRENT is None:
-        _CURRENT = Accelerator(detect_kind("auto"))
+        if _NPU_STACK_READY or not npu_available():
+            _CURRENT = Accelerator(detect_kind("auto"))
+        elif TRANSFER_TO_NPU not in sys.modules and torch.cuda.is_available():
+            _CURRENT = Accelerator("cuda")
+        else:
+            _CURRENT = Accelerator("cpu")
     return _CURRENT

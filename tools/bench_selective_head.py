@@ -88,9 +88,11 @@ def make_problem(*, seq_len: int, args: argparse.Namespace, device: torch.device
 
 
 def run_worker(args: argparse.Namespace) -> dict:
-    from megatron_prune.accelerator import set_accelerator
+    from megatron_prune.adapters.mindspeed import bootstrap_device  # prepares MindSpeed for --device npu
+    from megatron_prune.accelerator import get_accelerator
 
-    acc = set_accelerator(args.device)
+    bootstrap_device(["--device", args.device])
+    acc = get_accelerator()
     hidden, weight, labels, scored = make_problem(
         seq_len=args.worker_seq_len, args=args, device=acc.device, dtype=getattr(torch, args.dtype)
     )

@@ -151,3 +151,18 @@ def test_adaptor_imported_by_the_user_first(tmp_path):
 def test_megatron_imported_first_is_refused(tmp_path):
     error = _run(TOO_LATE, _standin_site(tmp_path))["error"]
     assert error is not None and "imported too late" in error and "megatron.core" in error
+
+
+UNPREPARED = r"""
+import json
+import megatron.core  # a converter: Megatron imported, MindSpeed never prepared
+from megatron_prune.accelerator import get_accelerator, npu_available
+print("RESULT " + json.dumps({"npu_visible": npu_available(), "kind": get_accelerator().kind}))
+"""
+
+
+def test_a_process_that_chose_no_device_runs_on_the_cpu_of_an_npu_host(tmp_path):
+    """The converters and export tools never prepare MindSpeed; on an NPU host they must not stop at
+    the import-order check that only a trainer's start can pass."""
+    result = _run(UNPREPARED, _standin_site(tmp_path))
+    assert result == {"npu_visible": True, "kind": "cpu"}
