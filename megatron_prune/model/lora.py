@@ -65,6 +65,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_data_parallel_rng_tracker_name
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import unwrap_model
 
@@ -134,8 +135,18 @@ class _LoRAMixin:
     def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
         training_pass = torch.is_grad_enabled() if _dropout_pass is None else _dropout_pass
         if self.lora_dropout and self.training and training_pass:
-            x = F.dropout(x, p=self.lora_dropout, training=True)
+            tracker = get_cuda_rng_tracker()
+            stream = tracker.fork() if self._input_split_over_tp() else tracker.fork(get_data_parallel_rng_tracker_name())
+            with stream:
+                x = F.dropout(x, p=self.lora_dropout, training=True)
         return x
+
+    def _input_split_over_tp(self) -> bool:
+        """Whether the TP ranks hold different parts of this adapter's input (a row base's input
+        columns, sequence shards) rather than the same input (a column base's replicated input, an
+        expert's gathered tokens). Its dropout mask comes from each TP rank's own RNG stream in the
+        first case and from one they share in the second."""
+        return isinstance(self, RowParallelLinear) or (self.sequence_parallel and not self.explicit_expert_comm)
 
     def _plus_up_projection(self, output: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         """``output + scale * low B^T`` as one ``addmm``: no ``[tokens, out]`` temporaries for the

@@ -14,6 +14,24 @@ DPO_LAYOUTS = f"{TESTS}::test_lora_step_is_the_same_in_every_dpo_layout"
 
 MUTANTS: list[dict] = [
     {
+        "name": "lora-row-dropout-on-the-shared-stream",
+        "why": "a row-parallel adapter draws its dropout mask from the stream the TP ranks share: each rank holds "
+               "other input columns, yet hidden units j and j + h/tp are always dropped together",
+        "file": LORA,
+        "old": "        return isinstance(self, RowParallelLinear) or (self.sequence_parallel and not self.explicit_expert_comm)",
+        "new": "        return self.sequence_parallel and not self.explicit_expert_comm",
+        "tests": ["tests/distributed/test_lora_dropout_masks.py"],
+    },
+    {
+        "name": "pipeline-stages-share-one-seed",
+        "why": "every pipeline stage seeds its RNG alike: stage 1's first layer repeats the dropout masks stage 0's "
+               "first layer drew",
+        "file": "megatron_prune/training/parallel.py",
+        "old": "    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()\n",
+        "new": "",
+        "tests": ["tests/distributed/test_lora_dropout_masks.py"],
+    },
+    {
         "name": "lora-dropout-per-layer-grad-mode",
         "why": "adapter dropout follows each layer's grad mode: under full recompute the first forward (no_grad) "
                "drops nothing and the recompute in backward does, so the loss and gradients disagree",
