@@ -84,7 +84,7 @@ def build_scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
     schedule = _schedule_of(train)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if train.lr_warmup_iters else train.lr,
+        init_lr=0.0,  # the warm-up's start; not in the scheduler's state, so a resume must not depend on the flags
         **schedule,
         end_wd=train.weight_decay,
         wd_incr_steps=schedule["lr_decay_steps"],
@@ -106,6 +106,12 @@ def grads_are_finite(model: list[torch.nn.Module]) -> bool:
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0.0
+
+
+def _strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with non-finite floats as null: a skipped step's NaN loss would make the line
+    invalid JSON for every reader but Python's (jq, JavaScript, most JSON libraries)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 class MetricsWriter:
@@ -133,7 +139,7 @@ class MetricsWriter:
         if not self.active:
             return
         if self.jsonl:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json.dumps(_strict_json(record), allow_nan=False) + "\n")
             self.jsonl.flush()
         if self.tb:
             for key, value in record.items():
@@ -312,6 +318,8 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *
     if loaded.get("scheduler"):
         _say_schedule_kept({key: getattr(parts.scheduler, key) for key in _SCHEDULE_FLAGS}, loaded["scheduler"],
                            train_iters=train_iters, override=parts.scheduler.override_opt_param_scheduler)
+        if parts.scheduler.override_opt_param_scheduler:
+            _apply_schedule_flags(parts.optimizer, parts.scheduler)
         parts.scheduler.load_state_dict(loaded["scheduler"])
     objective.load_state_dict(saved_state)
     return int(loaded["iteration"]), loaded.get("trainer", {}).get("loop", {})
@@ -377,6 +385,14 @@ def _apply_optimizer_flags(optimizer) -> None:
                 group["eps"] = config.adam_eps
             if "momentum" in group:
                 group["momentum"] = config.sgd_momentum
+
+
+def _apply_schedule_flags(optimizer, scheduler: OptimizerParamScheduler) -> None:
+    """Under ``--override-opt-param-scheduler``: the loaded param groups carry the checkpoint's peak
+    and final rates, which Megatron's scheduler reads before its own; put this launch's in their place."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
 
 
 def say_resume_notes(configs: dict[str, Any], *, lora: bool, lora_base: dict | None = None) -> None:

@@ -151,7 +151,12 @@ def initialize_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        # --distributed-timeout-minutes for every group it creates, not only the world group
+        **({} if _timeout_minutes is None else {"distributed_timeout_minutes": _timeout_minutes}),
     )
+    # Pipeline stages draw from different streams (Megatron-LM's offset): the same seed would give
+    # stage 1's first layer the dropout masks of stage 0's first layer.
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     get_accelerator().manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 

@@ -307,6 +307,27 @@ def test_a_run_extended_past_its_decay_is_warned_and_override_decays_over_the_ne
                 "the decay horizon --train-iters 4 (checkpoint: 2)") in over.output, over.output[-3000:]
         assert "[megatron-prune] WARNING" not in over.output and "ignored:" not in over.output
         assert [r["lr"] for r in read_jsonl(metrics)] == pytest.approx([5e-4, 2.5e-4])
+    # A new peak and final rate apply too: the loaded param groups must not keep the checkpoint's.
+    rates = _dpo(tmp_path, "rates", *linear, "--train-iters", "4", "--load", str(tmp_path / "ckpt"),
+                 "--override-opt-param-scheduler", "--lr", "2e-3", "--min-lr", "1e-4",
+                 "--metrics-jsonl", str(tmp_path / "rates.jsonl")).check_ok()
+    assert "--lr 0.002 (checkpoint: 0.001), --min-lr 0.0001 (checkpoint: 0.0)" in rates.output, rates.output[-3000:]
+    # linear from 2e-3 to 1e-4 over 4 steps, at the checkpoint's step count 2 and 3
+    assert [r["lr"] for r in read_jsonl(tmp_path / "rates.jsonl")] == pytest.approx([1.05e-3, 5.75e-4])
+
+
+def test_a_resume_inside_the_warm_up_keeps_its_ramp_whatever_this_launch_says(tmp_path):
+    """The kept schedule includes the warm-up's starting rate, which Megatron does not save: a resume
+    launched with --lr-warmup-iters 0 must still ramp from 0 as the checkpoint's run did."""
+    warm = ["--lr-decay-style", "linear", "--train-iters", "6", "--lr-warmup-iters", "4"]
+    _dpo(tmp_path, "whole", *warm, "--metrics-jsonl", str(tmp_path / "whole.jsonl")).check_ok()
+    _dpo(tmp_path, "first", *warm, "--exit-interval", "2", "--save", str(tmp_path / "ckpt"),
+         "--metrics-jsonl", str(tmp_path / "split.jsonl")).check_ok()
+    _dpo(tmp_path, "rest", "--lr-decay-style", "linear", "--train-iters", "6", "--lr-warmup-iters", "0",
+         "--load", str(tmp_path / "ckpt"), "--metrics-jsonl", str(tmp_path / "split.jsonl")).check_ok()
+    whole = [r["lr"] for r in read_jsonl(tmp_path / "whole.jsonl")]
+    assert whole == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 5e-4])
+    assert [r["lr"] for r in read_jsonl(tmp_path / "split.jsonl")] == whole
 
 
 GROUPS_AFTER_RESUME = textwrap.dedent(

@@ -45,6 +45,34 @@ MUTANTS: list[dict] = [
         "tests": ["tests/e2e/test_resume.py::test_changed_adam_flags_apply_after_the_optimizer_state_is_loaded"],
     },
     {
+        "name": "override-schedule-keeps-the-checkpoints-peak-rate",
+        "why": "under --override-opt-param-scheduler the loaded param groups keep the checkpoint's max_lr and min_lr, "
+               "which Megatron's scheduler reads first: a new --lr or --min-lr is announced but not used",
+        "file": "megatron_prune/training/loop.py",
+        "old": "            _apply_schedule_flags(parts.optimizer, parts.scheduler)\n",
+        "new": "            pass\n",
+        "tests": ["tests/e2e/test_resume.py::"
+                  "test_a_run_extended_past_its_decay_is_warned_and_override_decays_over_the_new_horizon"],
+    },
+    {
+        "name": "warm-up-start-rate-from-this-launch",
+        "why": "the warm-up's starting rate (not in the scheduler's state) comes from this launch's flags: a resume "
+               "inside the warm-up with --lr-warmup-iters 0 ramps from --lr instead of from 0",
+        "file": "megatron_prune/training/loop.py",
+        "old": "        init_lr=0.0,",
+        "new": "        init_lr=0.0 if train.lr_warmup_iters else train.lr,",
+        "tests": ["tests/e2e/test_resume.py::test_a_resume_inside_the_warm_up_keeps_its_ramp_whatever_this_launch_says"],
+    },
+    {
+        "name": "parallel-groups-keep-megatrons-timeout",
+        "why": "--distributed-timeout-minutes reaches the world group only: a dead peer in the gradient all-reduce "
+               "keeps the other ranks waiting Megatron's 30 minutes",
+        "file": "megatron_prune/training/parallel.py",
+        "old": "        **({} if _timeout_minutes is None else {\"distributed_timeout_minutes\": _timeout_minutes}),\n",
+        "new": "",
+        "tests": ["tests/unit/test_parallel_init.py::test_every_parallel_group_waits_as_long_as_the_timeout_flag_says"],
+    },
+    {
         "name": "early-exit-without-a-save",
         "why": "the run stops on --exit-interval/--exit-duration-in-mins without saving the step it stops after",
         "file": "megatron_prune/training/loop.py",

@@ -51,3 +51,28 @@ def test_several_ranks_without_a_rendezvous_port_are_refused_before_any_work():
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "WORLD_SIZE=2 but MASTER_PORT is not set" in out.stderr and "torchrun" in out.stderr, out.stderr
+
+
+TIMEOUTS = """
+import torch
+from megatron.core import parallel_state as ps
+from megatron_prune.model.provider import ParallelConfig
+from megatron_prune.training.parallel import initialize_distributed, initialize_model_parallel
+
+initialize_distributed(timeout_minutes=0.5)
+initialize_model_parallel(ParallelConfig(), seed=1)
+groups = {"data": ps.get_data_parallel_group(), "tensor": ps.get_tensor_model_parallel_group(),
+          "pipeline": ps.get_pipeline_model_parallel_group(), "expert": ps.get_expert_model_parallel_group()}
+for name, group in groups.items():
+    print(name, group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+"""
+
+
+def test_every_parallel_group_waits_as_long_as_the_timeout_flag_says():
+    """--distributed-timeout-minutes must reach Megatron's data-, tensor- and pipeline-parallel groups
+    too: their default (30 minutes) would keep a rank waiting on a dead peer in the gradient all-reduce."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", TIMEOUTS], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seconds = dict(line.split() for line in proc.stdout.splitlines())
+    assert seconds == {"data": "30.0", "tensor": "30.0", "pipeline": "30.0", "expert": "30.0"}, seconds
