@@ -206,6 +206,8 @@ class TrainConfig:
                      "sgd_momentum", "distributed_timeout_minutes"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        if not -2**62 <= self.seed < 2**62:  # torch seeds are 64-bit; ranks add small offsets to it
+            raise ValueError(f"--seed must be in [-2**62, 2**62), got {self.seed}")
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError("--lr and --min-lr must be >= 0")
         if self.min_lr > self.lr:

@@ -333,7 +333,11 @@ def _parse_helpsteer3(record: dict[str, Any]) -> PreferenceText:
     context = _messages(_field(record, "context", list), "context")
     response1 = _field(record, "response1", str)
     response2 = _field(record, "response2", str)
-    preference = _field(record, "overall_preference", int)
+    preference = _field(record, "overall_preference", (int, float))
+    if isinstance(preference, float):  # 2.0 from a pandas export; 1.5 is no HelpSteer3 score
+        if not preference.is_integer():
+            raise RecordError("invalid value", f"overall_preference must be an integer in [-3, 3], got {preference}")
+        preference = int(preference)
     if not -3 <= preference <= 3:
         raise RecordError("invalid value", f"overall_preference must be in [-3, 3], got {preference}")
     if preference == 0:

@@ -268,6 +268,9 @@ def check_dpo_flags(configs: dict[str, Any]) -> session.LaunchChecks:
 
     dp = validate_layout(session.parallel_config(model), world_size_from_env())
     session.check_interleaved_microbatches(model, train, dp=dp)
+    if train.seq_length < 2:
+        raise session.UsageError(f"--seq-length {train.seq_length} leaves no room for a pair: a sequence needs at "
+                                 "least a prompt token and a response token")
     if not dpo.data_path:
         raise session.UsageError("--data-path is required")
     session.check_data_files("--data-path", dpo.data_path)

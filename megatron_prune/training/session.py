@@ -103,6 +103,9 @@ def validate(model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig, *, 
                          f"size {dp}")
     if model.hf_model and not os.path.isdir(model.hf_model):
         raise UsageError(f"--hf-model {model.hf_model}: not a directory")
+    if model.use_distributed_optimizer and train.optimizer != "adam":
+        raise UsageError(f"--use-distributed-optimizer needs --optimizer adam (Megatron's distributed optimizer "
+                         f"supports Adam only), got --optimizer {train.optimizer}")
     return dp
 
 
@@ -276,6 +279,9 @@ def resolve_model_and_base(configs: dict, *, kind: str) -> tuple[ModelArch, dict
         raise UsageError(f"--expert-model-parallel-size {model.expert_model_parallel_size} needs a mixture-of-experts "
                          f"model; {arch.model_type} is dense")
     check_layout_fits(arch, model)
+    if train.seq_length > arch.max_position_embeddings:
+        raise UsageError(f"--seq-length {train.seq_length} is longer than the model's context (max_position_embeddings "
+                         f"{arch.max_position_embeddings}): positions past it were never trained; lower --seq-length")
     check_output_paths(configs)
     has_reference = kind == "dpo" or configs["GRPOConfig"].kl_beta > 0
     notice = finetune_notice(ckpt, ref_load) if has_reference else None

@@ -66,6 +66,12 @@ BAD = [
                  "value >= 2 and --pipeline-model-parallel-size > 1 (it is 1)", id="vpp-without-pp"),
     pytest.param(["--lr", "1e-6", "--min-lr", "1e-3"], 1, "--min-lr 0.001 must be <= --lr 1e-06", id="min-lr>lr"),
     pytest.param(["--lr", "-1e-5"], 1, "--lr and --min-lr must be >= 0", id="negative-lr-exponent"),
+    pytest.param(["--seed", str(2**64)], 1, f"--seed must be in [-2**62, 2**62), got {2**64}", id="seed-overflow"),
+    pytest.param(["--seq-length", "2048"], 1, "--seq-length 2048 is longer than the model's context "
+                 "(max_position_embeddings 1024)", id="seq-length>context"),
+    pytest.param(["--optimizer", "sgd", "--use-distributed-optimizer"], 2, "--use-distributed-optimizer needs "
+                 "--optimizer adam (Megatron's distributed optimizer supports Adam only), got --optimizer sgd",
+                 id="sgd-distopt"),
     pytest.param(["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), got 2.0", id="beta1"),
     pytest.param(["--weight-decay", "-0.1"], 1, "--weight-decay must be >= 0, got -0.1", id="weight-decay"),
     pytest.param(["--log-interval", "0"], 1, "--log-interval must be >= 1, got 0", id="log-interval"),
@@ -154,6 +160,13 @@ def test_bad_flag_rejected_before_any_work(extra, world, message, monkeypatch, c
     assert message in err, err
     assert "Traceback" not in err
     assert _no_process_group()
+
+
+def test_a_sequence_of_one_token_is_refused_before_any_work(monkeypatch, capsys):
+    i = TINY_DPO.index("--max-prompt-length")
+    argv = [*TINY_DPO[:i], *TINY_DPO[i + 2:], "--seq-length", "1"]
+    code, err = _main(argv, monkeypatch, capsys, world=1)
+    assert code == 2 and "--seq-length 1 leaves no room for a pair" in err and "Traceback" not in err, err
 
 
 def test_a_layout_checked_outside_torchrun_says_how_to_launch(monkeypatch, capsys):

@@ -187,7 +187,7 @@ def test_hh_first_record_by_hand(tiny_tokenizer):
     assert text.rejected.startswith("There are lots of funny things")
 
 
-@pytest.mark.parametrize("preference, chosen", [(-3, "A"), (-1, "A"), (1, "B"), (3, "B")])
+@pytest.mark.parametrize("preference, chosen", [(-3, "A"), (-1, "A"), (1, "B"), (3, "B"), (2.0, "B"), (-1.0, "A")])
 def test_helpsteer3(preference, chosen):
     record = {"context": USER, "response1": "A", "response2": "B", "overall_preference": preference, "domain": "general"}
     text = parse_preference_record(record)
@@ -481,6 +481,7 @@ BAD_LINES = [
     (b'{"chosen": "no turns", "rejected": "at all"}', "not a dialogue"),
     (b'{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": "\\n\\nHuman: z\\n\\nAssistant: c"}', "no shared prefix"),
     (b'{"context": [{"role": "user", "content": "q"}], "response1": "a", "response2": "b", "overall_preference": 7}', "invalid value"),
+    (b'{"context": [{"role": "user", "content": "q"}], "response1": "a", "response2": "b", "overall_preference": 1.5}', "invalid value"),
     (b'{"text": "hello"}', "unknown format"),
     (b'{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b"}', "missing field"),
     (json.dumps({"prompt": "long " * 300, "chosen": "a", "rejected": "b"}).encode(), "prompt too long"),
