@@ -57,7 +57,8 @@ class GRPOConfig:
     Training log-probs are taken at the same temperature (greedy: 1)."""
     top_p: float = field(default=1.0, metadata=_flag("--top-p"))
     """Nucleus sampling: sample from the smallest token set with this much probability; 1 = off (unused at
-    --temperature 0)."""
+    --temperature 0). Training log-probs use the whole tempered distribution, as TRL's and verl's do, so
+    below 1 the completions are slightly off-policy for the loss."""
     rollout_micro_batch_size: int | None = field(default=None, metadata=_flag("--rollout-micro-batch-size"))
     """Sequences per generation microbatch (default: all of a rank's sequences in one)."""
     kv_cache: bool = field(default=False, metadata=_flag("--kv-cache"))
