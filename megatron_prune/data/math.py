@@ -85,6 +85,9 @@ class MathProblem:
     line: int
 
 
+_FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution")}
+
+
 def detect_format(record: dict[str, Any]) -> str:
     if "question" in record or "answer" in record:
         return "gsm8k"  # a record with only one of the two then names the missing field
@@ -140,6 +143,11 @@ def parse_math_record(
 ) -> tuple[str, str]:
     """``(prompt_text, answer)`` of one record; RecordError if unusable."""
     kind = detect_format(record) if format == "auto" else format
+    if format != "auto" and not any(name in record for name in _FIELDS[format]):
+        other = next((k for k, names in _FIELDS.items() if k != format and any(n in record for n in names)), None)
+        if other is not None:  # every record of the file fails alike: say what the file is
+            raise RecordError("wrong format", f"a {other} record ({'/'.join(_FIELDS[other])}), not a {format} one "
+                                              f"({'/'.join(_FIELDS[format])})")
     if kind == "gsm8k":
         question, answer = _text_field(record, "question"), gsm8k_answer(_text_field(record, "answer"))
         template = prompt_template or GSM8K_PROMPT_TEMPLATE

@@ -81,8 +81,13 @@ def test_math_record_and_templates():
     prompt, _ = parse_math_record({"question": " Q? ", "answer": "#### 1"}, prompt_template="Solve: {question}")
     assert prompt == "Solve: Q?"
     assert GSM8K_PROMPT_TEMPLATE.replace("{question}", "Q?") == parse_math_record({"question": "Q?", "answer": "#### 1"})[0]
-    with pytest.raises(RecordError, match="missing field"):
+    # a forced format meeting the other one's records says what the file holds
+    with pytest.raises(RecordError, match=r"wrong format: a gsm8k record \(question/answer\), not a math one"):
         parse_math_record({"question": "Q?", "answer": "#### 1"}, format="math")
+    with pytest.raises(RecordError, match=r"wrong format: a math record \(problem/solution\), not a gsm8k one"):
+        parse_math_record({"problem": "P?", "solution": r"\boxed{1}"}, format="gsm8k")
+    with pytest.raises(RecordError, match="missing field: 'solution'"):
+        parse_math_record({"problem": "P?"}, format="math")
     with pytest.raises(ValueError, match="question"):
         MathDataConfig(prompt_template="no field")
 
