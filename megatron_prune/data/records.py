@@ -152,7 +152,7 @@ def _iter_json(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
             if path.lower().endswith(JSON_ARRAY_SUFFIXES) and _first_byte(handle) == b"[":
                 yield from _iter_json_array(path, handle.read())
             else:
-                yield from _iter_json_lines(path, handle, may_be_one_object=path.lower().endswith(JSON_ARRAY_SUFFIXES))
+                yield from _iter_json_lines(path, handle)
     except (EOFError, zlib.error, OSError) as exc:  # gzip.BadGzipFile is an OSError
         raise DataError(path, None, "unreadable gzip" if compressed else "unreadable file", str(exc)) from exc
 
@@ -169,11 +169,10 @@ def _first_byte(handle) -> bytes:
     return head.lstrip()[:1]
 
 
-def _iter_json_lines(path: str, handle, *, may_be_one_object: bool = False
-                     ) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
-    """Records line by line. Where the first record does not parse and ``may_be_one_object`` (a
-    ``.json`` file), a file that parses as one JSON object is a single DataError saying so: read
-    line by line, a pretty-printed object would give one "malformed json" per line."""
+def _iter_json_lines(path: str, handle) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+    """Records line by line. Where the first record does not parse, a file that parses as one JSON
+    object (or, outside a ``.json`` file, one array) is a single DataError saying so: read line by
+    line, a pretty-printed one would give one "malformed json" per line."""
     first = True
     for line_no, raw in enumerate(handle, start=1):
         if line_no == 1:
@@ -181,15 +180,15 @@ def _iter_json_lines(path: str, handle, *, may_be_one_object: bool = False
         if not raw.strip():
             continue
         record = _parse_json_line(path, line_no, raw)
-        if first and may_be_one_object and isinstance(record, DataError) and record.reason == "malformed json":
+        if first and isinstance(record, DataError) and record.reason == "malformed json":
             _refuse_one_json_object(path, handle)
         first = False
         yield line_no, record
 
 
 def _refuse_one_json_object(path: str, handle) -> None:
-    """DataError when the whole file is one JSON object (pretty-printed, or a dict of columns);
-    otherwise ``handle`` is left where it was."""
+    """DataError when the whole file is one JSON object (pretty-printed, or a dict of columns) or,
+    outside a ``.json`` file, one array; otherwise ``handle`` is left where it was."""
     position = handle.tell()
     handle.seek(0)
     try:
@@ -202,6 +201,9 @@ def _refuse_one_json_object(path: str, handle) -> None:
         what = "a dict of columns" if columns else "one JSON object spread over several lines"
         raise DataError(path, None, "not JSON Lines", f"the file is {what}; write one record per line (JSON "
                         "Lines), or a JSON array of records")
+    if isinstance(value, list) and not path.lower().endswith(JSON_ARRAY_SUFFIXES):
+        raise DataError(path, None, "not JSON Lines", "the file is one JSON array spread over several lines; name it "
+                        f"{JSON_ARRAY_SUFFIXES[0]} to read it as an array of records, or write one record per line")
 
 
 def _iter_json_array(path: str, data: bytes) -> Iterator[tuple[int, dict[str, Any] | DataError]]:

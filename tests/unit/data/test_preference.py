@@ -325,7 +325,7 @@ def test_malformed_json_array_says_how_the_file_was_read(tmp_path, tiny_tokenize
     assert info.value.line is None
 
 
-@pytest.mark.parametrize("name", ["pairs.json", "pairs.json.gz"])
+@pytest.mark.parametrize("name", ["pairs.json", "pairs.json.gz", "pairs.jsonl"])
 @pytest.mark.parametrize("layout, what", [
     ("object", "one JSON object spread over several lines"), ("columns", "a dict of columns")])
 def test_one_pretty_printed_json_object_is_one_error(tmp_path, tiny_tokenizer, name, layout, what):
@@ -339,6 +339,19 @@ def test_one_pretty_printed_json_object_is_one_error(tmp_path, tiny_tokenizer, n
         PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
     assert str(info.value) == (f"{path}: not JSON Lines: the file is {what}; write one record per line (JSON Lines), "
                                "or a JSON array of records")
+
+
+@pytest.mark.parametrize("name", ["pairs.jsonl", "pairs.jsonl.gz"])
+def test_a_pretty_printed_json_array_named_jsonl_is_one_error(tmp_path, tiny_tokenizer, name):
+    """Records written as an indented JSON array into a .jsonl file: one error saying what the file
+    is and how to read it, not a "malformed json" for each of its lines (or, skipping, a skip each)."""
+    data = json.dumps(PAIRS[:3], indent=2).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    assert str(info.value) == (f"{path}: not JSON Lines: the file is one JSON array spread over several lines; name "
+                               "it .json to read it as an array of records, or write one record per line")
 
 
 def test_json_lines_with_a_bad_first_line_still_read_line_by_line(tmp_path, tiny_tokenizer):
