@@ -332,26 +332,28 @@ def test_one_pretty_printed_json_object_is_one_error(tmp_path, tiny_tokenizer, n
     """A .json file holding one indented object (or a dict of columns, as Dataset.to_dict writes)
     is one error saying what the file is, not a "malformed json" for each of its lines."""
     value = PAIRS[0] if layout == "object" else {key: [pair[key] for pair in PAIRS[:2]] for key in PAIRS[0]}
+    path, error = _pretty_printed_file_error(tmp_path, tiny_tokenizer, name, value)
+    assert error == (f"{path}: not JSON Lines: the file is {what}; write one record per line (JSON Lines), "
+                     "or a JSON array of records")
+
+
+def _pretty_printed_file_error(tmp_path, tokenizer, name: str, value) -> tuple:
+    """The one DataError of reading ``value`` written indented into file ``name``, skipping bad records."""
     data = json.dumps(value, indent=2).encode()
     path = tmp_path / name
     path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
     with pytest.raises(DataError) as info:
-        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
-    assert str(info.value) == (f"{path}: not JSON Lines: the file is {what}; write one record per line (JSON Lines), "
-                               "or a JSON array of records")
+        PreferenceDataset(path, tokenizer=tokenizer, config=PreferenceDataConfig(skip_invalid=True))
+    return path, str(info.value)
 
 
 @pytest.mark.parametrize("name", ["pairs.jsonl", "pairs.jsonl.gz"])
 def test_a_pretty_printed_json_array_named_jsonl_is_one_error(tmp_path, tiny_tokenizer, name):
     """Records written as an indented JSON array into a .jsonl file: one error saying what the file
     is and how to read it, not a "malformed json" for each of its lines (or, skipping, a skip each)."""
-    data = json.dumps(PAIRS[:3], indent=2).encode()
-    path = tmp_path / name
-    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
-    with pytest.raises(DataError) as info:
-        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig(skip_invalid=True))
-    assert str(info.value) == (f"{path}: not JSON Lines: the file is one JSON array spread over several lines; name "
-                               "it .json to read it as an array of records, or write one record per line")
+    path, error = _pretty_printed_file_error(tmp_path, tiny_tokenizer, name, PAIRS[:3])
+    assert error == (f"{path}: not JSON Lines: the file is one JSON array spread over several lines; name it .json "
+                     "to read it as an array of records, or write one record per line")
 
 
 def test_json_lines_with_a_bad_first_line_still_read_line_by_line(tmp_path, tiny_tokenizer):
