@@ -27,7 +27,8 @@ invalid with reason ``"missing field"`` naming the field (e.g. ``missing field '
 
 Token ids: the prompt is rendered by the tokenizer's chat template (the plain HH-RLHF template
 when it has none, see ``tokenizer.py``) with the generation prompt; each response is
-``encode(render_response(text)) + [eos]``.
+``encode(render_response(text, prompt)) + [eos]`` (with a chat template: what the template renders
+for the reply as the next assistant turn).
 
 Truncation rule (``max_seq_length`` L, ``max_prompt_length`` P):
 
@@ -434,10 +435,10 @@ def tokenize_preference(
     that lost tokens adds one to ``truncated[part]`` (see :data:`PAIR_PARTS`)."""
     try:
         prompt_ids = tokenizer.apply_chat_template(text.prompt, add_generation_prompt=True, tokenize=True)
+        chosen_ids = tokenizer.encode(tokenizer.render_response(text.chosen, text.prompt)) + [tokenizer.eos_id]
+        rejected_ids = tokenizer.encode(tokenizer.render_response(text.rejected, text.prompt)) + [tokenizer.eos_id]
     except ValueError as exc:
         raise RecordError("chat template failed", str(exc)) from None
-    chosen_ids = tokenizer.encode(tokenizer.render_response(text.chosen)) + [tokenizer.eos_id]
-    rejected_ids = tokenizer.encode(tokenizer.render_response(text.rejected)) + [tokenizer.eos_id]
     whole = (prompt_ids, chosen_ids, rejected_ids)
     too_long = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
     kept = truncate_pair(*whole, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length,

@@ -15,7 +15,10 @@ HH-RLHF transcript format::
     "\\n\\nAssistant:"            (the generation prompt)
 
 and an assistant response follows the generation prompt after one space
-(``render_response``), so that prompt + response is exactly an HH-RLHF transcript. An empty
+(``render_response``; none is added where the SentencePiece model prefixes every text with one), so
+that prompt + response is exactly an HH-RLHF transcript. With a chat template, a response is what
+the template renders after the generation prompt when the reply is the next assistant turn, up to
+its eos (e.g. Qwen3's empty ``<think></think>`` block before the reply). An empty
 message renders as the bare marker (``"\\n\\nHuman:"``). Token ids of a rendered prompt start
 with ``bos_id`` when the plain template is used and the tokenizer has one; a model's own chat
 template decides that itself (its rendered text carries any special tokens it wants).
@@ -104,8 +107,9 @@ class Tokenizer(abc.ABC):
         prefix = [self.bos_id] if self.bos_id is not None else []
         return prefix + self.encode(text)
 
-    def render_response(self, content: str) -> str:
-        """The text that follows the generation prompt for an assistant reply ``content``."""
+    def render_response(self, content: str, prompt: Sequence[Message] | None = None) -> str:
+        """The text that follows the generation prompt of ``prompt`` for an assistant reply ``content``
+        (before the eos id that ends every response)."""
         return " " + content if content else content
 
     @property
@@ -163,6 +167,17 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
+
+    @functools.cached_property
+    def _adds_dummy_prefix(self) -> bool:
+        """Whether encoding starts every text with a word boundary (``add_dummy_prefix``, as
+        Llama-2's and Mistral's models do)."""
+        pieces = self._sp.encode("a", out_type=str)
+        return bool(pieces) and pieces[0].startswith("\u2581")
+
+    def render_response(self, content: str, prompt: Sequence[Message] | None = None) -> str:
+        # Such a model already gives the reply the space that follows "Assistant:" in a transcript.
+        return content if self._adds_dummy_prefix else super().render_response(content, prompt)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
@@ -253,8 +268,23 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"{self.path}: the chat template rejected the messages ({exc})") from exc
         return self.encode(text) if tokenize else text
 
-    def render_response(self, content: str) -> str:
-        return content if self.has_chat_template else super().render_response(content)
+    def render_response(self, content: str, prompt: Sequence[Message] | None = None) -> str:
+        """With a chat template: what the template renders after ``prompt``'s generation prompt when
+        ``content`` is the next assistant turn, up to its last eos (Qwen3's empty ``<think></think>``
+        block, Llama-3's trimming and end-of-turn token); the bare ``content`` without a ``prompt``, or
+        where the template renders the earlier turns differently once a reply follows."""
+        if not self.has_chat_template:
+            return super().render_response(content, prompt)
+        if prompt is None:
+            return content
+        generation = self.apply_chat_template(prompt, add_generation_prompt=True)
+        whole = self.apply_chat_template([*prompt, {"role": "assistant", "content": content}],
+                                         add_generation_prompt=False)
+        if not whole.startswith(generation):
+            return content
+        reply = whole[len(generation):]
+        end = reply.rfind(self._tok.eos_token)
+        return reply[:end] if end >= 0 else reply
 
     @functools.cached_property
     def special_texts(self) -> tuple[str, ...]:  # read once: the loaders ask for every record

@@ -206,3 +206,52 @@ def test_preference_pairs_through_a_chat_template(tmp_path):
     assert tokenizer.decode(pair.prompt_ids) == "<s><|user|>hello</s><|assistant|>"
     assert pair.chosen_ids == tokenizer.encode("world") + [tokenizer.eos_id]
     assert pair.rejected_ids == tokenizer.encode("fox") + [tokenizer.eos_id]
+
+
+# Modelled on Qwen3's template: the last assistant turn after the last user message opens with an
+# empty think block, and content is trimmed; every turn ends "</s>\n".
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n{{ m['content'] | trim }}</s>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_response_is_what_the_chat_template_renders_for_it(tmp_path):
+    """A pair's response is the template's own rendering of the reply as the next assistant turn (here
+    the empty think block and the trimming), up to the eos that ends it: prompt + response is the
+    whole conversation as the model's template writes it."""
+    from megatron_prune.data.preference import PreferenceText, tokenize_preference
+
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path, chat_template=THINKING_TEMPLATE))
+    prompt = MESSAGES[:2]
+    text = PreferenceText(prompt=prompt, chosen=" It is 4.\n", rejected="5")
+    prompt_ids, chosen, rejected = tokenize_preference(text, tokenizer, max_seq_length=512)
+    for reply, ids in ((text.chosen, chosen), (text.rejected, rejected)):
+        whole = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": reply}],
+                                              add_generation_prompt=False)
+        assert ids[-1] == tokenizer.eos_id and ids.count(tokenizer.eos_id) == 1
+        assert tokenizer.decode(prompt_ids + ids) == whole.removesuffix("\n")
+    assert tokenizer.decode(chosen) == "<think>\n\n</think>\n\nIt is 4.</s>"
+
+
+def test_a_sentencepiece_model_with_a_dummy_prefix_gives_a_response_one_space(tmp_path):
+    """Llama-2-style models prefix every encoded text with a word boundary; the response must not get
+    a second one: its pieces are those of the whole transcript."""
+    import sentencepiece as spm
+
+    from megatron_prune.data.preference import parse_preference_record, tokenize_preference
+
+    corpus = list(sample_texts())[:200]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_prefix=str(tmp_path / "sp"), model_type="bpe", vocab_size=600,
+        byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, character_coverage=1.0, minloglevel=2)
+    tokenizer = load_tokenizer(tmp_path / "sp.model")
+    record = {"chosen": "\n\nHuman: What is 2+2?\n\nAssistant: It is 4.",
+              "rejected": "\n\nHuman: What is 2+2?\n\nAssistant: five"}
+    prompt_ids, chosen, _ = tokenize_preference(parse_preference_record(record), tokenizer, max_seq_length=512)
+    assert tokenizer.decode(prompt_ids + chosen[:-1]) == record["chosen"]
+    whole = tokenizer.encode(record["chosen"])
+    assert chosen[:-1] == whole[-len(chosen) + 1:]
