@@ -46,7 +46,10 @@ class DPOObjective:
         self.runner = runner
         self.eval_runner = eval_runner
         self.train_cfg = train_cfg
-        self.sampler = EpochSampler(len(dataset), seed=train_cfg.seed)
+        # A step never holds a pair twice where the data can fill it: crossing into the next epoch, a
+        # pair the step already took waits for the next step (still within its epoch).
+        self.sampler = EpochSampler(len(dataset), seed=train_cfg.seed,
+                                    distinct=len(dataset) >= train_cfg.global_batch_size)
         self.eval_pairs = eval_pairs
 
     def _my_samples(self, indices: list[int], dataset: PreferenceDataset) -> list:

@@ -21,6 +21,15 @@ SHARED_UNIT = f"{SHARED_UNIT_FILE}::test_shared_row_layout_positions_and_scored_
 
 MUTANTS: list[dict] = [
     {
+        "name": "dpo-step-may-hold-a-pair-twice",
+        "why": "a step that crosses into the next epoch takes pairs of the new epoch's head that it already holds: "
+               "those pairs count twice in that step's loss",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "distinct=len(dataset) >= train_cfg.global_batch_size)",
+        "new": "distinct=False)",
+        "tests": ["tests/unit/test_dpo_sampling.py"],
+    },
+    {
         "name": "dpo-margin-sign",
         "why": "the margin is taken as rejected minus chosen: DPO trains the policy towards the rejected answers",
         "file": "megatron_prune/dpo/loss.py",
