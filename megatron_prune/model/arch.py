@@ -152,21 +152,16 @@ class ModelArch:
             _check_mistral_window(config, source)
         if config.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not supported")
-        rope = config.get("rope_parameters") or {}
-        rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            # transformers 5 keeps theta and scaling together; keep only the scaling keys so both
-            # config styles describe the same architecture.
-            rope_scaling = {k: v for k, v in rope.items() if k in _ROPE_SCALING_KEYS}
-        if rope_scaling is not None:
-            _check_rope_scaling(rope_scaling, source)
-        qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
+        max_positions = _int_field(config, "max_position_embeddings", source,
+                                   default=_DEFAULT_MAX_POSITIONS[model_type])
+        rope_theta, rope_scaling = _rope_fields(config, source, max_positions=max_positions)
+        # transformers' Qwen2 always has q/k/v biases (it reads no attention_bias field)
+        qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
         sizes = {name: _int_field(config, key, source) for name, key in _REQUIRED_SIZES.items()}
         sizes.update(num_key_value_heads=_int_field(config, "num_key_value_heads", source,
                                                     default=sizes["num_attention_heads"]),
                      head_dim=_int_field(config, "head_dim", source, default=None),
-                     max_position_embeddings=_int_field(config, "max_position_embeddings", source, default=4096))
+                     max_position_embeddings=max_positions)
         try:
             return cls(
                 model_type=model_type,
@@ -280,18 +275,44 @@ _MEGATRON_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8192}
 
 
-def _check_rope_scaling(rope_scaling: dict[str, Any], source: str) -> None:
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+# transformers' defaults for a config that leaves max_position_embeddings out.
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": _MISTRAL_DEFAULT_MAX_POSITIONS, "qwen2": 32768, "qwen3": 32768,
+                          "qwen3_moe": 32768}
+
+
+def _rope_fields(config: dict[str, Any], source: str, *, max_positions: int) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` as transformers reads them: the rope dict is ``rope_scaling`` (older
+    configs) or ``rope_parameters`` (transformers 5, which holds theta too), its type ``rope_type`` or
+    the legacy ``type``; no scaling (None) for the default type. A scaling Megatron-Core cannot build
+    is refused, as is a theta given twice with two values."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{source}: rope_scaling must be an object, got {rope!r}")
+    parameters = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    theta, inner = config.get("rope_theta"), parameters.get("rope_theta")
+    if theta is not None and inner is not None and float(theta) != float(inner):
+        raise ValueError(f"{source}: rope_theta={theta} and rope_parameters.rope_theta={inner} differ; keep one")
+    theta = float(inner if inner is not None else theta if theta is not None else 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in (None, "default"):
-        return
+        return theta, None
     if kind != "llama3":
         raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported by Megatron-Core (only llama3)")
-    for key, expected in _MEGATRON_LLAMA3_SCALING.items():
-        if float(rope_scaling.get(key, expected)) != expected:
-            raise ValueError(
-                f"{source}: rope_scaling.{key}={rope_scaling.get(key)} is not supported; "
-                f"Megatron-Core's llama3 scaling is fixed at {key}={expected}"
-            )
+    scaling = {k: v for k, v in rope.items() if k in _ROPE_SCALING_KEYS}
+    # transformers: a top-level original_max_position_embeddings wins, then the dict's, then the context
+    if config.get("original_max_position_embeddings"):
+        original = ("original_max_position_embeddings", config["original_max_position_embeddings"])
+    elif rope.get("original_max_position_embeddings"):
+        original = ("rope_scaling.original_max_position_embeddings", rope["original_max_position_embeddings"])
+    else:
+        original = ("max_position_embeddings (the original context where rope_scaling names none)", max_positions)
+    checked = [(f"rope_scaling.{key}", scaling.get(key, _MEGATRON_LLAMA3_SCALING[key]))
+               for key in ("low_freq_factor", "high_freq_factor")] + [original]
+    for (name, value), expected in zip(checked, _MEGATRON_LLAMA3_SCALING.values()):
+        if float(value) != expected:
+            raise ValueError(f"{source}: {name}={value} is not supported; Megatron-Core's llama3 scaling is fixed at "
+                             f"{expected}")
+    return theta, scaling
 
 
 PRESETS: dict[str, ModelArch] = {

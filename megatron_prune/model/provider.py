@@ -180,6 +180,7 @@ def build_model_chunks(arch: ModelArch, parallel: ParallelConfig) -> list[torch.
     config = transformer_config(arch, parallel)
     te = use_transformer_engine(parallel)
     vpp = parallel.virtual_pipeline_model_parallel_size
+    scaling = arch.rope_scaling or {}
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -197,8 +198,8 @@ def build_model_chunks(arch: ModelArch, parallel: ParallelConfig) -> list[torch.
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta),
-            rope_scaling=arch.rope_scaling is not None,
-            rope_scaling_factor=float((arch.rope_scaling or {}).get("factor", 8.0)),
+            rope_scaling=scaling.get("rope_type", scaling.get("type")) == "llama3",  # {"rope_type": "default"}: none
+            rope_scaling_factor=float(scaling.get("factor", 8.0)),
             vp_stage=stage,
         )
         model.to(get_accelerator().device)

@@ -219,6 +219,10 @@ def conversion_suite(*, root: str, hf_dirs: dict[str, str]) -> dict:
         hf_dirs["qwen3-tied"], arch_change=dict(rope_theta=10000.0))
     controls["llama3 rope scaling dropped"] = _controlled_comparison(
         hf_dirs["llama"], arch_change=dict(rope_scaling=None))
+    # An architecture recorded with a rope dict of the default type (as checkpoints converted from such a
+    # config.json recorded it) builds plain RoPE, not Llama-3 scaling.
+    out["default rope dict"] = _controlled_comparison(hf_dirs["mistral"],
+                                                      arch_change=dict(rope_scaling={"rope_type": "default"}))
     out["trained"] = _train_one_step_and_export(
         converted=os.path.join(root, f"{TRAINED_KIND}-megatron"),
         trained=os.path.join(root, "trained"), hf_out=os.path.join(root, "trained-exported"))
@@ -258,6 +262,12 @@ def test_negative_controls_are_flagged(suite):
         print(f"{name}: {result.summary()}")
         assert not result.ok(TOLERANCE), f"{name} was not detected: {result.summary()}"
         assert result.max_abs_diff > 10 * TOLERANCE, f"{name}: too close to the tolerance to be decisive"
+
+
+@pytest.mark.distributed
+def test_a_rope_dict_of_the_default_type_builds_plain_rope(suite):
+    result = suite[1]["default rope dict"]
+    assert result.ok(TOLERANCE), result.summary()
 
 
 @pytest.mark.distributed

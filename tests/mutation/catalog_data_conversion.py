@@ -19,6 +19,24 @@ HF_TESTS = "tests/unit/model/test_hf_mapping.py"
 CKPT_TESTS = "tests/unit/test_checkpoint_atomic.py"
 
 MUTANTS: list[dict] = [
+    {
+        "name": "rope-scaling-on-for-any-rope-dict",
+        "why": "the model builds Llama-3 RoPE scaling whenever the architecture holds a rope dict, also one of the "
+               "default type ({'rope_type': 'default'}): wrong logits for such a config.json",
+        "file": "megatron_prune/model/provider.py",
+        "old": 'rope_scaling=scaling.get("rope_type", scaling.get("type")) == "llama3",',
+        "new": "rope_scaling=bool(scaling),",
+        "tests": ["tests/distributed/test_hf_conversion.py::test_a_rope_dict_of_the_default_type_builds_plain_rope"],
+    },
+    {
+        "name": "rope-theta-top-level-wins",
+        "why": "a config.json giving rope_theta twice, at the top level and in rope_parameters, is read with the "
+               "top-level value, where transformers reads rope_parameters': a different model, without a word",
+        "file": "megatron_prune/model/arch.py",
+        "old": "    if theta is not None and inner is not None and float(theta) != float(inner):",
+        "new": "    if False:",
+        "tests": ["tests/unit/model/test_hf_mapping.py::test_rope_fields_are_read_as_transformers_reads_them"],
+    },
     # --- preference records -------------------------------------------------------------------
     {
         "name": "pref-prompt-head-kept-when-it-fills-the-budget",

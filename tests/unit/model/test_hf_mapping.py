@@ -110,6 +110,49 @@ def test_unsupported_llama_fields_are_refused(change, message):
         arch_from_hf_config(config)
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"type": "default"}, {}])
+def test_a_rope_dict_of_the_default_type_is_no_scaling(rope):
+    config = hf_config("mistral").to_dict()
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=10000.0, rope_scaling=rope)
+    arch = arch_from_hf_config(config)
+    assert arch.rope_scaling is None and arch.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+         "rope_theta=10000.0 and rope_parameters.rope_theta=500000.0 differ"),
+        (dict(rope_parameters={"type": "yarn", "factor": 4.0, "rope_theta": 10000.0}), "type 'yarn'"),
+        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0},
+              max_position_embeddings=4096), r"max_position_embeddings \(the original context"),
+        (dict(original_max_position_embeddings=4096), "original_max_position_embeddings=4096"),
+    ],
+    ids=["theta-twice", "legacy-type-key", "llama3-original-from-context", "llama3-original-top-level"],
+)
+def test_rope_fields_are_read_as_transformers_reads_them(change, message):
+    config = hf_config("llama").to_dict()
+    config.update(change)
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config(config)
+
+
+def test_qwen2_has_qkv_biases_whatever_attention_bias_says():
+    config = hf_config("qwen2").to_dict()
+    config.update(attention_bias=False)
+    assert arch_from_hf_config(config).qkv_bias
+
+
+@pytest.mark.parametrize("kind, expected", [("llama", 2048), ("mistral", 131072), ("qwen2", 32768), ("qwen3", 32768)])
+def test_a_missing_context_length_takes_transformers_default(kind, expected):
+    config = hf_config(kind).to_dict()
+    config.pop("max_position_embeddings")
+    if kind == "llama":
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    assert arch_from_hf_config(config).max_position_embeddings == expected
+
+
 def test_sliding_window_is_refused():
     config = hf_config("mistral").to_dict()
     config.update(sliding_window=128)

@@ -232,7 +232,7 @@ def test_dry_run_refuses_what_the_hf_model_cannot_run(tmp_path, monkeypatch, cap
     from megatron_prune.dpo.__main__ import main
 
     hf_dir = make_hf_model("qwen3", str(tmp_path / "qwen3"), seed=4, intermediate_size=91, vocab_size=300)
-    common = ["--hf-model", hf_dir, "--data-path", HH_RLHF_SAMPLE, "--global-batch-size", "2",
+    common = ["--hf-model", hf_dir, "--data-path", HH_RLHF_SAMPLE, "--seq-length", "256", "--global-batch-size", "2",
               "--micro-batch-size", "1", "--dry-run"]
     monkeypatch.setenv("RANK", "0")
     for world, extra, message in [
