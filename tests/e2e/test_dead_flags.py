@@ -315,7 +315,7 @@ def _readme_launches() -> list[str]:
 
 def _as_dry_run(command: str, tmp_path) -> tuple[str, list[str], int]:
     """(cli, argv, world size) of a launch command, made to run here: the tiny preset for an HF model of
-    the same (dense Qwen3) family, the bundled samples for data files that are not here, output paths
+    the same (dense Qwen3) family (lengths shrunk to fit its context), the bundled samples for data files that are not here, output paths
     under ``tmp_path`` (a --save and a --load of the same directory stay the same)."""
     words = [w for w in shlex.split(command) if w != "..."]
     at = next(i for i, w in enumerate(words[:-1]) if w == "-m" and words[i + 1].startswith("megatron_prune."))
@@ -323,6 +323,9 @@ def _as_dry_run(command: str, tmp_path) -> tuple[str, list[str], int]:
     launcher = dict(zip(words[:at], words[1:at]))
     world = int(launcher.get("--nproc-per-node", 1)) * int(launcher.get("--nnodes", 1))
     argv, rest = [], words[at + 2:]
+    # the tiny stand-in's context is 1024 tokens, the Qwen3 model's longer: every length shrinks alike
+    seq = int(rest[rest.index("--seq-length") + 1]) if "--seq-length" in rest else 0
+    shrink = max(1, -(-seq // get_preset("tiny").max_position_embeddings)) if "--hf-model" in rest else 1
     while rest:
         word = rest.pop(0)
         if word == "--hf-model":
@@ -333,6 +336,8 @@ def _as_dry_run(command: str, tmp_path) -> tuple[str, list[str], int]:
         elif word == "--data-path" and not (REPO / rest[0]).exists():
             rest.pop(0)
             argv += [word, SAMPLE if cli == "dpo" else GSM8K]
+        elif word in ("--seq-length", "--max-prompt-length", "--max-new-tokens"):
+            argv += [word, str(int(rest.pop(0)) // shrink)]
         else:
             argv.append(word)
     return cli, argv, world
