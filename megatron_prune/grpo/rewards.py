@@ -4,6 +4,10 @@ Every reward is a callable ``reward(completion_text, reference_answer) -> float`
 (:class:`RewardFn`). Rewards are registered by name (:func:`register_reward`) and built
 with :func:`get_reward`; ``gsm8k``, ``math``, ``toy`` and ``toy-binary`` are registered here.
 
+A completion that reasons in a ``<think>`` block (Qwen3 and other reasoning models) is graded on
+what follows its last ``</think>`` (:func:`final_answer_text`); one whose reasoning never closed
+(cut by ``--max-new-tokens``) has no answer. Drafts inside the reasoning never count.
+
 Extraction returns ``None`` when a completion has no usable answer; a missing answer
 scores 0, never an exception, because a policy in training produces malformed text all
 the time. Bad *arguments* (a reference without an answer, a bad config) raise
@@ -28,6 +32,7 @@ __all__ = [
     "available_rewards",
     "normalize_number",
     "extract_gsm8k_answer",
+    "final_answer_text",
     "GSM8KReward",
     "extract_boxed",
     "normalize_math_answer",
@@ -132,6 +137,16 @@ def normalize_number(text: str) -> str | None:
 # ---------------------------------------------------------------------------------------
 
 _GSM8K_MARKER = "####"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def final_answer_text(completion_text: str) -> str | None:
+    """The part of a completion that states its answer: after the last ``</think>`` where it has
+    one (the template may have opened the block in the prompt), ``None`` where a ``<think>`` block
+    never closed, else the whole text."""
+    if THINK_CLOSE in completion_text:
+        return completion_text.rsplit(THINK_CLOSE, 1)[1]
+    return None if THINK_OPEN in completion_text else completion_text
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -139,11 +154,15 @@ def extract_gsm8k_answer(text: str) -> str | None:
 
     If the text contains ``####``, the answer is the first number after the *last*
     marker (``None`` if no number follows: the model committed to an answer and gave
-    none). Without a marker, the last number anywhere in the text is used.
+    none). Without a marker, the number in the last ``\\boxed{}`` (the form chat models
+    answer in), else the last number anywhere in the text.
     """
     if _GSM8K_MARKER in text:
         tail = text.rsplit(_GSM8K_MARKER, 1)[1]
         return normalize_number(tail)
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return normalize_number(boxed)
     cleaned = text.translate(MINUS_SIGNS).replace("$", "")
     matches = list(_NUMBER_RE.finditer(cleaned))
     if not matches:
@@ -168,8 +187,9 @@ class GSM8KReward:
         reference = extract_gsm8k_answer(reference_answer)
         if reference is None:
             raise ValueError(f"GSM8K reference has no number: {reference_answer[-80:]!r}")
-        predicted = extract_gsm8k_answer(completion_text)
-        return self.correct if predicted == reference else self.incorrect
+        answer = final_answer_text(completion_text)
+        predicted = None if answer is None else extract_gsm8k_answer(answer)
+        return self.correct if predicted is not None and predicted == reference else self.incorrect
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,7 +320,8 @@ class MathReward:
             reference = reference_answer
         if not normalize_math_answer(reference):
             raise ValueError(f"MATH reference answer is empty: {reference_answer[-80:]!r}")
-        predicted = extract_boxed(completion_text)
+        answer = final_answer_text(completion_text)
+        predicted = None if answer is None else extract_boxed(answer)
         if predicted is None:
             return self.incorrect
         return self.correct if math_answers_equal(predicted, reference) else self.incorrect

@@ -352,6 +352,15 @@ MUTANTS: list[dict] = [
         "tests": [SEQUENCE],
     },
     {
+        "name": "reward-grades-the-reasoning",
+        "why": "the math rewards read the whole completion of a reasoning model: a draft answer inside <think>, "
+               "or the last number of reasoning cut by --max-new-tokens, is graded as its answer",
+        "file": "megatron_prune/grpo/rewards.py",
+        "old": "    return None if THINK_OPEN in completion_text else completion_text",
+        "new": "    return completion_text",
+        "tests": ["tests/unit/grpo/test_rewards.py::test_gsm8k_grades_what_follows_the_reasoning"],
+    },
+    {
         "name": "math-frac-sign-dropped",
         "why": "the MATH reward parses -\\frac{a}{b} as +a/b: a negative fraction matches the positive reference",
         "file": "megatron_prune/grpo/rewards.py",

@@ -309,3 +309,34 @@ def test_math_negative_fraction_keeps_its_sign():
     assert math_answers_equal("-\\frac{1}{2}", "-0.5")
     assert not math_answers_equal("-\\frac{1}{2}", "0.5")
     assert MathReward()("\\boxed{-\\frac{1}{2}}", "0.5") == 0.0
+
+
+# --- reasoning models: answers after </think> -----------------------------------------------
+
+THINKING = [
+    # (completion, GSM8K reward for reference 72, why)
+    ("<think>\n3 * 24 = 72, so #### 72? no, 60\n</think>\n\nThe answer is 60.", 0.0, "a draft inside the reasoning"),
+    ("<think>\nfirst 24, then 48\n</think>\n\nSo she pays #### 72<|im_end|>", 1.0, "the answer after </think>"),
+    ("<think>\n24 + 48 = 72, checking again 24", 0.0, "reasoning cut by max-new-tokens: no answer"),
+    ("Let me add 24 and 48.\n</think>\n\n\\boxed{72} (from 3 steps)", 1.0, "block opened by the template, boxed"),
+    ("No reasoning block, 24 + 48 = 72", 1.0, "plain text: the last number"),
+]
+
+
+@pytest.mark.parametrize("completion, reward, why", THINKING, ids=[why for *_, why in THINKING])
+def test_gsm8k_grades_what_follows_the_reasoning(completion, reward, why):
+    assert GSM8KReward()(completion, "#### 72") == reward, why
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("<think>\\boxed{\\frac12}</think> so it is 1/3", 0.0),
+    ("<think>\\boxed{\\frac13} or \\boxed{\\frac12}</think> The answer is \\boxed{\\frac{1}{2}}.", 1.0),
+    ("<think>\\boxed{\\frac12} and still thinking", 0.0),
+])
+def test_math_grades_what_follows_the_reasoning(completion, reward):
+    assert MathReward()(completion, "\\frac{1}{2}") == reward
+
+
+def test_gsm8k_without_a_marker_takes_the_last_boxed_answer_before_the_last_number():
+    assert extract_gsm8k_answer("The total is \\boxed{72} over 3 days") == "72"
+    assert extract_gsm8k_answer("#### 72 and \\boxed{5}") == "72"  # the marker still comes first
