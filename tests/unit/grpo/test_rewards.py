@@ -317,7 +317,7 @@ THINKING = [
     # (completion, GSM8K reward for reference 72, why)
     ("<think>\n3 * 24 = 72, so #### 72? no, 60\n</think>\n\nThe answer is 60.", 0.0, "a draft inside the reasoning"),
     ("<think>\nfirst 24, then 48\n</think>\n\nSo she pays #### 72<|im_end|>", 1.0, "the answer after </think>"),
-    ("<think>\n24 + 48 = 72, checking again 24", 0.0, "reasoning cut by max-new-tokens: no answer"),
+    ("<think>\nchecking again: 24 + 48 = 72", 0.0, "reasoning cut by max-new-tokens: no answer"),
     ("Let me add 24 and 48.\n</think>\n\n\\boxed{72} (from 3 steps)", 1.0, "block opened by the template, boxed"),
     ("No reasoning block, 24 + 48 = 72", 1.0, "plain text: the last number"),
 ]
