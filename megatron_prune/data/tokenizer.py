@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import json
 import logging
 import os
 from typing import Any, Sequence
@@ -90,6 +91,12 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def pad_id(self) -> int:
         """Padding id (the eos id when the tokenizer defines no pad token)."""
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end a generated reply: eos, and for a Hugging Face model directory the eos ids of
+        its ``generation_config.json`` (a chat model may end its turns with another token than eos)."""
+        return frozenset({self.eos_id})
 
     @property
     def has_chat_template(self) -> bool:
@@ -251,6 +258,20 @@ class HFTokenizer(Tokenizer):
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
+
+    @functools.cached_property
+    def stop_ids(self) -> frozenset[int]:
+        path = os.path.join(self.path, "generation_config.json")
+        listed = []
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    listed = json.load(f).get("eos_token_id")
+            except (OSError, ValueError, AttributeError) as exc:
+                logger.warning("%s: not read (%s); completions end at eos %d only", path, _one_line(exc), self.eos_id)
+            listed = listed if isinstance(listed, list) else [listed]
+        extra = {i for i in listed if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size}
+        return frozenset({self.eos_id} | extra)
 
     def apply_chat_template(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = True, tokenize: bool = False

@@ -71,6 +71,9 @@ class SamplingSettings:
     """Most tokens generated per completion."""
     eos_id: int
     """Token that ends a completion (it is part of the completion)."""
+    stop_ids: frozenset[int] = frozenset()
+    """Other tokens that end a completion as ``eos_id`` does (the model's generation config may end
+    turns with several)."""
     pad_id: int
     """Padding token of the right-padded rows."""
     vocab_size: int
@@ -98,6 +101,10 @@ class SamplingSettings:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def ends(self, token: int) -> bool:
+        """Whether ``token`` ends a completion."""
+        return token == self.eos_id or token in self.stop_ids
 
 
 @dataclass
@@ -285,7 +292,7 @@ def generate(
         for i, token, logprob in zip(active, tokens.tolist(), logprobs.tolist()):
             completions[i].tokens.append(token)
             completions[i].sample_logprobs.append(logprob)
-        active = [i for i in active if completions[i].tokens[-1] != settings.eos_id]
+        active = [i for i in active if not settings.ends(completions[i].tokens[-1])]
     return [completions[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
 
 
@@ -396,7 +403,7 @@ def _cached_batch(model, rows, contexts, completions, generators, *, settings, c
                 completion.tokens.append(token)
                 completion.sample_logprobs.append(logprob)
                 next_tokens[r] = token
-                done[r] = token == settings.eos_id or len(completion.tokens) == settings.max_new_tokens
+                done[r] = settings.ends(token) or len(completion.tokens) == settings.max_new_tokens
         if not expert_parallel_max(int(not all(done))):
             break
         tokens = next_tokens[:, None]

@@ -72,13 +72,16 @@ class PromptSource:
     """Indexable prompts of a task plus its reward on completion token ids."""
 
     def __init__(self, *, size: int, get: Callable[[int], Prompt], score: Callable[[Prompt, list[int]], float],
-                 eos_id: int, pad_id: int, records: LoadedRecords | None = None) -> None:
+                 eos_id: int, pad_id: int, records: LoadedRecords | None = None,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         self.records = records
         """The loaded files the prompts come from (None for the toy tasks, which have none)."""
         self.size = size
         self.get = get
         self.score = score
         self.eos_id = eos_id
+        self.stop_ids = stop_ids
+        """Other tokens that end a completion (see :attr:`SamplingSettings.stop_ids`)."""
         self.pad_id = pad_id
 
     def __len__(self) -> int:
@@ -128,13 +131,19 @@ def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: in
         kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head)
         return Prompt(i, tuple(kept), problem.answer, truncated=len(kept) < len(ids))
 
+    stops = tokenizer.stop_ids
+    if stops != {tokenizer.eos_id} and first_rank():
+        print(f"[megatron-prune] completions end at eos {tokenizer.eos_id} and at "
+              f"{', '.join(map(str, sorted(stops - {tokenizer.eos_id})))} (the eos ids of the model's "
+              "generation_config.json)", flush=True)
+
     def score(prompt: Prompt, completion: list[int]) -> float:
-        if completion and completion[-1] == tokenizer.eos_id:
+        if completion and completion[-1] in stops:
             completion = completion[:-1]
         return float(reward(tokenizer.decode(completion), prompt.answer))
 
     return PromptSource(size=len(dataset), get=get, score=score, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                        records=dataset)
+                        records=dataset, stop_ids=frozenset(stops - {tokenizer.eos_id}))
 
 
 # ---------------------------------------------------------------------------------------
@@ -486,7 +495,8 @@ def build_objective(*, configs: dict[str, Any], arch, policy, reference, source:
         pack_capacity=train_cfg.seq_length, pack_window=dppo.pack_window, temperature=grpo.temperature,
     )
     sampling = SamplingSettings(
-        max_new_tokens=grpo.max_new_tokens, eos_id=source.eos_id, pad_id=source.pad_id, vocab_size=arch.vocab_size,
+        max_new_tokens=grpo.max_new_tokens, eos_id=source.eos_id, stop_ids=source.stop_ids, pad_id=source.pad_id,
+        vocab_size=arch.vocab_size,
         seed=train_cfg.seed, temperature=grpo.temperature, top_p=grpo.top_p, kv_cache=grpo.kv_cache,
         micro_batch_size=grpo.rollout_micro_batch_size,
     )

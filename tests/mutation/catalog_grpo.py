@@ -426,7 +426,7 @@ MUTANTS: list[dict] = [
         "why": "the uncached sampler compares the last token with the pad id instead of EOS, so completions "
                "run on past their EOS up to max_new_tokens",
         "file": "megatron_prune/grpo/rollout.py",
-        "old": "active = [i for i in active if completions[i].tokens[-1] != settings.eos_id]",
+        "old": "active = [i for i in active if not settings.ends(completions[i].tokens[-1])]",
         "new": "active = [i for i in active if completions[i].tokens[-1] != settings.pad_id]",
         "tests": ["tests/unit/grpo/test_rollout_cache.py::test_mixed_length_cached_batches_give_the_uncached_tokens",
                   "tests/unit/grpo/test_rollout_cache.py::test_completions_end_at_their_first_eos_cached_or_not"],
@@ -435,8 +435,17 @@ MUTANTS: list[dict] = [
         "name": "rollout-cached-does-not-stop-at-eos",
         "why": "the KV-cached sampler ends a row only at max_new_tokens, not at its EOS",
         "file": "megatron_prune/grpo/rollout.py",
-        "old": "done[r] = token == settings.eos_id or len(completion.tokens) == settings.max_new_tokens",
+        "old": "done[r] = settings.ends(token) or len(completion.tokens) == settings.max_new_tokens",
         "new": "done[r] = len(completion.tokens) == settings.max_new_tokens",
+        "tests": ["tests/unit/grpo/test_rollout_cache.py::test_completions_end_at_their_first_eos_cached_or_not"],
+    },
+    {
+        "name": "rollout-stops-at-eos-only",
+        "why": "only the tokenizer's eos ends a completion: a model whose generation config ends turns with "
+               "another token writes past its end of turn, and that text is trained and scored",
+        "file": "megatron_prune/grpo/rollout.py",
+        "old": "        return token == self.eos_id or token in self.stop_ids",
+        "new": "        return token == self.eos_id",
         "tests": ["tests/unit/grpo/test_rollout_cache.py::test_completions_end_at_their_first_eos_cached_or_not"],
     },
     {

@@ -89,3 +89,21 @@ def test_limit_defaults_to_what_the_completion_leaves(tokenizer, questions):
     full = expected_tokens(tokenizer, questions[0])
     assert len(prompt.tokens) == 24 and prompt.truncated
     assert list(prompt.tokens) == [tokenizer.bos_id, human] + full[-22:]
+
+
+def test_the_generation_configs_eos_ids_end_completions_too(tmp_path, caplog):
+    """A chat model may end its turns with another token than its tokenizer's eos (Qwen3-Base, the first
+    Llama-3-Instruct release): the eos ids of its generation_config.json end a completion as well."""
+    from tests.unit.data.helpers import CHAT_TEMPLATE, save_hf_tokenizer
+
+    directory = save_hf_tokenizer(tmp_path / "tok", chat_template=CHAT_TEMPLATE)
+    (tmp_path / "tok" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1, 10**9, True]}))
+    tokenizer = load_tokenizer(directory)
+    assert tokenizer.eos_id == 2 and tokenizer.stop_ids == {1, 2}  # ids outside the vocabulary are dropped
+    source = build_source(GRPOConfig(task="gsm8k", data_path=[GSM8K_SAMPLE]), arch=get_preset("tiny"),
+                          model_cfg=ModelConfig(), ckpt_cfg=CheckpointConfig(), train_cfg=TrainConfig(),
+                          tokenizer_name=directory)
+    assert source.eos_id == 2 and source.stop_ids == {1}
+    (tmp_path / "tok" / "generation_config.json").write_text("{not json")
+    assert load_tokenizer(directory).stop_ids == {2}
+    assert "generation_config.json: not read" in caplog.text

@@ -103,21 +103,25 @@ def _sample_to_eos() -> dict:
         arch = get_preset("tiny")
         policy = setup_model(arch, par, seed=SEED)
 
-        def run(eos_id: int, kv_cache: bool, mbs: int | None) -> list:
+        def run(eos_id: int, kv_cache: bool, mbs: int | None, stop_ids: frozenset = frozenset()) -> list:
             sampling = SamplingSettings(max_new_tokens=6, eos_id=eos_id, pad_id=0, vocab_size=arch.vocab_size,
-                                        seed=SEED, temperature=1.0, kv_cache=kv_cache, micro_batch_size=mbs)
+                                        seed=SEED, temperature=1.0, kv_cache=kv_cache, micro_batch_size=mbs,
+                                        stop_ids=stop_ids)
             groups = generate(model=policy, prompts=PROMPTS, group_size=3, settings=sampling, step=5)
             return [(c.tokens, c.sample_logprobs) for g in groups for c in g]
 
         free = run(arch.vocab_size, False, None)  # token ids are < vocab_size: nothing ends early
         eos = Counter(t for tokens, _ in free for t in tokens[:5]).most_common(1)[0][0]
-        return {"free": free, "eos": eos,
-                "runs": {(kv, mbs): run(eos, kv, mbs) for kv in (False, True) for mbs in (None, 7)}}
+        runs = {(kv, mbs): run(eos, kv, mbs) for kv in (False, True) for mbs in (None, 7)}
+        # the same token as one of the generation config's end-of-turn ids, eos being another one
+        runs.update({("stop id", kv): run(arch.vocab_size, kv, None, frozenset({eos})) for kv in (False, True)})
+        return {"free": free, "eos": eos, "runs": runs}
 
 
 def test_completions_end_at_their_first_eos_cached_or_not():
-    """A completion ends with its first EOS: with the same seeds it is the EOS-free completion cut
-    after its first EOS (each completion's draws depend only on its own tokens and generator)."""
+    """A completion ends with its first EOS (or other stop id): with the same seeds it is the EOS-free
+    completion cut after its first EOS (each completion's draws depend only on its own tokens and
+    generator)."""
     out = run_distributed(_sample_to_eos, 1)[0]
     eos = out["eos"]
 
@@ -129,7 +133,7 @@ def test_completions_end_at_their_first_eos_cached_or_not():
     expected = [cut(*c) for c in out["free"]]
     assert any(len(t) < 6 for t, _ in expected) and any(len(t) == 6 for t, _ in expected)
     for (kv_cache, mbs), got in out["runs"].items():
-        label = f"kv_cache={kv_cache} mbs={mbs}"
+        label = f"{kv_cache} {mbs}"
         assert [t for t, _ in got] == [t for t, _ in expected], label
         torch.testing.assert_close(torch.tensor([lp for _, lps in got for lp in lps]),
                                    torch.tensor([lp for _, lps in expected for lp in lps]), rtol=0, atol=1e-5)
