@@ -325,15 +325,25 @@ def set_accelerator(requested: str = "auto") -> Accelerator:
     return _CURRENT
 
 
+def _npu_stack_loaded() -> bool:
+    """Whether this process loaded MindSpeed's adaptor before Megatron (the checks of ``--device npu``)."""
+    try:
+        check_npu_stack()
+    except AcceleratorError:
+        return False
+    return True
+
+
 def get_accelerator() -> Accelerator:
     """The accelerator chosen by :func:`set_accelerator`, auto-detected on first use.
 
     A process that chose none (the converters, a library caller) gets an NPU only where MindSpeed
-    has prepared one (the trainers do that before importing Megatron); on an NPU host without that
-    it runs on CUDA or the CPU, instead of stopping at the import-order check it cannot pass."""
+    has been loaded in the right order (the trainers do that before importing Megatron, a library
+    caller may have done it itself); on an NPU host without that it runs on CUDA or the CPU, instead
+    of stopping at the import-order check it cannot pass."""
     global _CURRENT
     if _CURRENT is None:
-        if _NPU_STACK_READY or not npu_available():
+        if _NPU_STACK_READY or not npu_available() or _npu_stack_loaded():
             _CURRENT = Accelerator(detect_kind("auto"))
         elif TRANSFER_TO_NPU not in sys.modules and torch.cuda.is_available():
             _CURRENT = Accelerator("cuda")

@@ -169,6 +169,12 @@ def _first_byte(handle) -> bytes:
     return head.lstrip()[:1]
 
 
+_ONE_VALUE_PROBE_LIMIT = 64 << 20
+"""Files up to this size on disk are parsed whole when their first line is malformed, to say when
+they are one pretty-printed value; a larger file (a long JSON Lines file with a broken first
+record) is read on line by line."""
+
+
 def _iter_json_lines(path: str, handle) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
     """Records line by line. Where the first record does not parse, a file that parses as one JSON
     object (or, outside a ``.json`` file, one array) is a single DataError saying so: read line by
@@ -180,7 +186,8 @@ def _iter_json_lines(path: str, handle) -> Iterator[tuple[int, dict[str, Any] | 
         if not raw.strip():
             continue
         record = _parse_json_line(path, line_no, raw)
-        if first and isinstance(record, DataError) and record.reason == "malformed json":
+        if (first and isinstance(record, DataError) and record.reason == "malformed json"
+                and raw.lstrip()[:1] in (b"{", b"[") and os.path.getsize(path) <= _ONE_VALUE_PROBE_LIMIT):
             _refuse_one_json_object(path, handle)
         first = False
         yield line_no, record

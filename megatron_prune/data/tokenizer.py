@@ -209,6 +209,10 @@ class SentencePieceTokenizer(Tokenizer):
         return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
+_SENTINEL = "\ue000megatron-prune-reply\ue000"
+"""A reply no template changes (private-use characters, no whitespace to trim)."""
+
+
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer saved in a local directory (``save_pretrained``); no hub access."""
 
@@ -299,13 +303,23 @@ class HFTokenizer(Tokenizer):
         if prompt is None:
             return content
         generation = self.apply_chat_template(prompt, add_generation_prompt=True)
-        whole = self.apply_chat_template([*prompt, {"role": "assistant", "content": content}],
-                                         add_generation_prompt=False)
-        if not whole.startswith(generation):
+
+        def reply_to(text: str) -> str | None:
+            whole = self.apply_chat_template([*prompt, {"role": "assistant", "content": text}],
+                                             add_generation_prompt=False)
+            return whole[len(generation):] if whole.startswith(generation) else None
+
+        # What the template writes around any reply, from a sentinel one: the eos is looked for in what
+        # follows the reply, never in the reply itself (whose text may hold the eos text).
+        around = reply_to(_SENTINEL)
+        reply = reply_to(content)
+        if around is None or reply is None or around.count(_SENTINEL) != 1:
             return content
-        reply = whole[len(generation):]
-        end = reply.rfind(self._tok.eos_token)
-        return reply[:end] if end >= 0 else reply
+        before, after = around.split(_SENTINEL)
+        if not (reply.startswith(before) and reply.endswith(after)) or len(reply) < len(before) + len(after):
+            return content
+        end = after.find(self._tok.eos_token)
+        return reply[: len(reply) - len(after)] + (after[:end] if end >= 0 else after)
 
     @functools.cached_property
     def special_texts(self) -> tuple[str, ...]:  # read once: the loaders ask for every record

@@ -199,7 +199,8 @@ def _bisect_multiplier(finite: torch.Tensor, positive: torch.Tensor, always: tor
     keeps simple cases exact (equal scores at rate 1/2 give probabilities of exactly 1/2)."""
     ones = torch.ones_like(finite)
     relative = torch.where(positive, finite / finite[positive].max(), ones)  # largest positive score: 1
-    log_relative = relative.log()
+    log_finite = torch.where(positive, finite, ones).log()  # of the scores, not of their ratios: those may underflow
+    log_relative = log_finite - log_finite[positive].max()
 
     def probs_at(scaled: torch.Tensor) -> torch.Tensor:
         return torch.where(always, ones, torch.where(positive, scaled, 0.0 * ones).clamp(min=floor, max=1.0))
@@ -217,9 +218,13 @@ def _bisect_multiplier(finite: torch.Tensor, positive: torch.Tensor, always: tor
             high = middle
         else:
             low = middle
-    if high > math.log(torch.finfo(torch.float64).max) - 1.0:  # c beyond float64: keep the log-scale answer
-        return probs_at((high + log_relative).exp())
-    low, high = math.exp(low), math.exp(high)
+    if high > math.log(torch.finfo(torch.float64).max) - 1.0:
+        # c beyond float64: halve c / e^high instead, against the scores scaled by e^high (the largest
+        # become inf, which the clip takes to 1)
+        relative = (high + log_relative).exp()
+        low, high = math.exp(low - high), 1.0
+    else:
+        low, high = math.exp(low), math.exp(high)
     for _ in range(_BISECTION_STEPS):
         middle = 0.5 * (low + high)
         if not low < middle < high:

@@ -703,8 +703,8 @@ def _describe(fmt: str) -> str:
 
 def _device_rng_state() -> dict | None:
     """The GPU's (NPU's) default generator, which draws what runs outside Megatron's tracker forks
-    (LoRA dropout, hidden dropout), with the device kind; None on CPU, where torch's generator is
-    the device's."""
+    (hidden dropout without sequence parallelism), with the device kind; None on CPU, where torch's
+    generator is the device's."""
     from megatron_prune.accelerator import get_accelerator
 
     accelerator = get_accelerator()

@@ -166,3 +166,16 @@ def test_a_process_that_chose_no_device_runs_on_the_cpu_of_an_npu_host(tmp_path)
     the import-order check that only a trainer's start can pass."""
     result = _run(UNPREPARED, _standin_site(tmp_path))
     assert result == {"npu_visible": True, "kind": "cpu"}
+
+
+ADAPTOR_LOADED_BY_THE_CALLER = r"""
+import json
+import mindspeed.megatron_adaptor  # a library caller that loaded MindSpeed itself, before Megatron
+import megatron.core
+from megatron_prune.accelerator import get_accelerator
+print("RESULT " + json.dumps({"kind": get_accelerator().kind}))
+"""
+
+
+def test_a_process_that_loaded_mindspeed_itself_runs_on_the_npu(tmp_path):
+    assert _run(ADAPTOR_LOADED_BY_THE_CALLER, _standin_site(tmp_path)) == {"kind": "npu"}

@@ -356,6 +356,20 @@ def test_a_pretty_printed_json_array_named_jsonl_is_one_error(tmp_path, tiny_tok
                      "to read it as an array of records, or write one record per line")
 
 
+def test_a_large_file_with_a_bad_first_line_is_not_parsed_whole(tmp_path, tiny_tokenizer, monkeypatch):
+    """Past the probe's size limit a broken first record is one malformed line, as in any JSON Lines
+    file: the file is not read whole into memory to see whether it is one value."""
+    from megatron_prune.data import records
+
+    data = json.dumps(PAIRS[:3], indent=2).encode()
+    monkeypatch.setattr(records, "_ONE_VALUE_PROBE_LIMIT", len(data) - 1)
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(DataError) as info:
+        PreferenceDataset(path, tokenizer=tiny_tokenizer, config=PreferenceDataConfig())
+    assert str(info.value).startswith(f"{path}:1: malformed json"), info.value
+
+
 def test_json_lines_with_a_bad_first_line_still_read_line_by_line(tmp_path, tiny_tokenizer):
     """A bad first line of a JSON Lines .json file is a skip like any other line; the records after
     it still read (the check for one pretty-printed object must leave the file where it was)."""

@@ -255,3 +255,13 @@ def test_a_sentencepiece_model_with_a_dummy_prefix_gives_a_response_one_space(tm
     assert tokenizer.decode(prompt_ids + chosen[:-1]) == record["chosen"]
     whole = tokenizer.encode(record["chosen"])
     assert chosen[:-1] == whole[-len(chosen) + 1:]
+
+
+def test_eos_text_inside_a_reply_does_not_cut_it(tmp_path):
+    """A template whose turns end with another marker than eos: the reply's own text may hold the eos
+    text (a reply about tokens), and must survive whole; only what the template writes after it is cut."""
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path, chat_template=template))
+    reply = "Append </s> after the text, then go on."
+    assert tokenizer.render_response(reply, MESSAGES[1:2]) == reply + "<|end|>"

@@ -80,6 +80,17 @@ def test_the_target_is_met_when_a_score_has_decayed_to_almost_nothing(tiny):
     assert torch.allclose(probs[1:], torch.full((8,), (0.5 * 9 - 0.3) / 8, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("large, tiny", [(1.0, 1e-310), (5.0, 4e-324)])
+def test_the_target_is_met_when_scores_span_more_than_float64(large, tiny):
+    # the multiplier that lifts the tiny scores above the floor lies beyond float64 (and their ratio
+    # to the largest score underflows): no NaN, and still the requested rate
+    scores = torch.tensor([large] + [tiny] * 9, dtype=torch.float64)
+    probs = solve_keep_probs(scores, prune_rate=0.5, floor=0.1)
+    assert not probs.isnan().any() and probs[0].item() == 1.0
+    assert 1 - probs.mean().item() == pytest.approx(0.5, abs=1e-9)
+    assert torch.allclose(probs[1:], torch.full((9,), 4 / 9, dtype=torch.float64))
+
+
 def test_low_rate_with_many_zero_scores_raises_their_floor_exactly():
     scores = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     probs = solve_keep_probs(scores, prune_rate=0.1, floor=0.1)
