@@ -416,8 +416,8 @@ class _FakeDeviceRNG:
 
 
 def test_resume_restores_the_devices_own_generator(tmp_path, stub_load, monkeypatch):
-    """On a GPU, draws outside Megatron's tracker forks (hidden dropout without sequence parallelism) come from the device's default
-    generator, which every launch reseeds: the checkpoint keeps its state per rank and a resume on
+    """On a GPU, draws outside Megatron's tracker forks (hidden dropout without sequence parallelism)
+    come from the device's default generator, which every launch reseeds: the checkpoint keeps its state per rank and a resume on
     the same kind of device restores it; on another kind (CPU here) it is left alone."""
     from megatron_prune import accelerator
 
