@@ -170,9 +170,9 @@ def _first_byte(handle) -> bytes:
 
 
 _ONE_VALUE_PROBE_LIMIT = 64 << 20
-"""Files up to this size on disk are parsed whole when their first line is malformed, to say when
-they are one pretty-printed value; a larger file (a long JSON Lines file with a broken first
-record) is read on line by line."""
+"""Files of up to this many bytes (decompressed) are parsed whole when their first line is malformed,
+to say when they are one pretty-printed value; a larger file (a long JSON Lines file with a broken
+first record) is read on line by line."""
 
 
 def _iter_json_lines(path: str, handle) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
@@ -187,7 +187,7 @@ def _iter_json_lines(path: str, handle) -> Iterator[tuple[int, dict[str, Any] | 
             continue
         record = _parse_json_line(path, line_no, raw)
         if (first and isinstance(record, DataError) and record.reason == "malformed json"
-                and raw.lstrip()[:1] in (b"{", b"[") and os.path.getsize(path) <= _ONE_VALUE_PROBE_LIMIT):
+                and raw.lstrip()[:1] in (b"{", b"[")):
             _refuse_one_json_object(path, handle)
         first = False
         yield line_no, record
@@ -198,8 +198,9 @@ def _refuse_one_json_object(path: str, handle) -> None:
     outside a ``.json`` file, one array; otherwise ``handle`` is left where it was."""
     position = handle.tell()
     handle.seek(0)
+    data = handle.read(_ONE_VALUE_PROBE_LIMIT + 1)  # decompressed bytes, for a .gz file too
     try:
-        value = json.loads(handle.read().decode("utf-8-sig"))
+        value = None if len(data) > _ONE_VALUE_PROBE_LIMIT else json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         value = None
     handle.seek(position)

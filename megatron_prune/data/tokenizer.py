@@ -94,8 +94,9 @@ class Tokenizer(abc.ABC):
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        """Ids that end a generated reply: eos, and for a Hugging Face model directory the eos ids of
-        its ``generation_config.json`` (a chat model may end its turns with another token than eos)."""
+        """Ids that end a generated reply: eos, and for a Hugging Face tokenizer directory the eos ids
+        of a ``generation_config.json`` beside it (a chat model may end its turns with another token
+        than eos; :func:`generation_eos_ids`)."""
         return frozenset({self.eos_id})
 
     @property
@@ -265,17 +266,7 @@ class HFTokenizer(Tokenizer):
 
     @functools.cached_property
     def stop_ids(self) -> frozenset[int]:
-        path = os.path.join(self.path, "generation_config.json")
-        listed = []
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    listed = json.load(f).get("eos_token_id")
-            except (OSError, ValueError, AttributeError) as exc:
-                logger.warning("%s: not read (%s); completions end at eos %d only", path, _one_line(exc), self.eos_id)
-            listed = listed if isinstance(listed, list) else [listed]
-        extra = {i for i in listed if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size}
-        return frozenset({self.eos_id} | extra)
+        return frozenset({self.eos_id} | (generation_eos_ids(self.path, vocab_size=self.vocab_size) or set()))
 
     def apply_chat_template(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = True, tokenize: bool = False
@@ -315,8 +306,10 @@ class HFTokenizer(Tokenizer):
         reply = reply_to(content)
         if around is None or reply is None or around.count(_SENTINEL) != 1:
             return content
-        before, after = around.split(_SENTINEL)
-        if not (reply.startswith(before) and reply.endswith(after)) or len(reply) < len(before) + len(after):
+        # The template may rewrite a reply around it (Qwen3's splits one holding a think block), but
+        # what it writes after the reply is the same.
+        after = around.split(_SENTINEL)[1]
+        if not reply.endswith(after):
             return content
         end = after.find(self._tok.eos_token)
         return reply[: len(reply) - len(after)] + (after[:end] if end >= 0 else after)
@@ -328,6 +321,22 @@ class HFTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def generation_eos_ids(directory: str, *, vocab_size: int) -> set[int] | None:
+    """The eos ids listed by ``directory/generation_config.json`` (below ``vocab_size``); None when
+    the directory has no such file or it cannot be read (said once)."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            listed = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        logger.warning("%s: not read (%s); its eos ids do not end completions", path, _one_line(exc))
+        return None
+    listed = listed if isinstance(listed, list) else [listed]
+    return {i for i in listed if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size}
 
 
 def _not_a_model(path: str, exc: Exception) -> str:

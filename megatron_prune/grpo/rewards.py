@@ -154,15 +154,23 @@ def extract_gsm8k_answer(text: str) -> str | None:
 
     If the text contains ``####``, the answer is the first number after the *last*
     marker (``None`` if no number follows: the model committed to an answer and gave
-    none). Without a marker, the number in the last ``\\boxed{}`` (the form chat models
-    answer in), else the last number anywhere in the text.
+    none). Without a marker, the last number of the last ``\\boxed{}`` (the form chat models
+    answer in; after its last ``=``, LaTeX's ``{,}`` read as a comma) where it holds a plain
+    number, else the last number anywhere in the text.
     """
     if _GSM8K_MARKER in text:
         tail = text.rsplit(_GSM8K_MARKER, 1)[1]
         return normalize_number(tail)
     boxed = extract_boxed(text)
-    if boxed is not None:
-        return normalize_number(boxed)
+    if boxed is not None and "\\frac" not in boxed:
+        number = _last_number(boxed.replace("{,}", ",").rsplit("=", 1)[-1])
+        if number is not None:
+            return number
+    return _last_number(text)
+
+
+def _last_number(text: str) -> str | None:
+    """The normalised last number of ``text``, or ``None``."""
     cleaned = text.translate(MINUS_SIGNS).replace("$", "")
     matches = list(_NUMBER_RE.finditer(cleaned))
     if not matches:

@@ -21,6 +21,7 @@ estimator stays unbiased (docs/dppo.md).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -107,10 +108,14 @@ def toy_source(*, vocab_size: int, num_prompts: int, seed: int, num_digits: int 
 
 
 def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: int,
-                skip_invalid: bool = False) -> PromptSource:
+                skip_invalid: bool = False, model_dir: str | None = None) -> PromptSource:
     """Problems of ``paths`` as chat-templated prompts of at most ``max_prompt_length`` tokens
-    (longer ones are left-truncated, keeping BOS and the template's preamble, and flagged)."""
+    (longer ones are left-truncated, keeping BOS and the template's preamble, and flagged).
+    ``model_dir``: the HF model directory, whose ``generation_config.json`` eos ids end completions
+    (else the tokenizer's directory's)."""
     from megatron_prune.data.math import MathDataConfig, MathDataset
+    from megatron_prune.data.tokenizer import generation_eos_ids
+    from megatron_prune.grpo.rewards import THINK_CLOSE, THINK_OPEN
     from megatron_prune.data.preference import prompt_head_length, truncate_prompt
     from megatron_prune.grpo.rewards import get_reward
 
@@ -131,16 +136,24 @@ def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: in
         kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head)
         return Prompt(i, tuple(kept), problem.answer, truncated=len(kept) < len(ids))
 
-    stops = tokenizer.stop_ids
+    stops, listed_in = tokenizer.stop_ids, getattr(tokenizer, "path", "")
+    model_ids = generation_eos_ids(model_dir, vocab_size=tokenizer.vocab_size) if model_dir else None
+    if model_ids is not None:  # the model's own list, where the tokenizer comes from elsewhere
+        stops, listed_in = frozenset({tokenizer.eos_id} | model_ids), model_dir
     if stops != {tokenizer.eos_id} and first_rank():
         print(f"[megatron-prune] completions end at eos {tokenizer.eos_id} and at "
-              f"{', '.join(map(str, sorted(stops - {tokenizer.eos_id})))} (the eos ids of the model's "
-              "generation_config.json)", flush=True)
+              f"{', '.join(map(str, sorted(stops - {tokenizer.eos_id})))} (the eos ids of "
+              f"{os.path.join(listed_in, 'generation_config.json')})", flush=True)
+    # A template whose generation prompt opens the reasoning block (Qwen3 thinking models, QwQ,
+    # R1 distills): the completion starts inside it, and is graded as if it began with <think>.
+    probe = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], add_generation_prompt=True)
+    opened = probe.count(THINK_OPEN) > probe.count(THINK_CLOSE)
 
     def score(prompt: Prompt, completion: list[int]) -> float:
         if completion and completion[-1] in stops:
             completion = completion[:-1]
-        return float(reward(tokenizer.decode(completion), prompt.answer))
+        text = tokenizer.decode(completion)
+        return float(reward(THINK_OPEN + text if opened else text, prompt.answer))
 
     return PromptSource(size=len(dataset), get=get, score=score, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                         records=dataset, stop_ids=frozenset(stops - {tokenizer.eos_id}))
@@ -481,7 +494,7 @@ def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: Ch
     # Without --max-prompt-length a prompt may use whatever the completion leaves of --seq-length.
     limit = train_cfg.max_prompt_length or train_cfg.seq_length - grpo.max_new_tokens
     return math_source(task=grpo.task, paths=grpo.data_path, tokenizer=tokenizer, max_prompt_length=limit,
-                       skip_invalid=grpo.skip_invalid)
+                       skip_invalid=grpo.skip_invalid, model_dir=model_cfg.hf_model)
 
 
 def build_objective(*, configs: dict[str, Any], arch, policy, reference, source: PromptSource) -> GRPOObjective:

@@ -155,8 +155,8 @@ class ModelArch:
         max_positions = _int_field(config, "max_position_embeddings", source,
                                    default=_DEFAULT_MAX_POSITIONS[model_type])
         rope_theta, rope_scaling = _rope_fields(config, source, max_positions=max_positions)
-        # transformers' Qwen2 always has q/k/v biases (it reads no attention_bias field)
-        qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
+        # transformers' Qwen2 always has q/k/v biases and Mistral never (neither reads attention_bias)
+        qkv_bias = model_type == "qwen2" or (model_type != "mistral" and bool(config.get("attention_bias", False)))
         sizes = {name: _int_field(config, key, source) for name, key in _REQUIRED_SIZES.items()}
         sizes.update(num_key_value_heads=_int_field(config, "num_key_value_heads", source,
                                                     default=sizes["num_attention_heads"]),

@@ -458,7 +458,7 @@ def check_hf_config(config: dict[str, Any], *, source: str) -> None:
         raise ValueError(f"{source}: quantized checkpoints (quantization_config) are not supported")
     if config.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported (the Megatron model has no MLP biases)")
-    if config.get("attention_bias") and model_type != "qwen2":
+    if config.get("attention_bias") and model_type not in ("qwen2", "mistral"):  # both ignore it
         raise ValueError(
             f"{source}: attention_bias=true is not supported for {model_type} (it adds an o_proj bias; "
             "only Qwen2's q/k/v biases are supported)"

@@ -104,6 +104,32 @@ def test_the_generation_configs_eos_ids_end_completions_too(tmp_path, caplog):
                           model_cfg=ModelConfig(), ckpt_cfg=CheckpointConfig(), train_cfg=TrainConfig(),
                           tokenizer_name=directory)
     assert source.eos_id == 2 and source.stop_ids == {1}
+    # --tokenizer from elsewhere: the model directory's list is the one that counts
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    source = build_source(GRPOConfig(task="gsm8k", data_path=[GSM8K_SAMPLE]), arch=get_preset("tiny"),
+                          model_cfg=ModelConfig(hf_model=str(model)), ckpt_cfg=CheckpointConfig(),
+                          train_cfg=TrainConfig(), tokenizer_name=directory)
+    assert source.stop_ids == {0}
     (tmp_path / "tok" / "generation_config.json").write_text("{not json")
     assert load_tokenizer(directory).stop_ids == {2}
     assert "generation_config.json: not read" in caplog.text
+
+
+def test_a_template_that_opens_the_reasoning_grades_the_completion_inside_it(tmp_path):
+    """Qwen3 thinking models end the generation prompt with "<think>": a completion cut before its
+    "</think>" is unfinished reasoning and has no answer, whatever its last number."""
+    from tests.unit.data.helpers import save_hf_tokenizer
+
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+    directory = save_hf_tokenizer(tmp_path / "tok", chat_template=template)
+    tokenizer = load_tokenizer(directory)
+    source = build_source(GRPOConfig(task="gsm8k", data_path=[GSM8K_SAMPLE]), arch=get_preset("tiny"),
+                          model_cfg=ModelConfig(), ckpt_cfg=CheckpointConfig(), train_cfg=TrainConfig(),
+                          tokenizer_name=directory)
+    prompt = source.get(0)
+    answer = prompt.answer
+    assert source.score(prompt, tokenizer.encode(f"so it is {answer}")) == 0.0
+    assert source.score(prompt, tokenizer.encode(f"so it is {answer}\n</think>\n#### {answer}")) == 1.0

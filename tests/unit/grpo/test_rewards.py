@@ -340,3 +340,6 @@ def test_math_grades_what_follows_the_reasoning(completion, reward):
 def test_gsm8k_without_a_marker_takes_the_last_boxed_answer_before_the_last_number():
     assert extract_gsm8k_answer("The total is \\boxed{72} over 3 days") == "72"
     assert extract_gsm8k_answer("#### 72 and \\boxed{5}") == "72"  # the marker still comes first
+    assert extract_gsm8k_answer("\\boxed{3 \\times 6 = 18}") == "18"  # the box's result, not its first factor
+    assert extract_gsm8k_answer("\\boxed{1{,}000}") == "1000"
+    assert extract_gsm8k_answer("\\boxed{\\frac{36}{2}} that is 18") == "18"  # no plain number: the last one

@@ -138,10 +138,11 @@ def test_rope_fields_are_read_as_transformers_reads_them(change, message):
         arch_from_hf_config(config)
 
 
-def test_qwen2_has_qkv_biases_whatever_attention_bias_says():
-    config = hf_config("qwen2").to_dict()
-    config.update(attention_bias=False)
-    assert arch_from_hf_config(config).qkv_bias
+@pytest.mark.parametrize("kind, bias", [("qwen2", True), ("mistral", False)])
+def test_qwen2_and_mistral_ignore_attention_bias_as_transformers_does(kind, bias):
+    config = hf_config(kind).to_dict()
+    config.update(attention_bias=not bias)
+    assert arch_from_hf_config(config).qkv_bias is bias
 
 
 @pytest.mark.parametrize("kind, expected", [("llama", 2048), ("mistral", 131072), ("qwen2", 32768), ("qwen3", 32768)])
