@@ -89,10 +89,9 @@ _FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution")}
 
 
 def detect_format(record: dict[str, Any]) -> str:
-    if "question" in record or "answer" in record:
-        return "gsm8k"  # a record with only one of the two then names the missing field
-    if "problem" in record or "solution" in record:
-        return "math"
+    for kind, names in _FIELDS.items():  # a record with only one of the two then names the missing field
+        if any(name in record for name in names):
+            return kind
     keys = sorted(record)[:8]
     raise RecordError("unknown format", f"expected question/answer or problem/solution; got keys {keys}")
 
