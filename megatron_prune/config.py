@@ -15,6 +15,7 @@ import math
 import os
 import textwrap
 from dataclasses import dataclass, field
+from typing import Any
 
 MODEL_PRESETS = ("tiny", "tiny-tied", "tiny-moe")
 """Names accepted by --model-preset (megatron_prune.model.arch.PRESETS; kept here so that the flags
@@ -68,6 +69,10 @@ class ModelConfig:
     tokenizer: str | None = field(default=None, metadata=_flag("--tokenizer"))
     """Tokenizer: 'tiny', a SentencePiece .model file or an HF tokenizer directory (defaults from the model;
     GRPO's toy tasks use none)."""
+    chat_template_kwargs: str | None = field(default=None, metadata=_flag("--chat-template-kwargs"))
+    """JSON object of extra variables for the tokenizer's chat template, for every prompt and response it
+    renders, e.g. '{"enable_thinking": false}' for Qwen3's non-thinking mode (as the keyword arguments of
+    transformers' apply_chat_template)."""
     tensor_model_parallel_size: int = field(default=1, metadata=_flag("--tensor-model-parallel-size"))
     """Tensor-parallel ranks."""
     pipeline_model_parallel_size: int = field(default=1, metadata=_flag("--pipeline-model-parallel-size"))
@@ -119,6 +124,10 @@ class ModelConfig:
     """Accelerator (auto: npu if present, else cuda if present, else cpu)."""
 
     def __post_init__(self) -> None:
+        if self.chat_template_kwargs is not None:
+            from megatron_prune.data.tokenizer import parse_chat_template_kwargs
+
+            parse_chat_template_kwargs(self.chat_template_kwargs)
         if self.recompute and self.recompute_granularity is not None:
             raise ValueError("give one of --recompute-activations (full recompute of every layer) and "
                              "--recompute-granularity, not both")
@@ -130,6 +139,13 @@ class ModelConfig:
             raise ValueError("--recompute-modules needs --recompute-granularity selective")
         if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+
+    @property
+    def chat_template_args(self) -> dict[str, Any]:
+        """The variables of ``--chat-template-kwargs`` ({} when not given)."""
+        from megatron_prune.data.tokenizer import parse_chat_template_kwargs
+
+        return parse_chat_template_kwargs(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     @property
     def recompute_kwargs(self) -> dict:

@@ -18,7 +18,8 @@ and an assistant response follows the generation prompt after one space
 (``render_response``; none is added where the SentencePiece model prefixes every text with one), so
 that prompt + response is exactly an HH-RLHF transcript. With a chat template, a response is what
 the template renders after the generation prompt when the reply is the next assistant turn, up to
-its eos (e.g. Qwen3's empty ``<think></think>`` block before the reply). An empty
+the first eos it writes after the reply (e.g. Qwen3's empty ``<think></think>`` block before the
+reply). ``--chat-template-kwargs`` gives the template extra variables (``enable_thinking``). An empty
 message renders as the bare marker (``"\\n\\nHuman:"``). Token ids of a rendered prompt start
 with ``bos_id`` when the plain template is used and the tokenizer has one; a model's own chat
 template decides that itself (its rendered text carries any special tokens it wants).
@@ -50,6 +51,31 @@ PLAIN_ROLE_MARKERS = {"system": "\n\nSystem:", "user": "\n\nHuman:", "assistant"
 PLAIN_GENERATION_PROMPT = PLAIN_ROLE_MARKERS["assistant"]
 
 Message = dict[str, str]
+
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "add_generation_prompt", "continue_final_message",
+                                    "tokenize", "chat_template", "tools", "documents", "return_tensors",
+                                    "return_dict", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                    "return_assistant_tokens_mask", "bos_token", "eos_token"})
+"""Keyword arguments of ``apply_chat_template`` (and variables it sets itself) that the trainers
+choose; ``--chat-template-kwargs`` may not set them."""
+
+
+def parse_chat_template_kwargs(text: str) -> dict[str, Any]:
+    """The variables a ``--chat-template-kwargs`` JSON object gives the chat template; ValueError
+    naming the flag when ``text`` is not a JSON object or sets a variable the trainers choose."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                         f"got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                         f"got {type(value).__name__} {text!r}")
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & value.keys())
+    if reserved:
+        raise ValueError(f"--chat-template-kwargs may not set {', '.join(reserved)}: the trainers set "
+                         f"{'it' if len(reserved) == 1 else 'them'} for each prompt and response they render")
+    return value
 
 
 class TokenizerError(ValueError):
@@ -217,10 +243,13 @@ _SENTINEL = "\ue000megatron-prune-reply\ue000"
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer saved in a local directory (``save_pretrained``); no hub access."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, chat_template_kwargs: dict[str, Any] | None = None):
         from transformers import AutoTokenizer
 
         self.path = os.fspath(directory)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        """Extra variables for the chat template (``--chat-template-kwargs``)."""
+        self._last_frame: tuple[tuple, tuple[str, str] | None] | None = None
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"{self.path}: tokenizer directory not found")
         if not any(os.path.isfile(os.path.join(self.path, name)) for name in HF_TOKENIZER_FILES):
@@ -278,7 +307,8 @@ class HFTokenizer(Tokenizer):
         validate_messages(messages)
         try:
             text = self._tok.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+                **self.chat_template_kwargs,
             )
         except Exception as exc:  # jinja2 raises its own TemplateError (raise_exception in templates)
             raise ValueError(f"{self.path}: the chat template rejected the messages ({exc})") from exc
@@ -286,33 +316,44 @@ class HFTokenizer(Tokenizer):
 
     def render_response(self, content: str, prompt: Sequence[Message] | None = None) -> str:
         """With a chat template: what the template renders after ``prompt``'s generation prompt when
-        ``content`` is the next assistant turn, up to its last eos (Qwen3's empty ``<think></think>``
-        block, Llama-3's trimming and end-of-turn token); the bare ``content`` without a ``prompt``, or
-        where the template renders the earlier turns differently once a reply follows."""
+        ``content`` is the next assistant turn, up to the first eos the template writes after the reply
+        (Qwen3's empty ``<think></think>`` block, Llama-3's trimming and end-of-turn token); the bare
+        ``content`` without a ``prompt``, or where the template renders the earlier turns differently
+        once a reply follows."""
         if not self.has_chat_template:
             return super().render_response(content, prompt)
         if prompt is None:
             return content
-        generation = self.apply_chat_template(prompt, add_generation_prompt=True)
-
-        def reply_to(text: str) -> str | None:
-            whole = self.apply_chat_template([*prompt, {"role": "assistant", "content": text}],
-                                             add_generation_prompt=False)
-            return whole[len(generation):] if whole.startswith(generation) else None
-
-        # What the template writes around any reply, from a sentinel one: the eos is looked for in what
-        # follows the reply, never in the reply itself (whose text may hold the eos text).
-        around = reply_to(_SENTINEL)
-        reply = reply_to(content)
-        if around is None or reply is None or around.count(_SENTINEL) != 1:
+        frame = self._reply_frame(tuple((m["role"], m["content"]) for m in prompt))
+        if frame is None:
             return content
+        generation, after = frame
+        whole = self._render_turns([*prompt, {"role": "assistant", "content": content}])
+        reply = whole[len(generation):] if whole.startswith(generation) else None
         # The template may rewrite a reply around it (Qwen3's splits one holding a think block), but
         # what it writes after the reply is the same.
-        after = around.split(_SENTINEL)[1]
-        if not reply.endswith(after):
+        if reply is None or not reply.endswith(after):
             return content
         end = after.find(self._tok.eos_token)
         return reply[: len(reply) - len(after)] + (after[:end] if end >= 0 else after)
+
+    def _render_turns(self, messages: list[Message]) -> str:
+        return self.apply_chat_template(messages, add_generation_prompt=False)
+
+    def _reply_frame(self, prompt: tuple[tuple[str, str], ...]) -> tuple[str, str] | None:
+        """``(generation prompt, what the template writes after any reply)`` for ``prompt``, from a
+        sentinel reply, so that the eos is looked for after the reply, never in it (a reply's text
+        may hold the eos text); None where the template renders ``prompt`` differently once a reply
+        follows. Kept for the last prompt asked: a pair's two responses share it."""
+        if self._last_frame is not None and self._last_frame[0] == prompt:
+            return self._last_frame[1]
+        messages = [{"role": role, "content": content} for role, content in prompt]
+        generation = self.apply_chat_template(messages, add_generation_prompt=True)
+        whole = self._render_turns([*messages, {"role": "assistant", "content": _SENTINEL}])
+        around = whole[len(generation):] if whole.startswith(generation) else None
+        frame = None if around is None or around.count(_SENTINEL) != 1 else (generation, around.split(_SENTINEL)[1])
+        self._last_frame = (prompt, frame)
+        return frame
 
     @functools.cached_property
     def special_texts(self) -> tuple[str, ...]:  # read once: the loaders ask for every record
@@ -351,8 +392,9 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def load_tokenizer(path_or_name: str | os.PathLike) -> Tokenizer:
-    """A bundled tokenizer by name (``"tiny"``), a SentencePiece ``.model`` file or an HF directory.
+def load_tokenizer(path_or_name: str | os.PathLike, *, chat_template_kwargs: dict[str, Any] | None = None) -> Tokenizer:
+    """A bundled tokenizer by name (``"tiny"``), a SentencePiece ``.model`` file or an HF directory;
+    ``chat_template_kwargs``: extra variables for an HF tokenizer's chat template (the others have none).
 
     FileNotFoundError when ``path_or_name`` is none of them, :class:`TokenizerError` when it
     exists but holds no usable tokenizer."""
@@ -360,7 +402,7 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> Tokenizer:
     if spec in BUNDLED_TOKENIZERS:
         return SentencePieceTokenizer(BUNDLED_TOKENIZERS[spec])
     if os.path.isdir(spec):
-        return HFTokenizer(spec)
+        return HFTokenizer(spec, chat_template_kwargs=chat_template_kwargs)
     if os.path.isfile(spec):
         return SentencePieceTokenizer(spec)
     raise FileNotFoundError(f"{spec}: tokenizer not found; {EXPECTED_TOKENIZER}")

@@ -418,17 +418,30 @@ class GRPOObjective:
                 if is_logging_rank():
                     logger.warning("the checkpoint stopped inside a rollout made with %s, so that rollout is not "
                                    "reused", "; ".join(changed))
+            elif self._rerendered_prompts(saved):
+                if is_logging_rank():
+                    logger.warning("the checkpoint stopped inside a rollout whose prompts this run renders to other "
+                                   "tokens (another tokenizer, --chat-template-kwargs or --max-prompt-length), so "
+                                   "that rollout is not reused")
             else:
                 self.buffer = self._load_buffer(saved)
 
     def _rollout_flags(self) -> dict[str, Any]:
         """The flags a saved rollout was made for: its reference log-probs and kept zero-advantage
-        completions (a KL term or not), its normalisers and its old log-probs' temperature."""
+        completions (a KL term or not), its normalisers, its old log-probs' temperature and the
+        tokens that ended its completions."""
         return {"--kl-beta": "> 0" if self.grpo.kl_beta > 0 else "0",
                 "--loss-normalization": self.grpo.loss_normalization,
                 "--max-new-tokens": self.grpo.max_new_tokens,
                 "--group-size": self.grpo.group_size,
-                "--temperature": self.grpo.temperature}
+                "--temperature": self.grpo.temperature,
+                "stop ids": sorted(self.source.stop_ids | {self.source.eos_id})}
+
+    def _rerendered_prompts(self, saved: dict[str, Any]) -> bool:
+        """Whether a prompt of the saved rollout is not the tokens this run gives its prompt id."""
+        return any(not 0 <= item["prompt_id"] < len(self.source)
+                   or tuple(item["prompt"]) != self.source.get(item["prompt_id"]).tokens
+                   for items in saved["minibatches"] for item in items)
 
     def _changed_rollout_flags(self, saved: dict[str, Any]) -> list[str]:
         """``"--flag X (this run: Y)"`` for each of :meth:`_rollout_flags` the saved rollout differs in.
@@ -488,7 +501,8 @@ def build_source(grpo: GRPOConfig, *, arch, model_cfg: ModelConfig, ckpt_cfg: Ch
     from megatron_prune.data.tokenizer import load_tokenizer
 
     if tokenizer is None:
-        tokenizer = load_tokenizer(tokenizer_name or session.resolve_tokenizer(model_cfg, ckpt_cfg))
+        tokenizer = load_tokenizer(tokenizer_name or session.resolve_tokenizer(model_cfg, ckpt_cfg),
+                                   chat_template_kwargs=model_cfg.chat_template_args)
     if tokenizer.vocab_size > arch.vocab_size:
         raise session.UsageError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {arch.vocab_size}")
     # Without --max-prompt-length a prompt may use whatever the completion leaves of --seq-length.

@@ -82,6 +82,26 @@ class Setting:
 
         return self.resumes and self.load_meta.get("optimizer_format") == DISTRIBUTED_OPTIMIZER
 
+    @functools.cached_property
+    def tokenizer_spec(self) -> str | None:
+        """The tokenizer the run resolves (None where it cannot: the launch checks say why)."""
+        from megatron_prune.training import session
+
+        try:
+            return session.resolve_tokenizer(self.model, self.ckpt)
+        except (UsageError, OSError, ValueError):  # the launch checks report it with their own message
+            return None
+
+    @functools.cached_property
+    def has_chat_template(self) -> bool:
+        """Whether that tokenizer brings its own chat template (True where it does not load)."""
+        from megatron_prune.data.tokenizer import load_tokenizer
+
+        try:
+            return load_tokenizer(self.tokenizer_spec).has_chat_template
+        except (UsageError, OSError, ValueError):  # the launch checks report it with their own message
+            return True
+
     @property
     def toy(self) -> bool:
         return self.grpo is not None and self.grpo.task in TOY_TASKS
@@ -117,8 +137,11 @@ RULES: list[Rule] = [
     Rule(("ModelConfig.recompute_modules",), lambda s: "moe" in (s.model.recompute_modules or ()) and not s.arch.is_moe,
          "names moe, which has no effect: the model ({s.arch.model_type}) is dense, it has no mixture-of-experts "
          "layers"),
-    Rule(("ModelConfig.tokenizer",), lambda s: s.toy,
+    Rule(("ModelConfig.tokenizer", "ModelConfig.chat_template_kwargs"), lambda s: s.toy,
          "has no effect with --task {s.grpo.task} (the toy tasks work on token ids, with no tokenizer)"),
+    Rule(("ModelConfig.chat_template_kwargs",), lambda s: s.tokenizer_spec and not s.has_chat_template,
+         "has no effect: the tokenizer {s.tokenizer_spec} has no chat template of its own (prompts and responses "
+         "use the plain transcript format, which takes no variables)"),
     Rule(("ModelConfig.use_distributed_optimizer",),
          lambda s: s.data_parallel == 1 and not s.resumes_distributed_optimizer,
          "shards nothing at data-parallel size 1: each rank holds its parameters' whole optimizer state "

@@ -213,7 +213,7 @@ def check_tokenizer(model: ModelConfig, ckpt: CheckpointConfig, arch: ModelArch)
 
     name = resolve_tokenizer(model, ckpt)
     try:
-        tokenizer = load_tokenizer(name)
+        tokenizer = load_tokenizer(name, chat_template_kwargs=model.chat_template_args)
     except (TokenizerError, FileNotFoundError) as exc:
         hint = "" if model.tokenizer else " (no --tokenizer was given, so the run looked there; pass --tokenizer DIR)"
         raise UsageError(f"{exc}{hint}") from None

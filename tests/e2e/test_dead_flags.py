@@ -82,6 +82,13 @@ WARNINGS = [
     pytest.param("grpo", ["--tokenizer", "tiny"],
                  "--tokenizer tiny has no effect with --task toy (the toy tasks work on token ids, with no tokenizer)",
                  id="tokenizer-on-toy"),
+    pytest.param("grpo", ["--chat-template-kwargs", '{{"enable_thinking": false}}'],
+                 '--chat-template-kwargs {"enable_thinking": false} has no effect with --task toy (the toy tasks work '
+                 'on token ids, with no tokenizer)', id="template-kwargs-on-toy"),
+    pytest.param("dpo", ["--chat-template-kwargs", '{{"enable_thinking": false}}'],
+                 '--chat-template-kwargs {"enable_thinking": false} has no effect: the tokenizer tiny has no chat '
+                 'template of its own (prompts and responses use the plain transcript format, which takes no '
+                 'variables)', id="template-kwargs-without-a-template"),
     # training
     pytest.param("dpo", ["--lr", "0"],
                  "--lr 0 trains nothing: every update is scaled by the learning rate, so the weights never change; "

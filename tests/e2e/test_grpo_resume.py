@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import check_resumed_steps, read_jsonl, run_cmd, run_until, torchrun_cmd
+from tests.e2e.conftest import REPO, check_resumed_steps, read_jsonl, run_cmd, run_until, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -109,3 +109,32 @@ def test_resume_may_turn_the_kl_term_on(tmp_path):
     records = read_jsonl(metrics)
     assert [r["step"] for r in records] == [1, 2] and [r["fresh_rollout"] for r in records] == [1.0, 1.0]
     assert all("kl" in r and r["kl"] >= 0 for r in records)
+
+
+def test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again(tmp_path):
+    """The saved rollout holds its prompts' tokens: a resume whose prompts render to other tokens
+    (--chat-template-kwargs here) rolls out again and says why, and one that renders them alike reuses
+    the rollout. Qwen3's non-thinking mode ends each prompt with an empty think block."""
+    from tests.unit.data.helpers import QWEN3_TEMPLATE, save_hf_tokenizer
+
+    tokenizer = save_hf_tokenizer(tmp_path / "tok", chat_template=QWEN3_TEMPLATE)
+    gsm8k = str(REPO / "megatron_prune" / "data" / "samples" / "gsm8k_sample.jsonl")
+    common = ["--model-preset", "tiny", "--device", "cpu", "--tokenizer", tokenizer, "--task", "gsm8k",
+              "--data-path", gsm8k, "--global-batch-size", "2", "--micro-batch-size", "2", "--seq-length", "256",
+              "--group-size", "2", "--max-new-tokens", "4", "--ppo-epochs", "2", "--seed", "5",
+              "--no-skip-zero-advantage"]  # the untrained model scores 0: keep its completions in the rollout
+    run_cmd(_grpo([*common, "--train-iters", "1", "--save", str(tmp_path / "ckpt")]),
+            log=tmp_path / "first.txt").check_ok()
+    resume = [*common, "--train-iters", "2", "--load", str(tmp_path / "ckpt")]
+    same = run_cmd(_grpo([*resume, "--metrics-jsonl", str(tmp_path / "same.jsonl")]),
+                   log=tmp_path / "same.txt").check_ok()
+    assert "rolling out again" not in same.output and "not reused" not in same.output
+    [record] = read_jsonl(tmp_path / "same.jsonl")
+    assert record["fresh_rollout"] == 0.0 and record["policy_tokens"] > 0
+    changed = run_cmd(_grpo([*resume, "--chat-template-kwargs", '{"enable_thinking": false}', "--metrics-jsonl",
+                             str(tmp_path / "changed.jsonl")]), log=tmp_path / "changed.txt").check_ok()
+    [record] = read_jsonl(tmp_path / "changed.jsonl")
+    assert record["fresh_rollout"] == 1.0
+    assert ("the checkpoint stopped inside a rollout whose prompts this run renders to other tokens (another "
+            "tokenizer, --chat-template-kwargs or --max-prompt-length), so that rollout is not reused") in changed.output
+    assert "step 2/2: resumed inside the rollout of step 1/2: rolling out again" in changed.output

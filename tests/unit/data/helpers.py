@@ -42,3 +42,17 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+# Modelled on Qwen3's template in full: a final reply holding a think block is rewritten around it
+# (the reasoning moves into the template's own block), and ``enable_thinking=false`` ends the
+# generation prompt with an empty think block, which the final turn then repeats.
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+    "{% set content = m['content'] %}{% set reasoning = '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>assistant\n<think>\n{{ reasoning }}\n</think>\n\n{{ content | trim }}</s>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)

@@ -23,7 +23,7 @@ from megatron_prune.data.tokenizer import (
     render_plain_template,
 )
 
-from .helpers import CHAT_TEMPLATE, save_hf_tokenizer, write_jsonl
+from .helpers import CHAT_TEMPLATE, QWEN3_TEMPLATE, save_hf_tokenizer, write_jsonl
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -265,3 +265,57 @@ def test_eos_text_inside_a_reply_does_not_cut_it(tmp_path):
     tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path, chat_template=template))
     reply = "Append </s> after the text, then go on."
     assert tokenizer.render_response(reply, MESSAGES[1:2]) == reply + "<|end|>"
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}], ids=["thinking", "non-thinking"])
+def test_a_rewritten_reply_keeps_the_templates_rendering(tmp_path, kwargs):
+    """A reply whose think block the template rewrites: prompt + response is the whole conversation
+    as the template writes it. With thinking off the prompt holds the empty block, so a reply
+    holding a think block of its own follows it as written (the template would replace the
+    prompt's block)."""
+    from megatron_prune.data.preference import PreferenceText, tokenize_preference
+
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path, chat_template=QWEN3_TEMPLATE), chat_template_kwargs=kwargs)
+    prompt = MESSAGES[:2]
+    text = PreferenceText(prompt=prompt, chosen="<think>\nadd them\n</think>\n\nIt is 4.", rejected="It is 5.")
+    prompt_ids, chosen, rejected = tokenize_preference(text, tokenizer, max_seq_length=512)
+    for reply, ids in ((text.chosen, chosen), (text.rejected, rejected))[1 if kwargs else 0:]:
+        whole = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": reply}],
+                                              add_generation_prompt=False)
+        assert tokenizer.decode(prompt_ids + ids) == whole.removesuffix("\n")
+    generation = tokenizer.decode(prompt_ids)
+    if kwargs:  # the empty block is the prompt's, so a plain reply's response is the reply alone
+        assert generation.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert tokenizer.decode(rejected) == "It is 5.</s>"
+        assert tokenizer.decode(chosen) == "<think>\nadd them\n</think>\n\nIt is 4.</s>"
+    else:
+        assert generation.endswith("<|im_start|>assistant\n")
+        assert tokenizer.decode(rejected) == "<think>\n\n</think>\n\nIt is 5.</s>"
+
+
+def test_each_prompt_is_framed_once_for_its_pair(tmp_path, monkeypatch):
+    """A pair's two responses share their prompt's generation prompt and sentinel rendering: four
+    template renderings a pair, not six, and alternating prompts are never mixed up."""
+    tokenizer = load_tokenizer(save_hf_tokenizer(tmp_path, chat_template=THINKING_TEMPLATE))
+    calls = []
+    render = tokenizer._tok.apply_chat_template
+    monkeypatch.setattr(tokenizer._tok, "apply_chat_template", lambda *a, **k: calls.append(1) or render(*a, **k))
+    first, second = MESSAGES[:2], [{"role": "user", "content": "And 3+3?"}]
+    assert tokenizer.render_response("4", first) == "<think>\n\n</think>\n\n4"
+    assert tokenizer.render_response("5", first) == "<think>\n\n</think>\n\n5"
+    assert len(calls) == 4
+    assert tokenizer.render_response("6", second) == "<think>\n\n</think>\n\n6"
+    assert tokenizer.render_response("7", first) == "<think>\n\n</think>\n\n7"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("enable_thinking=false", "must be a JSON object such as"),
+    ('["enable_thinking"]', "must be a JSON object such as .*got list"),
+    ('{"add_generation_prompt": false, "tokenize": true}', "may not set add_generation_prompt, tokenize: the trainers"),
+])
+def test_chat_template_kwargs_that_are_not_template_variables_are_refused(text, message):
+    from megatron_prune.config import ModelConfig
+
+    with pytest.raises(ValueError, match=f"--chat-template-kwargs {message}"):
+        ModelConfig(chat_template_kwargs=text)
+    assert ModelConfig(chat_template_kwargs='{"enable_thinking": false}').chat_template_args == {"enable_thinking": False}

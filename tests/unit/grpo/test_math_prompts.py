@@ -133,3 +133,23 @@ def test_a_template_that_opens_the_reasoning_grades_the_completion_inside_it(tmp
     answer = prompt.answer
     assert source.score(prompt, tokenizer.encode(f"so it is {answer}")) == 0.0
     assert source.score(prompt, tokenizer.encode(f"so it is {answer}\n</think>\n#### {answer}")) == 1.0
+
+
+def test_chat_template_kwargs_reach_the_prompts(tmp_path):
+    """--chat-template-kwargs '{"enable_thinking": false}': each prompt ends with Qwen3's empty think
+    block, closed, so a completion's plain answer is graded as the answer."""
+    from tests.unit.data.helpers import QWEN3_TEMPLATE, save_hf_tokenizer
+
+    directory = save_hf_tokenizer(tmp_path / "tok", chat_template=QWEN3_TEMPLATE)
+    tokenizer = load_tokenizer(directory)
+
+    def source(**model):
+        return build_source(GRPOConfig(task="gsm8k", data_path=[GSM8K_SAMPLE]), arch=get_preset("tiny"),
+                            model_cfg=ModelConfig(**model), ckpt_cfg=CheckpointConfig(), train_cfg=TrainConfig(),
+                            tokenizer_name=directory)
+
+    thinking, plain = source(), source(chat_template_kwargs='{"enable_thinking": false}')
+    assert tokenizer.decode(thinking.get(0).tokens).endswith("<|im_start|>assistant\n")
+    prompt = plain.get(0)
+    assert tokenizer.decode(prompt.tokens).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert plain.score(prompt, tokenizer.encode(f"#### {prompt.answer}")) == 1.0
