@@ -113,8 +113,8 @@ def test_resume_may_turn_the_kl_term_on(tmp_path):
 
 def test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again(tmp_path):
     """The saved rollout holds its prompts' tokens: a resume whose prompts render to other tokens
-    (--chat-template-kwargs here) rolls out again and says why, and one that renders them alike reuses
-    the rollout. Qwen3's non-thinking mode ends each prompt with an empty think block."""
+    (--chat-template-kwargs here) or ends completions at other tokens rolls out again and says why, and
+    one that renders them alike reuses the rollout. Qwen3's non-thinking mode ends each prompt with an empty think block."""
     from tests.unit.data.helpers import QWEN3_TEMPLATE, save_hf_tokenizer
 
     tokenizer = save_hf_tokenizer(tmp_path / "tok", chat_template=QWEN3_TEMPLATE)
@@ -135,6 +135,11 @@ def test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again(tmp_path):
                              str(tmp_path / "changed.jsonl")]), log=tmp_path / "changed.txt").check_ok()
     [record] = read_jsonl(tmp_path / "changed.jsonl")
     assert record["fresh_rollout"] == 1.0
+    # another token that ends a completion (a generation_config.json that lists one more eos id)
+    (tmp_path / "tok" / "generation_config.json").write_text('{"eos_token_id": [2, 1]}')
+    stops = run_cmd(_grpo(resume), log=tmp_path / "stops.txt").check_ok()
+    assert ("the checkpoint stopped inside a rollout made with stop ids [2] (this run: [1, 2]), so that rollout is "
+            "not reused") in stops.output
     assert ("the checkpoint stopped inside a rollout whose prompts this run renders to other tokens (another "
             "tokenizer, --chat-template-kwargs or --max-prompt-length), so that rollout is not reused") in changed.output
     assert "step 2/2: resumed inside the rollout of step 1/2: rolling out again" in changed.output
