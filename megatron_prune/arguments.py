@@ -237,6 +237,19 @@ class _Parser(argparse.ArgumentParser):
         raise AssertionError("unreachable")
 
 
+class _ListOnce(argparse.Action):
+    """Store a list flag's values; the flag given a second time is an error, where argparse would
+    silently keep the last list only (``--data-path a --data-path b`` trained on ``b`` alone)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        given = namespace.__dict__.setdefault("_list_flags_given", set())
+        if self.dest in given:
+            parser.error(f"{option_string} given twice: give all its values after one {option_string} "
+                         f"(a second one would replace the first one's values)")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 def _base_type(annotation: Any) -> tuple[type, bool]:
     """(scalar type, is_list) of an annotation like ``int | None`` or ``list[str]``."""
     origin = typing.get_origin(annotation)
@@ -341,6 +354,7 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str, 
             kwargs["metavar"] = _metavar(flag)
         if is_list:
             kwargs["nargs"] = f.metadata.get("nargs", "+")
+            kwargs["action"] = _ListOnce
         group.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
