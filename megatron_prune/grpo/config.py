@@ -51,7 +51,8 @@ class GRPOConfig:
     group_size: int = field(default=8, metadata=_flag("--group-size"))
     """G: completions sampled per prompt."""
     max_new_tokens: int = field(default=16, metadata=_flag("--max-new-tokens"))
-    """Most tokens generated per completion (EOS ends a completion earlier)."""
+    """Most tokens generated per completion (eos or a stop id ends one earlier); the default suits the toy tasks,
+    GSM8K/MATH completions need room for their reasoning and answer (a few hundred tokens)."""
     temperature: float = field(default=1.0, metadata=_flag("--temperature"))
     """Sampling temperature; 0 = greedy (a group's completions are then identical, so their advantages are 0).
     Training log-probs are taken at the same temperature (greedy: 1)."""

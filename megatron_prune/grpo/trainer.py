@@ -197,11 +197,13 @@ def _gather_over_dp(local: list) -> list:
 
 
 def rollout_metrics(*, group_size: int, rewards: torch.Tensor, num_prompts: int, kept_prompts: int,
-                    minibatches: list, completions: dict) -> dict[str, float]:
+                    minibatches: list, completions: dict, ends: frozenset[int] = frozenset()) -> dict[str, float]:
     """One rollout's logged metrics: ``rewards`` ``[kept prompts, group_size]`` of the prompts rolled
-    out (of ``num_prompts`` drawn), ``minibatches`` the completions kept for training."""
+    out (of ``num_prompts`` drawn), ``minibatches`` the completions kept for training, ``ends`` the
+    tokens that end a completion (one without any was cut by ``--max-new-tokens``)."""
     kept_completions = sum(len(items) for items in minibatches)
     lengths = [len(t) for group in completions.values() for t in group]
+    clipped = sum(not t or t[-1] not in ends for group in completions.values() for t in group)
     return {
         # Means in float64: a float32 mean of 0/1 values logs as 0.800000011920929.
         "reward_mean": float(rewards.double().mean()) if rewards.numel() else 0.0,
@@ -210,6 +212,7 @@ def rollout_metrics(*, group_size: int, rewards: torch.Tensor, num_prompts: int,
         "kept_completion_fraction": kept_completions / max(kept_prompts * group_size, 1),
         "zero_variance_groups": float(zero_variance_groups(rewards).double().mean()) if kept_prompts else 0.0,
         "completion_length": sum(lengths) / max(len(lengths), 1),
+        "clipped_completions": clipped / max(len(lengths), 1),
         "rollout_tokens": float(sum(lengths)),
     }
 
@@ -240,6 +243,7 @@ class GRPOObjective:
         self.pruner = DPPOPruner(config=dppo.dppo_config(kl_beta=grpo.kl_beta), seed=train_cfg.seed)
         self.buffer: RolloutBuffer | None = None
         self._steps_done = 0
+        self._warned_clipped = False
 
     # -- rollout ----------------------------------------------------------------------------------
     def _generate(self, prompts: list[Prompt], step: int) -> dict[Hashable, list[Completion]]:
@@ -292,8 +296,10 @@ class GRPOObjective:
         tokens_per = G * (self.grpo.max_new_tokens if self.grpo.loss_normalization == "constant" else 1)
         normalisers = [float(per_minibatch * tokens_per)] * self.grpo.minibatches
         metrics = rollout_metrics(group_size=G, rewards=rewards, num_prompts=len(ids), kept_prompts=len(kept_ids),
-                                  minibatches=minibatches, completions=completions)
+                                  minibatches=minibatches, completions=completions,
+                                  ends=self.source.stop_ids | {self.source.eos_id})
         metrics["rollout_time_s"] = rollout_time
+        self._warn_clipped(metrics["clipped_completions"], step)
         # Unbiased all-prompt mean reward (reward_mean averages the rolled-out prompts only): every
         # completion of a rolled-out prompt is scored, so the prompt weight 1/p is the only correction.
         prompt_weights = prompt_decision.weights[prompt_decision.keep]
@@ -425,6 +431,17 @@ class GRPOObjective:
                                    "that rollout is not reused")
             else:
                 self.buffer = self._load_buffer(saved)
+
+    def _warn_clipped(self, clipped: float, step: int) -> None:
+        """Say once when most completions of a graded task run out of --max-new-tokens: a cut
+        completion states no final answer, so it scores 0 whatever it was reasoning towards."""
+        if clipped <= 0.5 or self.source.records is None or self._warned_clipped or not is_logging_rank():
+            return
+        self._warned_clipped = True
+        logger.warning("%s: %.0f%% of the completions reached --max-new-tokens %d without ending, and a completion "
+                       "cut before its final answer scores 0; raise --max-new-tokens if the model needs more room "
+                       "(said once; the clipped_completions metric follows it)", self._step_name(step),
+                       100 * clipped, self.grpo.max_new_tokens)
 
     def _rollout_flags(self) -> dict[str, Any]:
         """The flags a saved rollout was made for: its reference log-probs and kept zero-advantage

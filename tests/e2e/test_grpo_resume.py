@@ -123,8 +123,10 @@ def test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again(tmp_path):
               "--data-path", gsm8k, "--global-batch-size", "2", "--micro-batch-size", "2", "--seq-length", "256",
               "--group-size", "2", "--max-new-tokens", "4", "--ppo-epochs", "2", "--seed", "5",
               "--no-skip-zero-advantage"]  # the untrained model scores 0: keep its completions in the rollout
-    run_cmd(_grpo([*common, "--train-iters", "1", "--save", str(tmp_path / "ckpt")]),
-            log=tmp_path / "first.txt").check_ok()
+    first = run_cmd(_grpo([*common, "--train-iters", "1", "--save", str(tmp_path / "ckpt")]),
+                    log=tmp_path / "first.txt").check_ok()
+    # an untrained model's 4 tokens end no completion: said once, with the flag to raise
+    assert first.output.count("step 1/1: 100% of the completions reached --max-new-tokens 4 without ending") == 1
     resume = [*common, "--train-iters", "2", "--load", str(tmp_path / "ckpt")]
     same = run_cmd(_grpo([*resume, "--metrics-jsonl", str(tmp_path / "same.jsonl")]),
                    log=tmp_path / "same.txt").check_ok()

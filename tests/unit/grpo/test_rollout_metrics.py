@@ -25,4 +25,14 @@ def test_an_empty_rollout_logs_zeros():
     got = rollout_metrics(group_size=4, rewards=torch.zeros(0, 4), num_prompts=8, kept_prompts=0,
                           minibatches=[], completions={})
     assert got == {"reward_mean": 0.0, "accuracy": 0.0, "kept_prompt_fraction": 0.0, "kept_completion_fraction": 0.0,
-                   "zero_variance_groups": 0.0, "completion_length": 0.0, "rollout_tokens": 0.0}
+                   "zero_variance_groups": 0.0, "completion_length": 0.0, "clipped_completions": 0.0,
+                   "rollout_tokens": 0.0}
+
+
+def test_a_completion_without_an_ending_token_is_clipped():
+    """A completion is clipped where it ends in none of ``ends`` (eos or another stop id): cut by
+    --max-new-tokens. An empty one (a zero budget) is clipped too."""
+    completions = {0: [[5, 2], [5, 5], [9, 1]], 1: [[5, 5], [], [2]]}
+    got = rollout_metrics(group_size=3, rewards=torch.zeros(2, 3), num_prompts=2, kept_prompts=2,
+                          minibatches=[], completions=completions, ends=frozenset({1, 2}))
+    assert got["clipped_completions"] == 3 / 6
