@@ -237,17 +237,22 @@ class _Parser(argparse.ArgumentParser):
         raise AssertionError("unreachable")
 
 
-class _ListOnce(argparse.Action):
-    """Store a list flag's values; the flag given a second time is an error, where argparse would
-    silently keep the last list only (``--data-path a --data-path b`` trained on ``b`` alone)."""
+class _ListReplaced(argparse.Action):
+    """Store a list flag's values, and note a second mention that replaces the first one's values
+    (argparse keeps the last list, as it keeps the last value of any flag: a script's trailing
+    ``"$@"`` overrides its own flags that way), so that :func:`parse_configs` can say so."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
-        given = namespace.__dict__.setdefault("_list_flags_given", set())
+        given = namespace.__dict__.setdefault(_LISTS_GIVEN, {})
         if self.dest in given:
-            parser.error(f"{option_string} given twice: give all its values after one {option_string} "
-                         f"(a second one would replace the first one's values)")
-        given.add(self.dest)
+            namespace.__dict__.setdefault(_LISTS_REPLACED, []).append(
+                f"{option_string} given twice: its values {' '.join(map(str, values))} replace the earlier "
+                f"{' '.join(map(str, given[self.dest]))}; give every value after one {option_string} to use them all")
+        given[self.dest] = values
         setattr(namespace, self.dest, values)
+
+
+_LISTS_GIVEN, _LISTS_REPLACED = "_list_flags_given", "_list_flags_replaced"
 
 
 def _base_type(annotation: Any) -> tuple[type, bool]:
@@ -354,7 +359,7 @@ def add_dataclass_group(parser: argparse.ArgumentParser, cls: type, title: str, 
             kwargs["metavar"] = _metavar(flag)
         if is_list:
             kwargs["nargs"] = f.metadata.get("nargs", "+")
-            kwargs["action"] = _ListOnce
+            kwargs["action"] = _ListReplaced
         group.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
@@ -414,6 +419,9 @@ def parse_configs(
             unknown_handler(unknown)
         except ValueError as exc:
             parser.error(str(exc))
+    if first_rank():
+        for line in getattr(args, _LISTS_REPLACED, ()):
+            print(f"megatron-prune: warning: {line}", file=sys.stderr, flush=True)
     setattr(args, GIVEN, given_fields(prog, groups, description, argv))
     try:
         return args, configs_from_args(args, groups)
