@@ -298,4 +298,21 @@ MUTANTS: list[dict] = [
         "new": "    chosen = os.path.join(root, complete[0]) if complete else None\n",
         "tests": [f"{CKPT_TESTS}::test_no_tracker_scans_for_newest_complete"],
     },
+    {
+        "name": "chat-template-frame-ignores-the-prompt",
+        "why": "a response is framed with the last prompt's generation prompt whatever its own prompt, so the "
+               "first response of each new prompt is its bare content",
+        "file": "megatron_prune/data/tokenizer.py",
+        "old": "        if self._last_frame is not None and self._last_frame[0] == prompt:\n",
+        "new": "        if self._last_frame is not None:\n",
+        "tests": ["tests/unit/data/test_tokenizer.py::test_each_prompt_is_framed_once_for_its_pair"],
+    },
+    {
+        "name": "chat-template-kwargs-not-passed",
+        "why": "--chat-template-kwargs never reaches the template: Qwen3 prompts stay in thinking mode",
+        "file": "megatron_prune/data/tokenizer.py",
+        "old": "                **self.chat_template_kwargs,\n",
+        "new": "",
+        "tests": ["tests/unit/data/test_tokenizer.py", "tests/unit/grpo/test_math_prompts.py"],
+    },
 ]

@@ -501,4 +501,13 @@ MUTANTS: list[dict] = [
         "new": "return self.probs.mean().item() if self.probs.numel() else 0.0",
         "tests": [DPPO_UNIT],
     },
+    {
+        "name": "rollout-reused-after-its-prompts-rerender",
+        "why": "a resume inside a rollout reuses the saved rollout although this run renders its prompts to other "
+               "tokens (--chat-template-kwargs, another tokenizer): it trains on prompts the run no longer makes",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "            elif self._rerendered_prompts(saved):\n",
+        "new": "            elif False and self._rerendered_prompts(saved):\n",
+        "tests": ["tests/e2e/test_grpo_resume.py::test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again"],
+    },
 ]
