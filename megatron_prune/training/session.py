@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Any
@@ -194,6 +195,9 @@ def flag_record(configs: dict) -> dict:
         fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             record[flag_of(fields[name])] = getattr(model, name)
+        # and what the chat template renders (as canonical JSON: spacing is no change)
+        args = model.chat_template_args
+        record[flag_of(fields["chat_template_kwargs"])] = json.dumps(args, sort_keys=True) if args else None
     dpo = configs.get("DPOConfig")
     if dpo is not None:  # the mode that runs, not "unset": a resume then names a real change only
         from megatron_prune.lora_config import resolve_ref_mode

@@ -23,6 +23,19 @@ def test_the_router_loss_coefficients_are_recorded_and_a_change_is_named(capsys,
             "--moe-z-loss-coeff 0.001 (checkpoint: 0.0)") in capsys.readouterr().out
 
 
+def test_the_chat_template_variables_are_recorded_and_a_change_is_named(capsys, monkeypatch):
+    """--chat-template-kwargs changes every prompt and response the run trains on: a resume that drops
+    or changes it says so; the same variables spelled otherwise are no change."""
+    saved = _record(chat_template_kwargs='{"enable_thinking": false}')
+    assert saved["--chat-template-kwargs"] == '{"enable_thinking": false}'
+    monkeypatch.setattr(loop, "is_logging_rank", lambda: True)
+    loop._say_flags_changed(saved, _record(chat_template_kwargs='{ "enable_thinking":false }'))
+    assert "differ" not in capsys.readouterr().out
+    loop._say_flags_changed(saved, _record())
+    assert ("resuming with flags that differ from the checkpoint's run: --chat-template-kwargs None (checkpoint: "
+            '{"enable_thinking": false})') in capsys.readouterr().out
+
+
 def test_a_horizon_set_by_the_warm_up_is_not_named_as_train_iters(capsys, monkeypatch):
     """A warm-up that outlasts --train-iters sets the decay horizon to one step past it; the resume
     note names where the number comes from (it read "--train-iters 11" for --train-iters 4)."""
