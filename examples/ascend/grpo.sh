@@ -13,6 +13,7 @@
 #   TP [2]  PP [1]  GBS [64]  MBS [8]  SEQ [2048]  ITERS [500]  LR [1e-6]  GROUP [8]  NEW_TOKENS [1024]
 #   PRUNE_PROMPTS [0.3]  PRUNE_COMPLETIONS [0.3]  PACK [1] (--dense-packing)  OUT [runs/grpo-910b]
 #   FLASH_ATTN [1]  MindSpeed's fused attention (--use-flash-attn)
+#   THINKING [1]  0: Qwen3's non-thinking mode (--chat-template-kwargs '{"enable_thinking": false}')
 #   EXTRA  more flags, appended; arguments after the script name are appended too
 #   Ascend environment (HCCL timeouts, allocator, task queue, CPU affinity, visible devices): env.sh
 set -euo pipefail
@@ -42,6 +43,7 @@ ARGS=(--device npu --hf-model "$HF_MODEL" --bf16 --task "$TASK" --data-path "$DA
 [ "$TP" -gt 1 ] && ARGS+=(--sequence-parallel)
 [ "${PACK:-1}" = 1 ] && ARGS+=(--dense-packing)
 [ "${FLASH_ATTN:-1}" = 1 ] && ARGS+=(--use-flash-attn)
+[ "${THINKING:-1}" = 0 ] && ARGS+=(--chat-template-kwargs '{"enable_thinking": false}')
 [ -f "$OUT/ckpt/latest_checkpointed_iteration.txt" ] && ARGS+=(--load "$OUT/ckpt")
 # shellcheck disable=SC2206
 ARGS+=(${EXTRA:-})

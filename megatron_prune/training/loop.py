@@ -449,11 +449,12 @@ def _say_schedule_kept(launch: dict[str, Any], saved: dict, *, train_iters: int,
               + ", ".join(changed) + "; --override-opt-param-scheduler runs this launch's schedule from the "
               "checkpoint's step, --finetune starts a new schedule from its weights", flush=True)
     decay_end = int(saved.get("lr_decay_steps", train_iters))
-    if saved.get("lr_decay_style", "constant") != "constant" and train_iters > decay_end:
+    first = max(decay_end, int(saved.get("num_steps", 0))) + 1  # steps already trained are not this run's
+    if saved.get("lr_decay_style", "constant") != "constant" and first <= train_iters:
         min_lr = float(saved.get("min_lr", 0.0))
         what = "learning rate 0: they train nothing" if min_lr == 0 else f"the schedule's final --min-lr {min_lr:g}"
         print(f"[megatron-prune] WARNING: the checkpoint's {saved['lr_decay_style']} schedule ends at step "
-              f"{decay_end}, so steps {decay_end + 1}-{train_iters} of --train-iters {train_iters} run at {what}; "
+              f"{decay_end}, so steps {first}-{train_iters} of --train-iters {train_iters} run at {what}; "
               "--override-opt-param-scheduler decays over --train-iters instead", flush=True)
 
 

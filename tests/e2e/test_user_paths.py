@@ -269,11 +269,13 @@ DRY_RUNS = [
     ("examples/dpo_multinode.sh", {}, "-m megatron_prune.dpo"),
     ("examples/dpo_qwen3_4b_8gpu.sh", {"HF_MODEL": "/models/Qwen3-4B", "DATA": "prefs.jsonl"}, "-m megatron_prune.dpo"),
     ("examples/grpo_qwen3_4b_8gpu.sh", {}, "-m megatron_prune.grpo"),
+    ("examples/grpo_qwen3_4b_8gpu.sh", {"THINKING": "0"}, "-m megatron_prune.grpo"),
 ]
 
 
 @pytest.mark.skipif(not (REPO / ".venv" / "bin" / "python").exists(), reason="needs the project's .venv")
-@pytest.mark.parametrize("script, env, module", DRY_RUNS, ids=[s for s, _, _ in DRY_RUNS])
+@pytest.mark.parametrize("script, env, module", DRY_RUNS, ids=[s + "".join(f" {k}={v}" for k, v in e.items())
+                                                                 for s, e, _ in DRY_RUNS])
 def test_example_dry_run_uses_the_project_env(script, env, module):
     """Each example prints its command in dry-run mode from a shell with nothing activated, and every
     flag of the command exists (the CPU examples run for real below, which needs .venv's torchrun)."""
@@ -284,6 +286,8 @@ def test_example_dry_run_uses_the_project_env(script, env, module):
     words = [w for w in words if "=" not in w or w.startswith("-")]  # drop leading VAR=value
     assert module in " ".join(words)
     _assert_flags_exist(words)
+    if env.get("THINKING") == "0":  # the JSON reaches the flag as one word
+        assert words[words.index("--chat-template-kwargs") + 1] == '{"enable_thinking": false}', words
     if "--exit-signal-handler" in words:  # torchrun's 30 s before SIGKILL would cut the step and its save
         assert "--shutdown-timeout" in words[:words.index("-m")], words
 

@@ -47,3 +47,19 @@ def test_a_horizon_set_by_the_warm_up_is_not_named_as_train_iters(capsys, monkey
     assert "--lr-warmup-iters 10 (checkpoint: 0), the decay horizon of 11 steps (--lr-warmup-iters 10 + 1) " \
            "(checkpoint: 2)" in out, out
     assert "--train-iters 11" not in out
+
+
+def test_the_end_of_schedule_warning_names_only_the_steps_this_run_trains(capsys, monkeypatch):
+    """A checkpoint past its decay's end (a run already extended once): the warning names the steps
+    after the checkpoint, not those it trained; at the checkpoint's step there is none to name."""
+    monkeypatch.setattr(loop, "is_logging_rank", lambda: True)
+    launch = loop._schedule_of(TrainConfig(train_iters=10, lr_decay_style="linear", lr=1e-3, min_lr=1e-4))
+    saved = {**launch, "lr_decay_steps": 4, "num_steps": 8}
+    loop._say_schedule_kept(launch, saved, train_iters=10, override=False)
+    out = capsys.readouterr().out
+    assert "the checkpoint's linear schedule ends at step 4, so steps 9-10 of --train-iters 10 run at the " \
+           "schedule's final --min-lr 0.0001" in out, out
+    loop._say_schedule_kept(launch, {**saved, "num_steps": 10}, train_iters=10, override=False)
+    assert "schedule ends" not in capsys.readouterr().out
+    loop._say_schedule_kept(launch, {**saved, "num_steps": 2}, train_iters=10, override=False)
+    assert "so steps 5-10 of --train-iters 10" in capsys.readouterr().out
