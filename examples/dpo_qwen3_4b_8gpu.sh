@@ -5,7 +5,7 @@
 #
 # Overrides: GPUS (8), TP (2), PP (1), GBS (64), MBS (2), SEQ (2048), STEPS (1000), LR (5e-7),
 # ALPHA (0.6), RHO_MIN (0.5), BRANCH (1), LAYOUT (concat), SAVE (ckpt/qwen3-4b-dpo),
-# EXTRA (more flags), DRY_RUN=1 (print the command only), SHUTDOWN_TIMEOUT (600: seconds torchrun
+# EXTRA (more flags; flags after the script name are appended too), DRY_RUN=1 (print the command only), SHUTDOWN_TIMEOUT (600: seconds torchrun
 # waits after SIGTERM before it kills the ranks; above one step and one save, so --exit-signal-handler
 # can finish the step and save; torchrun's default is 30 s).
 set -euo pipefail
@@ -32,11 +32,11 @@ ARGS=(--hf-model "$HF_MODEL" --data-path "$DATA"
 [ "$TP" -gt 1 ] && ARGS+=(--sequence-parallel)
 [ "$BRANCH" = "1" ] && ARGS+=(--prune-branch)
 # shellcheck disable=SC2206
-ARGS+=(${EXTRA:-})
+ARGS+=(${EXTRA:-} "$@")  # flags after the script name come last, so they override the script's
 
 CMD=(torchrun --nproc-per-node "$GPUS" --shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}" -m megatron_prune.dpo "${ARGS[@]}")
 if [ "${DRY_RUN:-0}" = "1" ]; then
-  echo "${CMD[@]}"
+  printf "%q " "${CMD[@]}"; echo  # quoted: pastes back as is
   exit 0
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1

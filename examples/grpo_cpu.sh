@@ -6,7 +6,8 @@
 # 0.098 -> 0.19-0.24 over the last 5 steps, 20 s on 2 cores).
 # Overrides: NPROC=2 TP=2 PP=1 ITERS=40 LR=2e-2 PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 PACK=1
 #   GBS=32 (prompts per step) OUT=outputs/grpo_cpu DRY_RUN=1 (print the command only)
-# (PRUNE_PROMPTS=0 PRUNE_COMPLETIONS=0 PACK=0 is plain GRPO.)
+# (PRUNE_PROMPTS=0 PRUNE_COMPLETIONS=0 PACK=0 is plain GRPO.) Flags after the script name are appended
+# to the launch and override its own (the last of a repeated flag wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The project's environment (created by examples/quickstart.sh), unless one is active already.
@@ -22,7 +23,8 @@ cmd=(torchrun --nproc-per-node "$NPROC" -m megatron_prune.grpo
   --dppo-prompt-prune-rate "$PRUNE_PROMPTS" --dppo-completion-prune-rate "$PRUNE_COMPLETIONS"
   --metrics-jsonl "$OUT/metrics.jsonl")
 [[ "$PACK" == 1 ]] && cmd+=(--dense-packing)
-if [[ "${DRY_RUN:-0}" == 1 ]]; then echo "OMP_NUM_THREADS=1 ${cmd[*]}"; exit 0; fi
+cmd+=("$@")  # flags after the script name come last, so they override the script's
+if [[ "${DRY_RUN:-0}" == 1 ]]; then printf "OMP_NUM_THREADS=1 "; printf "%q " "${cmd[@]}"; echo; exit 0; fi
 mkdir -p "$OUT"
 rm -f "$OUT/metrics.jsonl"
 OMP_NUM_THREADS=1 "${cmd[@]}"

@@ -4,6 +4,7 @@
 #   HF_MODEL=/models/Qwen3-4B DATA=megatron_prune/data/samples/gsm8k_sample.jsonl (the bundled sample;
 #   point it at your full train.jsonl) TASK=gsm8k ITERS=500
 #   PRUNE_PROMPTS=0.3 PRUNE_COMPLETIONS=0.3 OUT=runs/grpo_qwen3_4b DRY_RUN=1 (print the command only)
+#   Flags after the script name are appended (the last of a repeated flag wins).
 #   THINKING=1: Qwen3's thinking mode (its template's default); THINKING=0 renders every prompt in its
 #   non-thinking mode (--chat-template-kwargs '{"enable_thinking": false}'), shorter completions
 #   SHUTDOWN_TIMEOUT=900: seconds torchrun waits after SIGTERM before it kills the ranks; above one
@@ -30,6 +31,7 @@ cmd=(torchrun --nnodes "$NODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS
   --dppo-prompt-prune-rate "$PRUNE_PROMPTS" --dppo-completion-prune-rate "$PRUNE_COMPLETIONS" --dense-packing
   --save "$OUT/ckpt" --load "$OUT/ckpt" --save-interval 50 --exit-signal-handler --metrics-jsonl "$OUT/metrics.jsonl")
 if [[ "${THINKING:-1}" == 0 ]]; then cmd+=(--chat-template-kwargs '{"enable_thinking": false}'); fi
+cmd+=("$@")  # flags after the script name come last, so they override the script's
 if [[ "${DRY_RUN:-0}" == 1 ]]; then printf "%q " "${cmd[@]}"; echo; exit 0; fi  # quoted: pastes back as is
 mkdir -p "$OUT"
 exec "${cmd[@]}"

@@ -8,7 +8,8 @@
 #
 # Overrides: NPROC (ranks), TP, PP, STEPS, GBS (pairs per step), MBS, EVAL_INTERVAL, OUT (output
 # folder), INSTALL=1 (reinstall into .venv), TORCH_INDEX_URL (the index torch is installed from),
-# DRY_RUN=1 (print the command only; installs nothing).
+# DRY_RUN=1 (print the command only; installs nothing). Flags after the script name are appended to the
+# launch and override its own (the last of a repeated flag wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
@@ -32,10 +33,11 @@ CMD=(torchrun --nproc-per-node "$NPROC" -m megatron_prune.dpo
   --optimizer adam --lr 1e-3 --lr-warmup-iters "$WARMUP" --clip-grad 1.0
   --prune-position-ratio 0.6 --prune-seq-min-ratio 0.5 --prune-branch
   --dpo-beta 1.0 --device cpu
-  --metrics-jsonl "$OUT/metrics.jsonl")
+  --metrics-jsonl "$OUT/metrics.jsonl"
+  "$@")  # flags after the script name come last, so they override the script's
 
 if [ "${DRY_RUN:-0}" = "1" ]; then
-  echo "${CMD[@]}"
+  printf "%q " "${CMD[@]}"; echo
   exit 0
 fi
 if [ ! -x .venv/bin/python ]; then

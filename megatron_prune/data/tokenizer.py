@@ -55,7 +55,8 @@ Message = dict[str, str]
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "add_generation_prompt", "continue_final_message",
                                     "tokenize", "chat_template", "tools", "documents", "return_tensors",
                                     "return_dict", "padding", "truncation", "max_length", "tokenizer_kwargs",
-                                    "return_assistant_tokens_mask", "bos_token", "eos_token"})
+                                    "return_assistant_tokens_mask", "sanitize_control_tokens", "bos_token",
+                                    "eos_token", "pad_token", "unk_token"})
 """Keyword arguments of ``apply_chat_template`` (and variables it sets itself) that the trainers
 choose; ``--chat-template-kwargs`` may not set them."""
 

@@ -426,9 +426,9 @@ class GRPOObjective:
                                    "reused", "; ".join(changed))
             elif self._rerendered_prompts(saved):
                 if is_logging_rank():
-                    logger.warning("the checkpoint stopped inside a rollout whose prompts this run renders to other "
-                                   "tokens (another tokenizer, --chat-template-kwargs or --max-prompt-length), so "
-                                   "that rollout is not reused")
+                    logger.warning("the checkpoint stopped inside a rollout whose prompts this run makes of other "
+                                   "tokens (changed data files, tokenizer, --chat-template-kwargs, --max-prompt-length "
+                                   "or --seq-length), so that rollout is not reused")
             else:
                 self.buffer = self._load_buffer(saved)
 
@@ -456,9 +456,9 @@ class GRPOObjective:
 
     def _rerendered_prompts(self, saved: dict[str, Any]) -> bool:
         """Whether a prompt of the saved rollout is not the tokens this run gives its prompt id."""
-        return any(not 0 <= item["prompt_id"] < len(self.source)
-                   or tuple(item["prompt"]) != self.source.get(item["prompt_id"]).tokens
-                   for items in saved["minibatches"] for item in items)
+        saved_prompts = {item["prompt_id"]: tuple(item["prompt"]) for items in saved["minibatches"] for item in items}
+        return any(not 0 <= i < len(self.source) or tokens != self.source.get(i).tokens
+                   for i, tokens in saved_prompts.items())
 
     def _changed_rollout_flags(self, saved: dict[str, Any]) -> list[str]:
         """``"--flag X (this run: Y)"`` for each of :meth:`_rollout_flags` the saved rollout differs in.

@@ -113,8 +113,9 @@ def test_resume_may_turn_the_kl_term_on(tmp_path):
 
 def test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again(tmp_path):
     """The saved rollout holds its prompts' tokens: a resume whose prompts render to other tokens
-    (--chat-template-kwargs here) or ends completions at other tokens rolls out again and says why, and
-    one that renders them alike reuses the rollout. Qwen3's non-thinking mode ends each prompt with an empty think block."""
+    (--chat-template-kwargs here: Qwen3's non-thinking mode ends each prompt with an empty think
+    block) or that ends completions at other tokens rolls out again and says why, and one that
+    renders them alike reuses the rollout."""
     from tests.unit.data.helpers import QWEN3_TEMPLATE, save_hf_tokenizer
 
     tokenizer = save_hf_tokenizer(tmp_path / "tok", chat_template=QWEN3_TEMPLATE)
@@ -123,11 +124,13 @@ def test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again(tmp_path):
               "--data-path", gsm8k, "--global-batch-size", "2", "--micro-batch-size", "2", "--seq-length", "256",
               "--group-size", "2", "--max-new-tokens", "4", "--ppo-epochs", "2", "--seed", "5",
               "--no-skip-zero-advantage"]  # the untrained model scores 0: keep its completions in the rollout
-    first = run_cmd(_grpo([*common, "--train-iters", "1", "--save", str(tmp_path / "ckpt")]),
+    # Two rollouts (steps 1 and 3), saved inside the second.
+    first = run_cmd(_grpo([*common, "--train-iters", "3", "--save", str(tmp_path / "ckpt")]),
                     log=tmp_path / "first.txt").check_ok()
-    # an untrained model's 4 tokens end no completion: said once, with the flag to raise
-    assert first.output.count("step 1/1: 100% of the completions reached --max-new-tokens 4 without ending") == 1
-    resume = [*common, "--train-iters", "2", "--load", str(tmp_path / "ckpt")]
+    # an untrained model's 4 tokens end no completion: said once (not at each rollout), with the flag to raise
+    assert first.output.count("of the completions reached --max-new-tokens") == 1
+    assert "step 1/3: 100% of the completions reached --max-new-tokens 4 without ending" in first.output
+    resume = [*common, "--train-iters", "4", "--load", str(tmp_path / "ckpt")]
     same = run_cmd(_grpo([*resume, "--metrics-jsonl", str(tmp_path / "same.jsonl")]),
                    log=tmp_path / "same.txt").check_ok()
     assert "rolling out again" not in same.output and "not reused" not in same.output
@@ -142,6 +145,7 @@ def test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again(tmp_path):
     stops = run_cmd(_grpo(resume), log=tmp_path / "stops.txt").check_ok()
     assert ("the checkpoint stopped inside a rollout made with stop ids [2] (this run: [1, 2]), so that rollout is "
             "not reused") in stops.output
-    assert ("the checkpoint stopped inside a rollout whose prompts this run renders to other tokens (another "
-            "tokenizer, --chat-template-kwargs or --max-prompt-length), so that rollout is not reused") in changed.output
-    assert "step 2/2: resumed inside the rollout of step 1/2: rolling out again" in changed.output
+    assert ("the checkpoint stopped inside a rollout whose prompts this run makes of other tokens (changed data "
+            "files, tokenizer, --chat-template-kwargs, --max-prompt-length or --seq-length), so that rollout is not "
+            "reused") in changed.output
+    assert "step 4/4: resumed inside the rollout of step 3/4: rolling out again" in changed.output

@@ -292,6 +292,18 @@ def test_example_dry_run_uses_the_project_env(script, env, module):
         assert "--shutdown-timeout" in words[:words.index("-m")], words
 
 
+@pytest.mark.parametrize("script", ["examples/quickstart.sh", "examples/grpo_cpu.sh", "examples/dpo_qwen3_4b_8gpu.sh",
+                                    "examples/grpo_qwen3_4b_8gpu.sh"])
+def test_flags_after_an_example_script_override_its_own(script):
+    """``bash script --train-iters 7 ...``: the flags come last in the launch, where they win (they were
+    dropped without a word)."""
+    extra = ["--train-iters", "7", "--chat-template-kwargs", '{"enable_thinking": false}']
+    proc = subprocess.run(["bash", script, *extra], cwd=REPO, env=_bare_env(DRY_RUN="1"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert shlex.split(proc.stdout.strip().splitlines()[-1])[-len(extra):] == extra
+
+
 def _assert_flags_exist(words: list[str]) -> None:
     from megatron_prune.arguments import build_parser
 

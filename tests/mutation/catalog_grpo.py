@@ -510,4 +510,12 @@ MUTANTS: list[dict] = [
         "new": "            elif False and self._rerendered_prompts(saved):\n",
         "tests": ["tests/e2e/test_grpo_resume.py::test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again"],
     },
+    {
+        "name": "clipped-completions-warned-at-every-rollout",
+        "why": "the warning about completions cut by --max-new-tokens repeats at every rollout of a long run",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "        self._warned_clipped = True\n",
+        "new": "",
+        "tests": ["tests/e2e/test_grpo_resume.py::test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again"],
+    },
 ]
