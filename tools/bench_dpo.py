@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python", "tools/bench_dpo.py", *(argv or sys.argv[1:])]),
     }
     raw_modes: dict = {}
-    result = {"modes": {}, "config": config}
+    result = {"modes": {}, "records": {}, "config": config}
     with tempfile.TemporaryDirectory() as tmp:
         # Rounds interleave the modes, so a slow drift of the machine does not favour one of them.
         for rnd, mode in ((r, m) for r in range(args.rounds) for m in order):
@@ -762,9 +762,14 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 launch(args, mode, out)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-                print(f"[bench_dpo] {mode}: FAILED ({exc}); continuing", flush=True)
                 result.setdefault("failed", {})[mode] = str(exc)
-                raw_modes.pop(mode, None)
+                if "concat" not in raw_modes:  # no round of the denominator: no mode can have a ratio
+                    print(f"[bench_dpo] {mode}: FAILED ({exc}); without a concat round no mode has a ratio, so no "
+                          "other mode runs", flush=True)
+                    break
+                # Its finished rounds stay (measured as the others were); it runs no further round.
+                print(f"[bench_dpo] {mode}: FAILED ({exc}); continuing"
+                      + (f" with its {rnd} finished round(s)" if mode in raw_modes else ""), flush=True)
             else:
                 with open(out) as f:
                     raw = json.load(f)
@@ -775,8 +780,7 @@ def main(argv: list[str] | None = None) -> dict:
                 config["device_name"] = raw.get("device_name")
                 print(f"[bench_dpo] {mode} (round {rnd + 1}/{args.rounds}): done in {time.perf_counter() - t:.0f}s, "
                       f"median step {statistics.median(r['step_time_s'] for r in raw['records']):.3f}s", flush=True)
-            # After every launch, failed ones too: a failed mode leaves the table, and without concat
-            # (the denominator of every ratio) no mode has a row.
+            # After every launch, failed ones too: a mode that failed in its first round has no row.
             done = {m: summarise(m, raw_modes[m], shape=shape, recompute=args.recompute_activations,
                                  bytes_per_elem=bytes_per_elem, lora_rank=args.lora_rank)
                     for m in order if m in raw_modes} if "concat" in raw_modes else {}

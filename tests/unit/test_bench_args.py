@@ -127,3 +127,51 @@ def test_cuda_without_a_gpu_is_refused_before_any_worker(monkeypatch, capsys):
         assert exc.value.code == 2
         assert (f"{name}: error: --device cuda was requested but torch.cuda.is_available() is False; "
                 "use --device cpu") in capsys.readouterr().err
+
+
+SMALL_RUN = ["--preset", "cpu-small", "--warmup", "0", "--steps", "1", "--memory-steps", "1", "--pairs", "2",
+             "--micro-batch-size", "1", "--max-seq-length", "128"]
+
+
+def _failing(mode: str, round_: int, launched: list):
+    """bench_dpo's launch, with ``mode``'s worker failing in round ``round_`` (as out of memory would)."""
+    import subprocess
+
+    real = bench_dpo.launch
+
+    def launch(args, name, out, **kwargs):
+        launched.append(os.path.basename(out))
+        if os.path.basename(out) == f"{mode}-{round_}.json":
+            raise subprocess.CalledProcessError(1, ["worker", name])
+        return real(args, name, out, **kwargs)
+    return launch
+
+
+def test_a_concat_that_fails_first_stops_the_run_at_once(tmp_path, monkeypatch):
+    """Without a concat round no mode has a ratio: the other modes do not run (a GPU budget is not
+    spent on them), and the JSON says what failed."""
+    launched: list = []
+    monkeypatch.setattr(bench_dpo, "launch", _failing("concat", 0, launched))
+    with pytest.raises(SystemExit, match="modes that failed .*: concat"):
+        bench_dpo.main([*SMALL_RUN, "--modes", "concat", "branch", "--json", str(tmp_path / "r.json")])
+    assert launched == ["concat-0.json"]
+    import json
+
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["modes"] == {} and saved["records"] == {} and list(saved["failed"]) == ["concat"]
+
+
+@pytest.mark.e2e
+def test_a_mode_that_fails_in_a_later_round_keeps_its_finished_rounds(tmp_path, monkeypatch):
+    """concat failing in round 2 dropped every mode's results (and branch's finished round with it);
+    its first round is a measurement like the others' and stays the denominator."""
+    launched: list = []
+    monkeypatch.setattr(bench_dpo, "launch", _failing("concat", 1, launched))
+    with pytest.raises(SystemExit, match="modes that failed .*: concat"):
+        bench_dpo.main([*SMALL_RUN, "--modes", "concat", "branch", "--rounds", "2", "--json", str(tmp_path / "r.json")])
+    assert launched == ["concat-0.json", "branch-0.json", "concat-1.json", "branch-1.json"]
+    import json
+
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert list(saved["modes"]) == ["concat", "branch"] and saved["modes"]["branch"]["speedup_vs_concat"] > 0
+    assert len(saved["records"]["concat"]) == 1 and len(saved["records"]["branch"]) == 2
