@@ -763,13 +763,15 @@ def main(argv: list[str] | None = None) -> dict:
                 launch(args, mode, out)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
                 result.setdefault("failed", {})[mode] = str(exc)
-                if "concat" not in raw_modes:  # no round of the denominator: no mode can have a ratio
-                    print(f"[bench_dpo] {mode}: FAILED ({exc}); without a concat round no mode has a ratio, so no "
-                          "other mode runs", flush=True)
+                raw_modes.pop(mode, None)
+                if mode == "concat":  # the denominator of every ratio: no mode can have a row now
+                    print(f"[bench_dpo] concat: FAILED ({exc}); without it no mode has a ratio, so no other mode "
+                          "runs", flush=True)
+                    result["modes"], result["records"] = {}, {}
                     break
-                # Its finished rounds stay (measured as the others were); it runs no further round.
-                print(f"[bench_dpo] {mode}: FAILED ({exc}); continuing"
-                      + (f" with its {rnd} finished round(s)" if mode in raw_modes else ""), flush=True)
+                # Its finished rounds leave too: interleaved rounds are compared as a whole, and ratios of the
+                # others' later rounds to a concat missing them would mix rounds.
+                print(f"[bench_dpo] {mode}: FAILED ({exc}); continuing", flush=True)
             else:
                 with open(out) as f:
                     raw = json.load(f)
@@ -780,7 +782,8 @@ def main(argv: list[str] | None = None) -> dict:
                 config["device_name"] = raw.get("device_name")
                 print(f"[bench_dpo] {mode} (round {rnd + 1}/{args.rounds}): done in {time.perf_counter() - t:.0f}s, "
                       f"median step {statistics.median(r['step_time_s'] for r in raw['records']):.3f}s", flush=True)
-            # After every launch, failed ones too: a mode that failed in its first round has no row.
+            # After every launch, failed ones too: a failed mode leaves the table, and without concat
+            # (the denominator of every ratio) no mode has a row.
             done = {m: summarise(m, raw_modes[m], shape=shape, recompute=args.recompute_activations,
                                  bytes_per_elem=bytes_per_elem, lora_rank=args.lora_rank)
                     for m in order if m in raw_modes} if "concat" in raw_modes else {}

@@ -199,6 +199,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.max_prompt_length = args.max_prompt_length or 256
     refuse_bad_data_files(p, "--data-path", args.data_path)
     if args.from_json:
+        given = [a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")]
+        ignored = [flag for flag in dict.fromkeys(given) if flag not in ("--from-json", "--json", "--plot")]
+        if ignored:
+            p.error(f"--from-json summarises the runs its files hold, so {', '.join(ignored)} would change nothing; "
+                    "drop {}".format("it" if len(ignored) == 1 else "them"))
         try:
             args.earlier = load_earlier(args.from_json)
         except ValueError as exc:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -118,7 +119,8 @@ def simulate(args: argparse.Namespace, *, kind: str, seed: int) -> dict[str, flo
         if informative.any():
             figures["recall"].append((informative & keep).sum().item() / informative.sum().item())
             figures["added_variance"].append((1 / probs[informative] - 1).mean().item())
-    return {key: statistics.fmean(values) for key, values in figures.items()}
+    # A figure of informative groups has no value where no measured group was informative.
+    return {key: statistics.fmean(values) if values else math.nan for key, values in figures.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:

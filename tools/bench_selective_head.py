@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.scored_fraction <= 1:
         p.error(f"--scored-fraction must be in (0, 1], got {args.scored_fraction}")
+    from megatron_prune.arguments import refuse_unwritable_outputs
+
+    refuse_unwritable_outputs(p, json=args.json)  # before the runs, not after them
     return args
 
 
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(rows))
     print(f"(peaks include the [V, h] weight gradient: {rows[0]['weight_grad_bytes'] / 2**20:.0f} MiB)")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)  # a folder the probe may have left out
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=2)
 

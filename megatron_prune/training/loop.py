@@ -339,8 +339,14 @@ def _say_flags_changed(recorded: dict | None, current: dict | None) -> None:
     recorded, current = _with_lora_alpha(recorded), _with_lora_alpha(current)
     if recorded.get("--ref-mode", "") is None:  # saved before the resolved mode was recorded
         recorded = {**recorded, "--ref-mode": "adapter-off" if recorded.get("--lora-rank") else "online"}
+    def same(flag: str) -> bool:
+        if flag == "--lora-targets" and isinstance(current[flag], str) and isinstance(recorded[flag], str):
+            names = lambda text: {n.strip() for n in text.split(",") if n.strip()}  # noqa: E731
+            return names(current[flag]) == names(recorded[flag])  # a set: order and spacing are no change
+        return current[flag] == recorded[flag]
+
     changed = [f"{flag} {current[flag]} (checkpoint: {recorded[flag]})"
-               for flag in sorted(current) if flag in recorded and current[flag] != recorded[flag]]
+               for flag in sorted(current) if flag in recorded and not same(flag)]
     if changed and is_logging_rank():
         print("[megatron-prune] resuming with flags that differ from the checkpoint's run: " + ", ".join(changed),
               flush=True)

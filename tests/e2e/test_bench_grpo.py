@@ -201,6 +201,17 @@ def test_from_json_refuses_files_that_do_not_merge(tmp_path, case, expected):
     assert not (tmp_path / "merged.json").exists()
 
 
+def test_from_json_refuses_experiment_flags_it_would_ignore(tmp_path):
+    """``--from-json a.json --task gsm8k --modes grpo`` summarised a.json's toy run with all its modes,
+    without a word: flags that shape an experiment are refused next to it."""
+    a = _result(tmp_path / "a.json")
+    done = _tool("--from-json", a, "--task", "gsm8k", "--modes", "grpo", "--json", str(tmp_path / "merged.json"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        "--from-json summarises the runs its files hold, so --task, --modes would change nothing; drop them")
+    assert not (tmp_path / "merged.json").exists()
+
+
 def test_from_json_merges_batches_of_seeds(tmp_path):
     sys.path.insert(0, str(REPO / "tools"))
     import bench_grpo

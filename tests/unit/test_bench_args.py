@@ -159,19 +159,3 @@ def test_a_concat_that_fails_first_stops_the_run_at_once(tmp_path, monkeypatch):
 
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["modes"] == {} and saved["records"] == {} and list(saved["failed"]) == ["concat"]
-
-
-@pytest.mark.e2e
-def test_a_mode_that_fails_in_a_later_round_keeps_its_finished_rounds(tmp_path, monkeypatch):
-    """concat failing in round 2 dropped every mode's results (and branch's finished round with it);
-    its first round is a measurement like the others' and stays the denominator."""
-    launched: list = []
-    monkeypatch.setattr(bench_dpo, "launch", _failing("concat", 1, launched))
-    with pytest.raises(SystemExit, match="modes that failed .*: concat"):
-        bench_dpo.main([*SMALL_RUN, "--modes", "concat", "branch", "--rounds", "2", "--json", str(tmp_path / "r.json")])
-    assert launched == ["concat-0.json", "branch-0.json", "concat-1.json", "branch-1.json"]
-    import json
-
-    saved = json.loads((tmp_path / "r.json").read_text())
-    assert list(saved["modes"]) == ["concat", "branch"] and saved["modes"]["branch"]["speedup_vs_concat"] > 0
-    assert len(saved["records"]["concat"]) == 1 and len(saved["records"]["branch"]) == 2

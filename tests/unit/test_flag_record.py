@@ -63,3 +63,22 @@ def test_the_end_of_schedule_warning_names_only_the_steps_this_run_trains(capsys
     assert "schedule ends" not in capsys.readouterr().out
     loop._say_schedule_kept(launch, {**saved, "num_steps": 2}, train_iters=10, override=False)
     assert "so steps 5-10 of --train-iters 10" in capsys.readouterr().out
+
+
+def test_lora_targets_in_another_order_are_no_change(capsys, monkeypatch):
+    """The targets are a set (a resume accepts them in any order): another order or spacing is not
+    named as a changed flag; another set is."""
+    from megatron_prune.lora_config import LoRAConfig
+
+    def record(targets):
+        return session.flag_record({"ModelConfig": ModelConfig(model_preset="tiny"), "TrainConfig": TrainConfig(),
+                                    "CheckpointConfig": CheckpointConfig(),
+                                    "LoRAConfig": LoRAConfig(rank=4, targets=targets)})
+
+    monkeypatch.setattr(loop, "is_logging_rank", lambda: True)
+    saved = record("linear_qkv,linear_proj,linear_fc1,linear_fc2")
+    loop._say_flags_changed(saved, record("linear_fc2, linear_qkv,linear_proj,linear_fc1"))
+    assert "differ" not in capsys.readouterr().out
+    loop._say_flags_changed(saved, record("linear_qkv,linear_proj"))
+    assert "--lora-targets linear_qkv,linear_proj (checkpoint: linear_qkv,linear_proj,linear_fc1,linear_fc2)" in \
+        capsys.readouterr().out
