@@ -389,10 +389,19 @@ def heldout_reward(objective, heldout, args) -> float:
 
 
 def _flat_grad(policy):
+    """This rank's share of the gradient: every weight once over the model-parallel group.
+
+    A weight replicated over TP (norms, a replicated adapter factor) holds the same reduced gradient
+    on every TP rank, and a tied embedding is on the first and the last pipeline stage; both count
+    on one rank only, as Megatron's gradient norm counts them, so the sum over ranks is the norm.
+    """
     import torch
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
 
     return torch.cat([p.main_grad.detach().reshape(-1).double().clone() for chunk in policy
-                      for p in chunk.parameters() if p.requires_grad])
+                      for p in chunk.parameters()
+                      if p.requires_grad and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)])
 
 
 def _model_parallel_sum(values):
