@@ -197,6 +197,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if value is not None:
                 p.error(f"{flag} is for --task gsm8k; --task {args.task} makes its own prompts")
     args.max_prompt_length = args.max_prompt_length or 256
+    from megatron_prune.arguments import UsageError
+    from megatron_prune.grpo.config import check_lengths
+
+    try:  # the trainer's own refusal: a prompt and its completion must fit in one sequence
+        check_lengths(seq_length=args.seq_length, max_new_tokens=args.max_new_tokens,
+                      max_prompt_length=args.max_prompt_length if args.task == "gsm8k" else None,
+                      toy_prompt_length=None if args.task == "gsm8k" else args.toy_prompt_length)
+    except UsageError as exc:
+        p.error(str(exc))
     refuse_bad_data_files(p, "--data-path", args.data_path)
     if args.from_json:
         given = [a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from megatron_prune.config import CheckpointConfig, LoggingConfig, ModelConfig, TrainConfig
-from megatron_prune.grpo.config import TOY_TASKS, DPPOArgs, GRPOConfig, check_prompt_count
+from megatron_prune.grpo.config import TOY_TASKS, DPPOArgs, GRPOConfig, check_lengths, check_prompt_count
 from megatron_prune.lora_config import LoRAConfig
 from megatron_prune.training.cli import run_cli
 
@@ -41,17 +41,9 @@ def _checks(configs):
 
     session.check_data_files("--data-path", grpo.data_path)
     train = configs["TrainConfig"]
-    room = train.seq_length - grpo.max_new_tokens
-    if room < 1:
-        raise UsageError(f"--seq-length {train.seq_length} leaves no room for a prompt before --max-new-tokens "
-                         f"{grpo.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
-    if train.max_prompt_length is not None and train.max_prompt_length > room:
-        raise UsageError(f"--max-prompt-length {train.max_prompt_length} + --max-new-tokens {grpo.max_new_tokens} "
-                         f"exceed --seq-length {train.seq_length}: a prompt and its completion would not fit in one "
-                         f"sequence; lower --max-prompt-length to at most {room} or raise --seq-length")
-    if grpo.task in TOY_TASKS and grpo.toy_prompt_length > room:
-        raise UsageError(f"--toy-prompt-length {grpo.toy_prompt_length} + --max-new-tokens {grpo.max_new_tokens} "
-                         f"exceed --seq-length {train.seq_length}")
+    check_lengths(seq_length=train.seq_length, max_new_tokens=grpo.max_new_tokens,
+                  max_prompt_length=train.max_prompt_length,
+                  toy_prompt_length=grpo.toy_prompt_length if grpo.task in TOY_TASKS else None)
     model = configs["ModelConfig"]
     arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
     if grpo.kl_beta > 0:  # the KL reference must be found before any rank starts

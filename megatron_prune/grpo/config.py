@@ -223,3 +223,21 @@ def check_prompt_count(num_prompts: int, global_batch_size: int, grpo: GRPOConfi
     raise UsageError(f"--global-batch-size {global_batch_size} asks for {global_batch_size} different prompts "
                      f"a step (one group of --group-size completions each), but {where}: lower "
                      f"--global-batch-size to at most {num_prompts} or give more prompts")
+
+
+def check_lengths(*, seq_length: int, max_new_tokens: int, max_prompt_length: int | None,
+                  toy_prompt_length: int | None = None) -> None:
+    """A prompt and its completion must fit in one ``--seq-length`` sequence; refuse lengths that cannot."""
+    from megatron_prune.arguments import UsageError
+
+    room = seq_length - max_new_tokens
+    if room < 1:
+        raise UsageError(f"--seq-length {seq_length} leaves no room for a prompt before --max-new-tokens "
+                         f"{max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+    if max_prompt_length is not None and max_prompt_length > room:
+        raise UsageError(f"--max-prompt-length {max_prompt_length} + --max-new-tokens {max_new_tokens} "
+                         f"exceed --seq-length {seq_length}: a prompt and its completion would not fit in one "
+                         f"sequence; lower --max-prompt-length to at most {room} or raise --seq-length")
+    if toy_prompt_length is not None and toy_prompt_length > room:
+        raise UsageError(f"--toy-prompt-length {toy_prompt_length} + --max-new-tokens {max_new_tokens} "
+                         f"exceed --seq-length {seq_length}")

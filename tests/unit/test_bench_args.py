@@ -61,6 +61,10 @@ REFUSED = [
     pytest.param(bench_grpo, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "4"],
                  "--pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 4 does not divide the "
                  "model's 4 layers", id="grpo-vpp"),
+    pytest.param(bench_grpo, ["--seq-length", "6", "--max-new-tokens", "4"],
+                 "--toy-prompt-length 3 + --max-new-tokens 4 exceed --seq-length 6", id="grpo-toy-too-long"),
+    pytest.param(bench_grpo, ["--task", "gsm8k", "--max-new-tokens", "300"],
+                 "--max-prompt-length 256 + --max-new-tokens 300 exceed --seq-length 512", id="grpo-gsm8k-too-long"),
 ]
 
 
