@@ -46,11 +46,27 @@ def _checks(configs):
                   toy_prompt_length=grpo.toy_prompt_length if grpo.task in TOY_TASKS else None)
     model = configs["ModelConfig"]
     arch, lora_base = session.resolve_model_and_base(configs, kind="grpo")  # under LoRA also the base
+    _check_router_losses_without_recompute(model, arch)
     if grpo.kl_beta > 0:  # the KL reference must be found before any rank starts
         session.reference_source(model, configs["CheckpointConfig"], grpo.ref_load, lora_base=lora_base)
     spec, tokenizer = ((None, None) if grpo.task in TOY_TASKS
                        else session.check_tokenizer(model, configs["CheckpointConfig"], arch))
     return session.LaunchChecks(arch=arch, lora_base=lora_base, tokenizer=tokenizer, tokenizer_spec=spec)
+
+
+def _check_router_losses_without_recompute(model: ModelConfig, arch) -> None:
+    """GRPO sets each training microbatch's router-loss weight in its forward (placeholders: none);
+    a router recomputed in the backward would add its losses at the full weight."""
+    from megatron_prune.arguments import UsageError
+    from megatron_prune.model.moe import router_reruns_in_backward
+
+    losses = [flag for flag, value in (("--moe-aux-loss-coeff", model.moe_aux_loss_coeff),
+                                       ("--moe-z-loss-coeff", model.moe_z_loss_coeff)) if value > 0]
+    if arch.is_moe and losses and router_reruns_in_backward(model.recompute_kwargs):
+        raise UsageError(f"GRPO cannot combine {' and '.join(losses)} > 0 with activation recompute that reruns "
+                         "the MoE routers (--recompute-activations, --recompute-granularity full, or "
+                         "--recompute-modules moe): set the router-loss coefficients to 0 or recompute only "
+                         "core_attn/mlp")
 
 
 def _run(configs, checked):

@@ -335,11 +335,12 @@ def layout_items(items: list[TrainItem], *, settings: GRPOStepSettings, tp: int 
 
 
 def _forward_step(data_iterator, model):
-    from megatron_prune.model.moe import router_losses_off
+    from megatron_prune.model.moe import router_loss_scale
 
     batch: GRPOMicrobatch = next(data_iterator)
-    # A placeholder trains nothing: a MoE router's losses on its pad rows would still move the weights.
-    with router_losses_off(model) if not batch.items else contextlib.nullcontext():
+    # A placeholder trains nothing (scale 0): a MoE router's losses on its pad rows would still move
+    # the weights. Forward-only passes set no scale and add no router losses anyway.
+    with router_loss_scale(model, batch.extras.get("router_scale", 1.0 if batch.items else 0.0)):
         output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection,
                        segments=batch.segments)
     return output, partial(batch.extras["loss_func"], batch)
@@ -440,8 +441,14 @@ class GRPOStep:
         layout = self.layout(items)
         dp = parallel_state.get_data_parallel_world_size()
         scale = len(layout.batches) * dp
+        # Megatron weights a MoE router's losses by 1 / (microbatches x DP); placeholders (no items)
+        # add none, so the real microbatches take their share: the weight then does not depend on
+        # how many placeholders the layout needed (expert parallelism, the pipeline schedule).
+        real = sum(1 for batch in layout.batches if batch.items)
+        router_scale = len(layout.batches) / real if real else 0.0
         for batch in layout.batches:
             batch.extras["loss_func"] = partial(self._loss, scale=scale, normaliser=normaliser)
+            batch.extras["router_scale"] = router_scale if batch.items else 0.0
         outputs = self._run(self.policy, layout, forward_only=False)
         sums = sum_metrics(outputs, SUMMED + AVERAGED)
         metrics = {name: sums[name][0] for name in SUMMED}
@@ -449,7 +456,7 @@ class GRPOStep:
         # A MoE policy's router losses: added in this training pass only (collective on every rank).
         from megatron_prune.model.moe import pop_router_losses
 
-        metrics.update(pop_router_losses(self.policy, num_microbatches=len(layout.batches)))
+        metrics.update(pop_router_losses(self.policy, num_microbatches=real))
         return metrics, layout
 
     def _loss(self, batch: GRPOMicrobatch, logps: torch.Tensor, *, scale: float, normaliser: float):

@@ -82,20 +82,30 @@ def layer_specs_with_moe(arch: ModelArch, config, dense_spec, *, vp_stage: int |
 
 
 @contextlib.contextmanager
-def router_losses_off(model_chunk):
-    """Inside: ``model_chunk``'s MoE routers add no load-balancing or z-loss (a forward of rows that
-    carry nothing to train: a placeholder microbatch keeps its zero loss and gradient). The routers
-    read the coefficients from the shared config at each forward; they are restored on exit."""
+def router_loss_scale(model_chunk, factor: float):
+    """Inside: ``model_chunk``'s MoE routers add their load-balancing and z-losses times ``factor``
+    (0: none, for a forward of rows that carry nothing to train: a placeholder microbatch keeps its
+    zero loss and gradient). The routers read the coefficients from the shared config at each
+    forward, so this holds for the forward only: a recompute of the router in the backward would
+    read the restored ones (:func:`router_reruns_in_backward`)."""
     config = unwrap_model(model_chunk).config
-    if not getattr(config, "num_moe_experts", None):
+    if not getattr(config, "num_moe_experts", None) or factor == 1.0:
         yield
         return
     saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
-    config.moe_aux_loss_coeff, config.moe_z_loss_coeff = 0.0, None  # None: Megatron skips the z-loss
+    config.moe_aux_loss_coeff = saved[0] * factor
+    config.moe_z_loss_coeff = saved[1] * factor if saved[1] and factor else None  # None: Megatron skips the z-loss
     try:
         yield
     finally:
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
+
+
+def router_reruns_in_backward(recompute_kwargs: dict) -> bool:
+    """Whether Megatron's recompute (``TransformerConfig`` fields) runs the MoE routers again in the
+    backward, where they add their losses with the coefficients the config holds at that time."""
+    granularity = recompute_kwargs.get("recompute_granularity")
+    return granularity == "full" or (granularity == "selective" and "moe" in recompute_kwargs.get("recompute_modules", ()))
 
 
 def clear_router_losses() -> None:
@@ -109,10 +119,11 @@ def pop_router_losses(model, *, num_microbatches: int) -> dict[str, float]:
     """The router losses the last training pass of ``model`` (its chunks) added to its loss, and
     clear Megatron's tracker.
 
-    Per loss: the sum over MoE layers of coefficient x loss, averaged over microbatches and
-    data-parallel ranks (what one microbatch adds to the loss on average). Collective over the
-    pipeline, tensor and data-parallel groups; every rank gets the same numbers. Empty for a
-    dense model or when both coefficients are 0.
+    Per loss: the sum over MoE layers of coefficient x loss, this rank's mean over its
+    ``num_microbatches`` microbatches, then the mean over data-parallel ranks: what the pass added
+    to the loss, as Megatron weights each rank's router losses (1 / (its microbatches x DP size)).
+    Collective over the pipeline, tensor and data-parallel groups; every rank gets the same
+    numbers. Empty for a dense model or when both coefficients are 0.
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -140,9 +151,11 @@ def pop_router_losses(model, *, num_microbatches: int) -> dict[str, float]:
                     total /= tp_group.size()
         if dist.is_initialized():
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        total /= max(num_microbatches, 1)  # ranks may run different numbers of microbatches
+        if dist.is_initialized():
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
             total /= parallel_state.get_data_parallel_world_size()
-        out[metric] = coeffs[metric] * float(total) / max(num_microbatches, 1)
+        out[metric] = coeffs[metric] * float(total)
     clear_router_losses()
     return out
 

@@ -224,3 +224,30 @@ def test_a_placeholder_microbatch_adds_no_router_loss():
     assert empty["microbatches"] == 1 and empty["grad_abs_sum"] == 0.0
     assert empty["metrics"]["moe_aux_loss"] == 0.0 and empty["metrics"]["moe_z_loss"] == 0.0
     assert one["grad_abs_sum"] > 0 and one["metrics"]["moe_aux_loss"] > 0 and one["metrics"]["moe_z_loss"] > 0
+
+
+def grpo_step_with_router_losses(ep: int) -> dict:
+    from tests.distributed.moe_grpo_harness import moe_grpo_step
+
+    return moe_grpo_step(dense_packing=True, kv_cache=False,
+                         parallel=dict(expert_model_parallel_size=ep, moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z))
+
+
+@pytest.mark.distributed
+def test_grpo_router_losses_do_not_depend_on_the_placeholders_a_layout_needs():
+    """The same GRPO step (DP = 2, DPPO leaves the ranks with 3 and 2 training microbatches) at EP = 1
+    and at EP = 2, where the rank with fewer runs placeholders to keep the expert all-to-alls in
+    step. Megatron weights router losses by 1 / (the rank's microbatches x DP): the placeholders
+    used to dilute the real microbatches' share (gradients 19 % apart), and each rank reported its
+    own value. Both router-loss gradients and metrics are now the same at both layouts, on every rank."""
+    from tests.distributed.test_grpo import assert_metrics_and_grads
+
+    ep1 = run_distributed(grpo_step_with_router_losses, 2, ep=1)
+    ep2 = run_distributed(grpo_step_with_router_losses, 2, ep=2)
+    assert [rank["padding"]["placeholders"] for rank in ep1] == [0, 0]
+    assert sum(rank["padding"]["placeholders"] for rank in ep2) > 0
+    for name in ("moe_aux_loss", "moe_z_loss"):
+        values = [rank["metrics"][name] for rank in ep1 + ep2]
+        assert values[0] > 0 and values == pytest.approx([values[0]] * 4, rel=RTOL, abs=0), (name, values)
+    for rank, got in enumerate(ep2):
+        assert_metrics_and_grads(ep1[0], got, f"ep2 rank {rank}", ("loss",), rtol=1e-5, atol=1e-7)

@@ -213,6 +213,35 @@ def test_grpo_prompt_budget_refused_before_any_rank_works(monkeypatch, capsys):
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("recompute, refused", [
+    (["--recompute-activations"], True),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"], True),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"], True),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"], False),
+], ids=["activations", "full", "selective-moe", "selective-no-moe"])
+def test_grpo_router_losses_with_router_recompute_refused(recompute, refused, monkeypatch, capsys):
+    """GRPO gives each training microbatch's router losses their weight in the forward (a placeholder
+    none); a router rerun in the backward would add them at the full weight, placeholders included."""
+    from megatron_prune.grpo.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+    def dry_run(*argv):
+        try:
+            code = main(["--model-preset", "tiny-moe", "--device", "cpu", "--task", "toy", "--dry-run", *argv])
+        except SystemExit as exc:
+            code = exc.code
+        return code, capsys.readouterr().err
+
+    code, err = dry_run(*recompute, "--moe-z-loss-coeff", "0.001")
+    if refused:
+        assert code == 2 and "GRPO cannot combine --moe-z-loss-coeff > 0 with activation recompute" in err, err
+    else:
+        assert code == 0, err
+    assert dry_run(*recompute)[0] == 0  # without router losses
+
+
 def test_grpo_left_truncates_long_prompts_and_reports_tokens(tmp_path):
     """GSM8K prompts are longer than --seq-length minus --max-new-tokens: without --max-prompt-length
     they are left-truncated (counted in the metrics, logged), the run trains, the JSONL carries

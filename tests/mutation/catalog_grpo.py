@@ -14,6 +14,8 @@ DPPO_UNIT = "tests/unit/grpo/test_dppo.py"
 SKIP_ZERO = f"{OBJECTIVE}::test_zero_advantage_completions_are_skipped_exactly_without_kl"
 SKIP_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_skipping_zero_advantages_keeps_the_estimate_unbiased"
 UNBIASED_UNIT = "tests/unit/grpo/test_unbiasedness.py::test_dppo_gradient_is_unbiased_by_exact_enumeration"
+ROUTER_LAYOUT = ("tests/distributed/test_moe_router_losses.py::"
+                 "test_grpo_router_losses_do_not_depend_on_the_placeholders_a_layout_needs")
 MINIBATCHES = f"{OBJECTIVE}::test_minibatch_updates_use_the_rollout_policy_as_old_and_the_minibatch_normaliser"
 SEQUENCE = f"{OBJECTIVE}::test_sequence_normalisation_is_the_mean_over_each_completion"
 TOP_P = "tests/unit/grpo/test_top_p.py"
@@ -102,9 +104,34 @@ MUTANTS: list[dict] = [
         "why": "a placeholder microbatch (nothing to train) still adds the MoE routers' load-balancing and z-losses "
                "of its pad rows: a step said to train nothing moves every weight",
         "file": "megatron_prune/grpo/step.py",
-        "old": "    with router_losses_off(model) if not batch.items else contextlib.nullcontext():\n",
+        "old": "    with router_loss_scale(model, batch.extras.get(\"router_scale\", 1.0 if batch.items else 0.0)):\n",
         "new": "    with contextlib.nullcontext():\n",
         "tests": ["tests/distributed/test_moe_router_losses.py::test_a_placeholder_microbatch_adds_no_router_loss"],
+    },
+    {
+        "name": "grpo-router-losses-diluted-by-placeholders",
+        "why": "the real microbatches' MoE router losses keep Megatron's 1/(all microbatches) weight, so the "
+               "placeholders expert parallelism adds shrink them: the gradient depends on the layout",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "        router_scale = len(layout.batches) / real if real else 0.0\n",
+        "new": "        router_scale = 1.0 if real else 0.0\n",
+        "tests": [ROUTER_LAYOUT],
+    },
+    {
+        "name": "router-loss-metric-divided-after-the-dp-mean",
+        "why": "the reported router losses average the ranks' sums and divide by this rank's microbatch count: "
+               "ranks with different counts report different numbers, none of them the loss that was added",
+        "file": "megatron_prune/model/moe.py",
+        "old": ("        total /= max(num_microbatches, 1)  # ranks may run different numbers of microbatches\n"
+                "        if dist.is_initialized():\n"
+                "            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())\n"
+                "            total /= parallel_state.get_data_parallel_world_size()\n"
+                "        out[metric] = coeffs[metric] * float(total)\n"),
+        "new": ("        if dist.is_initialized():\n"
+                "            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())\n"
+                "            total /= parallel_state.get_data_parallel_world_size()\n"
+                "        out[metric] = coeffs[metric] * float(total) / max(num_microbatches, 1)\n"),
+        "tests": [ROUTER_LAYOUT],
     },
     {
         "name": "grpo-resume-sampler-not-restored",
