@@ -86,9 +86,15 @@ def _flop_weights(chunk: torch.nn.Module) -> FlopWeights:
         model = model.module
     q = cfg.num_attention_heads * cfg.kv_channels
     kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.kv_channels
-    mlp = (3 if cfg.gated_linear_unit else 2) * cfg.hidden_size * cfg.ffn_hidden_size
-    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + mlp
-    return FlopWeights(body=2.0 * layer * cfg.num_layers, attention=4.0 * q * cfg.num_layers,
+    matrices = 3 if cfg.gated_linear_unit else 2
+    mlp = [matrices * cfg.hidden_size * cfg.ffn_hidden_size] * cfg.num_layers
+    if cfg.num_moe_experts:  # a MoE layer's active weights: the router and the top-k experts
+        freq = cfg.moe_layer_freq
+        pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(cfg.num_layers)]
+        moe = cfg.hidden_size * (cfg.num_moe_experts + cfg.moe_router_topk * matrices * cfg.moe_ffn_hidden_size)
+        mlp = [moe if sparse else dense for sparse, dense in zip(pattern, mlp)]
+    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    return FlopWeights(body=2.0 * (attention * cfg.num_layers + sum(mlp)), attention=4.0 * q * cfg.num_layers,
                        head=2.0 * cfg.hidden_size * getattr(model, "vocab_size", cfg.hidden_size))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from megatron_prune.config import DPOConfig, PruneConfig
 from megatron_prune.data.preference import PreferencePair
@@ -169,6 +170,31 @@ def test_pruned_branch_joins_the_training_row_when_that_is_cheaper():
     # The attention term alone decides it too: a long prompt is quadratic to run again.
     no_body = FlopWeights(body=0.0, attention=1.0, head=0.0)
     assert pruned_branch_joins_training_row(_plan([1] * 30, [2] * 4, [3] * 4, prune=branch), weights=no_body)
+
+
+def test_flop_weights_count_a_moe_layers_active_experts():
+    """The cost model that picks where a pruned branch runs counts what a token computes: a MoE
+    layer's router and its top-k experts, a dense layer's MLP (not a dense MLP everywhere)."""
+    from types import SimpleNamespace
+
+    from megatron_prune.dpo.step import _flop_weights
+
+    h, heads, kv_heads, head_dim, layers, vocab = 64, 4, 2, 16, 4, 512
+    common = dict(hidden_size=h, num_attention_heads=heads, num_query_groups=kv_heads, kv_channels=head_dim,
+                  gated_linear_unit=True, ffn_hidden_size=128, num_layers=layers)
+    attention = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h
+    for moe, mlp in (
+        (dict(num_moe_experts=None), [3 * h * 128] * layers),
+        (dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 1, 1]),
+         [3 * h * 128] + [h * 4 + 2 * 3 * h * 32] * 3),
+        (dict(num_moe_experts=8, moe_router_topk=1, moe_ffn_hidden_size=16, moe_layer_freq=2),
+         [h * 8 + 3 * h * 16, 3 * h * 128] * 2),
+    ):
+        chunk = torch.nn.Module()
+        chunk.config, chunk.vocab_size = SimpleNamespace(**common, **moe), vocab
+        weights = _flop_weights(chunk)
+        assert weights.body == 2.0 * (attention * layers + sum(mlp)), moe
+        assert weights.attention == 4.0 * heads * head_dim * layers and weights.head == 2.0 * h * vocab
 
 
 def test_shared_layout_without_selective_head_is_refused():
