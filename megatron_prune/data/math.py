@@ -122,6 +122,11 @@ def last_boxed(solution: str) -> str:
                 if content:
                     return content
                 break
+    from megatron_prune.grpo.rewards import extract_boxed  # the reward's reading, "\\boxed 5" included
+
+    content = (extract_boxed(solution) or "").strip()
+    if content:
+        return content
     raise RecordError("no final answer", "no non-empty, closed \\boxed{...} in 'solution'")
 
 
@@ -152,6 +157,10 @@ def parse_math_record(
         template = prompt_template or GSM8K_PROMPT_TEMPLATE
     elif kind == "math":
         question, answer = _text_field(record, "problem"), last_boxed(_text_field(record, "solution"))
+        from megatron_prune.grpo.rewards import normalize_math_answer
+
+        if not normalize_math_answer(answer):  # "\\boxed{\\,}": nothing a completion could match
+            raise RecordError("no final answer", f"the last \\boxed{{...}} in 'solution' holds no answer: {answer!r}")
         template = prompt_template or MATH_PROMPT_TEMPLATE
     else:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")

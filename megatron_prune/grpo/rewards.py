@@ -91,8 +91,18 @@ def available_rewards() -> list[str]:
 # numbers (shared by GSM8K and MATH)
 # ---------------------------------------------------------------------------------------
 
-# A number: thousands groups ("1,234,567") or plain digits, optional decimals, or ".5".
-_NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+# A number: thousands groups ("1,234,567") or plain digits, optional decimals, or ".5"; a
+# fraction's denominator ("3/4") and a decimal exponent ("5e2") belong to it, so that neither is
+# read as one of its parts.
+_NUMBER_RE = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?(?:[eE][-+]?\d+)?")
+
+
+def _number_of(match: re.Match, text: str) -> str | None:
+    """The text of a number ``match`` in ``text``; ``None`` where it is the base or exponent of a
+    power ("2^{10}"): reading the power as one of its parts would credit a wrong answer."""
+    if text[: match.start()].rstrip("{").endswith("^") or text[match.end():].lstrip("}").startswith("^"):
+        return None
+    return match.group(0)
 
 
 def _to_fraction(text: str) -> Fraction | None:
@@ -126,9 +136,8 @@ def normalize_number(text: str) -> str | None:
     cleaned = text.translate(MINUS_SIGNS).replace("$", "").replace("%", "").replace("\\", "")
     cleaned = re.sub(r"(?<=[-+])\s+(?=\d|\.)", "", cleaned.strip())
     match = _NUMBER_RE.search(cleaned)
-    if match is None:
-        return None
-    value = _to_fraction(match.group(0))
+    number = None if match is None else _number_of(match, cleaned)
+    value = None if number is None else _to_fraction(number)
     return None if value is None else _format_fraction(value)
 
 
@@ -142,10 +151,11 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 def final_answer_text(completion_text: str) -> str | None:
     """The part of a completion that states its answer: after the last ``</think>`` where it has
-    one (the template may have opened the block in the prompt), ``None`` where a ``<think>`` block
-    never closed, else the whole text."""
+    one (the template may have opened the block in the prompt) and before a ``<think>`` that
+    reopens the reasoning there, ``None`` where a ``<think>`` block never closed, else the whole
+    text."""
     if THINK_CLOSE in completion_text:
-        return completion_text.rsplit(THINK_CLOSE, 1)[1]
+        return completion_text.rsplit(THINK_CLOSE, 1)[1].split(THINK_OPEN, 1)[0]
     return None if THINK_OPEN in completion_text else completion_text
 
 
@@ -155,18 +165,21 @@ def extract_gsm8k_answer(text: str) -> str | None:
     If the text contains ``####``, the answer is the first number after the *last*
     marker (``None`` if no number follows: the model committed to an answer and gave
     none). Without a marker, the last number of the last ``\\boxed{}`` (the form chat models
-    answer in; after its last ``=``, LaTeX's ``{,}`` read as a comma) where it holds a plain
-    number, else the last number anywhere in the text.
+    answer in; after its last ``=``, LaTeX's ``{,}`` read as a comma and ``\\frac{a}{b}`` as
+    ``a/b``), ``None`` if the box holds none; without a box, the last number of the text. A
+    fraction counts as its value and a power as no number, never as one of their parts.
     """
     if _GSM8K_MARKER in text:
         tail = text.rsplit(_GSM8K_MARKER, 1)[1]
         return normalize_number(tail)
     boxed = extract_boxed(text)
-    if boxed is not None and "\\frac" not in boxed:
-        number = _last_number(boxed.replace("{,}", ",").rsplit("=", 1)[-1])
-        if number is not None:
-            return number
-    return _last_number(text)
+    if boxed is None:
+        return _last_number(text)
+    content = re.sub(r"\\[dt]?frac\s*(\d)\s*(\d)", r"\1/\2", boxed.replace("{,}", ","))
+    content = re.sub(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}", r"\1/\2", content)
+    if "\\frac" in content:  # a fraction of more than two numbers: not read here
+        return None
+    return _last_number(content.rsplit("=", 1)[-1])
 
 
 def _last_number(text: str) -> str | None:
@@ -176,7 +189,9 @@ def _last_number(text: str) -> str | None:
     if not matches:
         return None
     last = matches[-1]
-    number = last.group(0)
+    number = _number_of(last, cleaned)
+    if number is None:
+        return None
     if number[0] in "+-" and last.start() > 0 and cleaned[last.start() - 1].isalnum():
         number = number[1:]  # "2023-2024", "x-5": a hyphen after a word or number joins, it is no sign
     return normalize_number(number)
@@ -230,12 +245,13 @@ def extract_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    after = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    if after < len(text) and text[after] == " ":
-        match = re.match(r"\s+([^\s$]+)", text[after:])
-        return match.group(1) if match else None
+    name_end = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    after = name_end
     while after < len(text) and text[after].isspace():
         after += 1
+    if after > name_end and after < len(text) and text[after] != "{":  # "\\boxed 5"
+        match = re.match(r"[^\s$]+", text[after:])
+        return match.group(0) if match else None
     group = _balanced_group(text, after)
     return None if group is None else group[0]
 
@@ -257,12 +273,15 @@ def _unwrap_command(text: str, command: str) -> str:
 def normalize_math_answer(answer: str) -> str:
     """Canonical form of a MATH answer string, for string comparison.
 
-    Strips spaces, ``\\left``/``\\right``, spacing commands (``\\!``, ``\\,``, ...),
+    Strips spaces, ``\\left``/``\\right``, spacing commands (``\\!``, ``\\,``, ...), a
+    trailing unit in ``\\text{ ...}`` (with its leading space, as MATH writes units),
     ``\\text{}``-style wrappers (keeping their content), degrees, percent and dollar signs,
     a trailing ``.``, and a leading ``x =``; maps ``\\dfrac``/``\\tfrac`` to ``\\frac``,
-    ``\\frac12`` to ``\\frac{1}{2}``, and a plain ``a/b`` of integers to ``\\frac{a}{b}``.
+    ``\\frac12`` to ``\\frac{1}{2}``, a plain ``a/b`` of integers to ``\\frac{a}{b}``,
+    LaTeX's ``{,}`` to a comma, and a space between two digits to a comma (``6 7`` is not ``67``).
     """
-    text = answer.strip().translate(MINUS_SIGNS)
+    text = answer.strip().translate(MINUS_SIGNS).replace("{,}", ",")
+    text = re.sub(r"(?<=\S)\s*\\(?:text|mbox)\{\s+[^{}]*\}\s*\.?$", "", text)
     text = re.sub(r"\\left(?![a-zA-Z])", "", text)
     text = re.sub(r"\\right(?![a-zA-Z])", "", text)
     text = re.sub(r"\\[!,;:]|\\ |~", "", text)
@@ -272,6 +291,7 @@ def normalize_math_answer(answer: str) -> str:
     text = re.sub(r"\^\{?\\circ\}?", "", text)
     text = text.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
+    text = re.sub(r"(?<=\d)\s+(?=\d)", ",", text)
     text = re.sub(r"\s+", "", text)
     text = re.sub(r"^[a-zA-Z](?:_\{?\w+\}?)?=", "", text)
     text = text.rstrip(".")
@@ -300,8 +320,15 @@ def _parse_math_number(normalized: str) -> Fraction | None:
     return -value if sign == "-" else value
 
 
+_LEFT_SIDE = re.compile(r"^\s*([a-zA-Z](?:_\{?\w+\}?)?)\s*=")
+
+
 def math_answers_equal(predicted: str, reference: str) -> bool:
-    """True when the normalised strings match, or both parse as numbers and are equal."""
+    """True when the normalised strings match, or both parse as numbers and are equal. A leading
+    ``x =`` counts only where both sides have one: then the variables must be the same."""
+    sides = [_LEFT_SIDE.match(text.translate(MINUS_SIGNS)) for text in (predicted, reference)]
+    if all(sides) and sides[0].group(1).replace(" ", "") != sides[1].group(1).replace(" ", ""):
+        return False
     left, right = normalize_math_answer(predicted), normalize_math_answer(reference)
     if left == right:
         return bool(left)

@@ -388,6 +388,32 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/grpo/test_rewards.py::test_gsm8k_grades_what_follows_the_reasoning"],
     },
     {
+        "name": "gsm8k-fraction-read-as-a-part",
+        "why": "the GSM8K reward reads 3/4 as 4 (or 3 after ####), \\frac{3}{4} in a box as its denominator: "
+               "a wrong answer whose part equals the reference scores 1",
+        "file": "megatron_prune/grpo/rewards.py",
+        "old": "(?:/\\d+)?(?:[eE][-+]?\\d+)?\")",
+        "new": "\")",
+        "tests": ["tests/unit/grpo/test_rewards.py::test_gsm8k_reward"],
+    },
+    {
+        "name": "math-left-side-variable-ignored",
+        "why": "the MATH reward drops any one-letter left-hand side: the asymptote x = 3 matches y = 3",
+        "file": "megatron_prune/grpo/rewards.py",
+        "old": "    if all(sides) and sides[0].group(1).replace(\" \", \"\") != sides[1].group(1).replace(\" \", \"\"):\n",
+        "new": "    if False:\n",
+        "tests": ["tests/unit/grpo/test_rewards.py::test_math_reward"],
+    },
+    {
+        "name": "reward-grades-reasoning-reopened-after-the-answer",
+        "why": "a completion that closes its reasoning, answers, then opens <think> again is graded on the "
+               "draft it writes there",
+        "file": "megatron_prune/grpo/rewards.py",
+        "old": "        return completion_text.rsplit(THINK_CLOSE, 1)[1].split(THINK_OPEN, 1)[0]\n",
+        "new": "        return completion_text.rsplit(THINK_CLOSE, 1)[1]\n",
+        "tests": ["tests/unit/grpo/test_rewards.py::test_math_grades_what_follows_the_reasoning"],
+    },
+    {
         "name": "math-frac-sign-dropped",
         "why": "the MATH reward parses -\\frac{a}{b} as +a/b: a negative fraction matches the positive reference",
         "file": "megatron_prune/grpo/rewards.py",

@@ -69,6 +69,7 @@ def test_math_boxed():
     assert last_boxed(r"\boxed{1} then \boxed{ {a}+{b} }") == "{a}+{b}"
     assert last_boxed(r"\fbox{7}") == "7"
     assert last_boxed(r"\boxed{2} and an unclosed \boxed{3") == "2"
+    assert last_boxed(r"so $\boxed 5$") == "5"  # brace-less, as the reward reads it
     for bad in ("no box", r"\boxed{}", r"\boxed{unclosed"):
         with pytest.raises(RecordError, match="no final answer"):
             last_boxed(bad)
@@ -86,6 +87,9 @@ def test_math_record_and_templates():
         parse_math_record({"question": "Q?", "answer": "#### 1"}, format="math")
     with pytest.raises(RecordError, match=r"wrong format: a math record \(problem/solution\), not a gsm8k one"):
         parse_math_record({"problem": "P?", "solution": r"\boxed{1}"}, format="gsm8k")
+    # a box that holds nothing a completion could match is refused when the record loads
+    with pytest.raises(RecordError, match=r"no final answer: the last .* holds no answer"):
+        parse_math_record({"problem": "P?", "solution": r"So \boxed{\,}."})
     with pytest.raises(RecordError, match="missing field: 'solution'"):
         parse_math_record({"problem": "P?"}, format="math")
     with pytest.raises(ValueError, match="question"):

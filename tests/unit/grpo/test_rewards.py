@@ -81,6 +81,27 @@ def test_normalize_number(text, expected):
         ("From 2023-2024 it grew", "#### 2024", 1.0),  # a hyphen after a number is no sign
         ("It is -5 now", "#### -5", 1.0),
         ("#### 5 #### 6", "#### 6", 1.0),  # the last marker wins
+        # A fraction or a power is never read as one of its parts (they were: reward 1 for wrong answers).
+        ("So she pays \\boxed{\\dfrac{3}{4}} of the cost.", "4", 0.0),
+        ("So she pays \\boxed{\\frac{3}{4}}.", "4", 0.0),
+        ("So she pays \\boxed{\\frac{3}{4}}.", "3", 0.0),
+        ("So she pays \\boxed{7/2}.", "2", 0.0),
+        ("The answer is 3/4.", "4", 0.0),
+        ("\\boxed{2^{10}}", "10", 0.0),
+        ("\\boxed{2^{10}}", "2", 0.0),
+        ("It is 10^3", "3", 0.0),
+        ("#### 7/2", "7", 0.0),
+        ("#### 5e2", "5", 0.0),
+        ("#### 2^10", "2", 0.0),
+        ("\\boxed{x} after 3 steps", "3", 0.0),  # a box without a number answers nothing
+        # ... and counts as its value
+        ("\\boxed{\\frac{14}{2}}", "7", 1.0),
+        ("\\boxed{\\tfrac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{\\dfrac12}", "0.5", 1.0),
+        ("#### 14/2", "7", 1.0),
+        ("The answer is 1/2.", "0.5", 1.0),
+        ("#### 1e3", "1000", 1.0),
+        ("2^10 = 1024", "1024", 1.0),
     ],
 )
 def test_gsm8k_reward(completion, reference, reward):
@@ -114,6 +135,8 @@ def test_gsm8k_reference_answers_score_themselves():
         ("\\boxed{\\left\\{ 1, 2 \\right\\}}", "\\left\\{ 1, 2 \\right\\}"),  # nested braces
         ("\\fbox{7}", "7"),
         ("$\\boxed 5$", "5"),
+        ("\\boxed {5}", "5"),  # a space before the braces keeps the box
+        ("\\fbox  {7}", "7"),
         ("\\boxed{\\frac{1}{2}", None),  # unbalanced
         ("no box here: 42", None),
     ],
@@ -130,7 +153,12 @@ def test_extract_boxed(text, expected):
         ("3/4", "\\frac{3}{4}"),
         ("x = 5", "5"),
         ("\\left( 1,\\! 2 \\right)", "(1,2)"),
-        ("10\\text{ inches}", "10inches"),
+        ("10\\text{ inches}", "10"),  # a unit, as MATH writes it (with its space)
+        ("12\\mbox{ cm}.", "12"),
+        ("\\text{(A)}", "(A)"),  # no space: an answer, not a unit
+        ("10{,}000", "10000"),  # LaTeX's thousands separator
+        ("6   7", "6,7"),  # two numbers stay two
+        ("1\\,000", "1000"),  # a thin space inside a number is no gap
         ("5.", "5"),
         ("90^\\circ", "90"),
         ("50\\%", "50"),
@@ -170,6 +198,17 @@ def test_math_answers_equal(predicted, reference, equal):
         ("$\\boxed{3}$", "4", 0.0),  # wrong
         ("$\\boxed{\\frac{1}{2}$", "\\frac{1}{2}", 0.0),  # malformed
         ("The answer is 1/2.", "\\frac{1}{2}", 0.0),  # no box: no answer
+        # the left-hand side counts where both have one (the asymptote x = 3 is not y = 3) ...
+        ("The vertical asymptote is \\boxed{x = 3}.", "y = 3", 0.0),
+        ("\\boxed{x = 2x + 1}", "y = 2x + 1", 0.0),
+        ("\\boxed{y = 3}", "y = 3", 1.0),
+        ("\\boxed{3}", "x = 3", 1.0),  # ... and not where one side has none
+        ("\\boxed{6   7}", "67", 0.0),  # two numbers are not one
+        ("\\boxed{5}", "5\\text{ cm}", 1.0),  # a unit in the reference
+        ("\\boxed{12\\text{ inches}}", "12", 1.0),
+        ("\\boxed{10000}", "10{,}000", 1.0),
+        ("\\boxed{10{,}000}", "10000", 1.0),
+        ("\\boxed {5}", "5", 1.0),
     ],
 )
 def test_math_reward(completion, reference, reward):
@@ -332,6 +371,9 @@ def test_gsm8k_grades_what_follows_the_reasoning(completion, reward, why):
     ("<think>\\boxed{\\frac12}</think> so it is 1/3", 0.0),
     ("<think>\\boxed{\\frac13} or \\boxed{\\frac12}</think> The answer is \\boxed{\\frac{1}{2}}.", 1.0),
     ("<think>\\boxed{\\frac12} and still thinking", 0.0),
+    # reasoning reopened after the answer: what it drafts does not count
+    ("<think>\\boxed{\\frac13}</think> The answer is \\boxed{\\frac12}. <think>or \\boxed{\\frac13}", 1.0),
+    ("<think>\\boxed{\\frac12}</think> The answer is \\boxed{\\frac13}. <think>or \\boxed{\\frac12}", 0.0),
 ])
 def test_math_grades_what_follows_the_reasoning(completion, reward):
     assert MathReward()(completion, "\\frac{1}{2}") == reward
