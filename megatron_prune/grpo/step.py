@@ -338,9 +338,10 @@ def _forward_step(data_iterator, model):
     from megatron_prune.model.moe import router_loss_scale
 
     batch: GRPOMicrobatch = next(data_iterator)
-    # A placeholder trains nothing (scale 0): a MoE router's losses on its pad rows would still move
-    # the weights. Forward-only passes set no scale and add no router losses anyway.
-    with router_loss_scale(model, batch.extras.get("router_scale", 1.0 if batch.items else 0.0)):
+    # A training microbatch carries its router-loss weight (a placeholder 0: a MoE router's losses on
+    # its pad rows would still move the weights); forward-only passes add no router losses.
+    scale = batch.extras.get("router_scale")
+    with router_loss_scale(model, scale) if scale is not None else contextlib.nullcontext():
         output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection,
                        segments=batch.segments)
     return output, partial(batch.extras["loss_func"], batch)

@@ -88,8 +88,8 @@ def router_loss_scale(model_chunk, factor: float):
     zero loss and gradient). The routers read the coefficients from the shared config at each
     forward, so this holds for the forward only: a recompute of the router in the backward would
     read the restored ones (:func:`router_reruns_in_backward`)."""
-    config = unwrap_model(model_chunk).config
-    if not getattr(config, "num_moe_experts", None) or factor == 1.0:
+    config = None if factor == 1.0 else unwrap_model(model_chunk).config
+    if not getattr(config, "num_moe_experts", None):
         yield
         return
     saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff

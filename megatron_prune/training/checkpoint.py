@@ -593,7 +593,8 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
         gathered = [rng]
     if _rank() == 0:
         torch.save(
-            {"trainer": trainer_state or {}, "scheduler": scheduler_state or {}, "rng_per_rank": gathered},
+            {"trainer": trainer_state or {}, "scheduler": scheduler_state or {}, "rng_per_rank": gathered,
+             "rng_layout": _rng_layout()},
             os.path.join(tmp, "trainer_state.pt"),
         )
         meta = {"format": FORMAT, "iteration": iteration, "arch": arch.to_dict(),
@@ -680,7 +681,11 @@ def load_checkpoint(
     meta["trainer"] = extra.get("trainer", {})
     meta["scheduler"] = extra.get("scheduler", {})
     per_rank = extra.get("rng_per_rank") or []
-    if restore_rng and len(per_rank) == (dist.get_world_size() if dist.is_initialized() else 1):
+    # Rank k's generators only at the layout that saved them: at another one of the same world size
+    # rank k holds another part (TP ranks given two DP ranks' states would drop out differently on
+    # one input), so the launch's own seeding, consistent for its layout, stands.
+    same_layout = extra.get("rng_layout", _rng_layout()) == _rng_layout()  # older checkpoints: world size only
+    if restore_rng and same_layout and len(per_rank) == (dist.get_world_size() if dist.is_initialized() else 1):
         mine = per_rank[_rank()]
         torch.set_rng_state(mine["torch"])
         _set_device_rng_state(mine.get("device"))
@@ -699,6 +704,17 @@ def load_model_weights(path: str, *, model: list[torch.nn.Module], arch: ModelAr
 
 def _describe(fmt: str) -> str:
     return "with --use-distributed-optimizer" if fmt == DISTRIBUTED_OPTIMIZER else "without --use-distributed-optimizer"
+
+
+def _rng_layout() -> dict[str, int | None]:
+    """The parallel layout the ranks' generator states belong to (empty outside a Megatron layout)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
 
 
 def _device_rng_state() -> dict | None:

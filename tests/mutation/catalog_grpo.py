@@ -104,7 +104,7 @@ MUTANTS: list[dict] = [
         "why": "a placeholder microbatch (nothing to train) still adds the MoE routers' load-balancing and z-losses "
                "of its pad rows: a step said to train nothing moves every weight",
         "file": "megatron_prune/grpo/step.py",
-        "old": "    with router_loss_scale(model, batch.extras.get(\"router_scale\", 1.0 if batch.items else 0.0)):\n",
+        "old": "    with router_loss_scale(model, scale) if scale is not None else contextlib.nullcontext():\n",
         "new": "    with contextlib.nullcontext():\n",
         "tests": ["tests/distributed/test_moe_router_losses.py::test_a_placeholder_microbatch_adds_no_router_loss"],
     },

@@ -399,6 +399,23 @@ def test_resume_restores_the_rng_states_saved_with_the_checkpoint(tmp_path, stub
     assert len(restored) == 1 and torch.equal(restored[0]["model-parallel-rng"], tracker_then["model-parallel-rng"])
 
 
+def test_rng_states_are_restored_only_at_the_layout_that_saved_them(tmp_path, stub_load):
+    """Rank k of another layout of the same world size holds another part of the model: given the
+    saved states, two TP ranks that were two DP ranks would draw different LoRA dropout masks on one
+    input and their replicated adapters would drift apart. There the launch's own seeding stands."""
+    restored = []
+    stub_load.setattr(ckpt, "_set_rng_tracker_states", restored.append)
+    dp2 = {"tp": 1, "pp": 1, "vpp": None, "dp": 2, "ep": 1, "cp": 1}
+    stub_load.setattr(ckpt, "_rng_layout", lambda: dp2)
+    _save(tmp_path, 3)
+    stub_load.setattr(ckpt, "_rng_layout", lambda: {**dp2, "tp": 2, "dp": 1})
+    ckpt.load_checkpoint(str(tmp_path), model=[], restore_rng=True)
+    assert not restored
+    stub_load.setattr(ckpt, "_rng_layout", lambda: dict(dp2))
+    ckpt.load_checkpoint(str(tmp_path), model=[], restore_rng=True)
+    assert len(restored) == 1
+
+
 class _FakeDeviceRNG:
     """Stands in for ``torch.cuda``'s default generator (no GPU here): a state that draws move."""
 
