@@ -592,22 +592,30 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
     else:
         gathered = [rng]
     if _rank() == 0:
-        torch.save(
-            {"trainer": trainer_state or {}, "scheduler": scheduler_state or {}, "rng_per_rank": gathered,
-             "rng_layout": _rng_layout()},
-            os.path.join(tmp, "trainer_state.pt"),
-        )
         meta = {"format": FORMAT, "iteration": iteration, "arch": arch.to_dict(),
                 "has_optimizer": optimizer is not None, **(extra_meta or {})}
         if optimizer is not None:
             meta.update(_record_of(optimizer))
-        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
+        try:  # a full disk fails here too (torch's own message names no file)
+            torch.save(
+                {"trainer": trainer_state or {}, "scheduler": scheduler_state or {}, "rng_per_rank": gathered,
+                 "rng_layout": _rng_layout()},
+                os.path.join(tmp, "trainer_state.pt"),
+            )
+            with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=2)
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"--save {root}: writing the checkpoint of iteration {iteration} into {tmp} "
+                                  f"failed ({_cause(exc)}); the checkpoints published before it are intact") from exc
         _replace_dir(tmp, final)
         tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        try:
+            with open(tracker_tmp, "w") as f:
+                f.write(str(iteration))
+            os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        except OSError as exc:  # the checkpoint is complete; only the pointer to it is stale
+            logger.warning("--save %s: saved %s, but updating %s failed (%s): a --load of %s resumes from the "
+                           "iteration it still names", root, final, TRACKER, _cause(exc), root)
         logger.info("saved checkpoint %s", final)
     _barrier()
     return final

@@ -489,6 +489,38 @@ def test_a_failed_shard_write_names_the_save_directory_and_the_cause(tmp_path, s
     assert ckpt.read_meta(str(tmp_path))["iteration"] == 2
 
 
+def test_a_disk_full_after_the_shards_names_the_save_directory(tmp_path, stub_io, caplog):
+    """Rank 0's own files after the shards: torch's message for a full disk names no file
+    ("unexpected pos 17088 vs 16976"). The run stops with the --save line instead. A failure to move
+    the tracker after the checkpoint is published only warns: the checkpoint is complete."""
+    _save(tmp_path, 2)
+    real_save = torch.save
+
+    def disk_full(obj, path, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 17088 vs 16976")
+
+    stub_io.setattr(torch, "save", disk_full)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        _save(tmp_path, 4)
+    assert str(info.value).startswith(f"--save {tmp_path}: writing the checkpoint of iteration 4 into "
+                                      f"{tmp_path}/iter_0000004.tmp failed (RuntimeError: [enforce fail")
+    assert ckpt.read_meta(str(tmp_path))["iteration"] == 2
+
+    stub_io.setattr(torch, "save", real_save)
+    real_replace = os.replace
+
+    def tracker_fails(src, dst):
+        if os.path.basename(dst) == ckpt.TRACKER:
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    stub_io.setattr(os, "replace", tracker_fails)
+    with caplog.at_level("WARNING"):
+        assert _save(tmp_path, 6).endswith("iter_0000006")
+    assert f"updating {ckpt.TRACKER} failed (OSError: [Errno 28] No space left on device)" in caplog.text
+    assert _tracker(tmp_path) == "2" and os.path.isfile(tmp_path / "iter_0000006" / ckpt.META)
+
+
 def test_converter_save_dir_left_by_a_killed_conversion_is_reused(tmp_path, stub_io):
     """tools/convert_hf_to_megatron.py's --save: a killed conversion's iter_*.tmp is no checkpoint
     (the next save replaces it); a complete checkpoint is refused."""
