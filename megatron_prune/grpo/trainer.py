@@ -242,6 +242,7 @@ class GRPOObjective:
         self.sampler = EpochSampler(len(source), seed=train_cfg.seed, distinct=True)  # a group per prompt id
         self.pruner = DPPOPruner(config=dppo.dppo_config(kl_beta=grpo.kl_beta), seed=train_cfg.seed)
         self.buffer: RolloutBuffer | None = None
+        self._before_buffer: dict[str, Any] | None = None  # sampler and history before the buffer's draws
         self._steps_done = 0
         self._warned_clipped = False
 
@@ -267,6 +268,7 @@ class GRPOObjective:
         step = rollout * self.grpo.updates_per_rollout if step is None else step
         timer = time.perf_counter()
         G = self.grpo.group_size
+        self._before_buffer = {"sampler": self.sampler.state_dict(), "dppo": self.pruner.state_dict()}
         ids = self.sampler.next_indices(self.train_cfg.global_batch_size)
         prompts = {i: self.source.get(i) for i in ids}
         prompt_decision = self.pruner.select_prompts(step=step, prompt_ids=ids)
@@ -403,34 +405,44 @@ class GRPOObjective:
             state["data_sha256"] = self.source.records.content_sha256
         if self.buffer is not None and self._steps_done % self.grpo.updates_per_rollout:
             state["rollout"] = self._buffer_state()
+            state["before_rollout"] = self._before_buffer  # a resume that cannot reuse it draws it again
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "sampler" in state:
-            self.sampler.load_state_dict(state["sampler"])
-        if "dppo" in state:
-            self.pruner.load_state_dict(state["dppo"])
-        if "rollout" in state:
-            saved = state["rollout"]
-            splits = (len(saved["minibatches"]), saved.get("updates_per_rollout", self.grpo.updates_per_rollout))
-            changed = self._changed_rollout_flags(saved)
-            if splits != (self.grpo.minibatches, self.grpo.updates_per_rollout):
-                if is_logging_rank():  # its minibatches and update count no longer map onto this run's steps
-                    logger.warning("the checkpoint stopped inside a rollout split into %d minibatches for %d "
-                                   "updates; this run has --minibatches %d and %d updates per rollout (--ppo-epochs "
-                                   "%d), so that rollout is not reused", *splits, self.grpo.minibatches,
-                                   self.grpo.updates_per_rollout, self.grpo.ppo_epochs)
-            elif changed:
-                if is_logging_rank():
-                    logger.warning("the checkpoint stopped inside a rollout made with %s, so that rollout is not "
-                                   "reused", "; ".join(changed))
-            elif self._rerendered_prompts(saved):
-                if is_logging_rank():
-                    logger.warning("the checkpoint stopped inside a rollout whose prompts this run makes of other "
-                                   "tokens (changed data files, tokenizer, --chat-template-kwargs, --max-prompt-length "
-                                   "or --seq-length), so that rollout is not reused")
-            else:
-                self.buffer = self._load_buffer(saved)
+        reused = "rollout" in state and self._reusable(state["rollout"])
+        # A saved rollout this run cannot reuse is drawn again: the same prompts, from the sampler
+        # position and prompt history before it (checkpoints saved before they were kept: after it).
+        source = (state.get("before_rollout") or state) if "rollout" in state and not reused else state
+        if "sampler" in source:
+            self.sampler.load_state_dict(source["sampler"])
+        if "dppo" in source:
+            self.pruner.load_state_dict(source["dppo"])
+        if reused:
+            self.buffer = self._load_buffer(state["rollout"])
+
+    def _reusable(self, saved: dict[str, Any]) -> bool:
+        """Whether this run can train on the saved rollout; says why not."""
+        splits = (len(saved["minibatches"]), saved.get("updates_per_rollout", self.grpo.updates_per_rollout))
+        changed = self._changed_rollout_flags(saved)
+        if splits != (self.grpo.minibatches, self.grpo.updates_per_rollout):
+            if is_logging_rank():  # its minibatches and update count no longer map onto this run's steps
+                logger.warning("the checkpoint stopped inside a rollout split into %d minibatches for %d "
+                               "updates; this run has --minibatches %d and %d updates per rollout (--ppo-epochs "
+                               "%d), so that rollout is not reused", *splits, self.grpo.minibatches,
+                               self.grpo.updates_per_rollout, self.grpo.ppo_epochs)
+            return False
+        if changed:
+            if is_logging_rank():
+                logger.warning("the checkpoint stopped inside a rollout made with %s, so that rollout is not "
+                               "reused", "; ".join(changed))
+            return False
+        if self._rerendered_prompts(saved):
+            if is_logging_rank():
+                logger.warning("the checkpoint stopped inside a rollout whose prompts this run makes of other "
+                               "tokens (changed data files, tokenizer, --chat-template-kwargs, --max-prompt-length "
+                               "or --seq-length), so that rollout is not reused")
+            return False
+        return True
 
     def _warn_clipped(self, clipped: float, step: int) -> None:
         """Say once when most completions of a graded task run out of --max-new-tokens: a cut

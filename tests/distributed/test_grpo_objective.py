@@ -519,6 +519,60 @@ def test_state_inside_a_rollout_restores_it_on_every_rank():
         assert torch.equal(grad_resumed, grad), rank
 
 
+def _discard_a_saved_rollout() -> dict:
+    """Objective A trains rollout 0 (two updates) and update 0 of rollout 1, and is saved there; B,
+    at another --temperature, cannot reuse rollout 1 and draws it again."""
+    import dataclasses
+
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+    from megatron_prune.grpo.trainer import build_objective, toy_source
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, par, seed=SEED)
+        source = toy_source(vocab_size=arch.vocab_size, num_prompts=6, seed=SEED, prompt_length=4)
+        grpo = GRPOConfig(group_size=3, max_new_tokens=3, ppo_epochs=2, toy_num_prompts=6)
+        configs = {
+            "TrainConfig": TrainConfig(global_batch_size=4, micro_batch_size=4, seq_length=16, seed=SEED),
+            "GRPOConfig": grpo,
+            "DPPOArgs": DPPOArgs(prompt_prune_rate=0.5, completion_prune_rate=0.3, prompt_floor=0.2),
+        }
+
+        def build(**changes):
+            return build_objective(configs={**configs, "GRPOConfig": dataclasses.replace(grpo, **changes)},
+                                   arch=arch, policy=policy, reference=None, source=source)
+
+        first = build()
+        first.train_step(0)
+        first.train_step(1)
+        before = (first.sampler.state_dict(), first.pruner.state_dict())
+        first.train_step(2)
+        after = first.sampler.state_dict()
+        state = first.state_dict()
+        resumed = build(temperature=0.7)
+        resumed.load_state_dict(state)
+        loaded = (resumed.sampler.state_dict(), resumed.pruner.state_dict())
+        metrics = resumed.train_step(3)
+        return dict(has_rollout="rollout" in state, history=bool(before[1]["history"]["ids"]),
+                    loaded_before=loaded == before, same_draw=resumed.sampler.state_dict() == after,
+                    fresh=metrics["fresh_rollout"], moved=after != before[0])
+
+
+def test_a_rollout_a_resume_cannot_reuse_is_drawn_again():
+    """It used to keep the sampler position and prompt history saved after that rollout: the resume
+    skipped the rollout's prompts, drew the next ones, and kept the discarded rewards in the history."""
+    (got,) = run_distributed(_discard_a_saved_rollout, 1)
+    assert got["has_rollout"] and got["history"] and got["moved"] and got["fresh"] == 1.0
+    assert got["loaded_before"], "the resume did not go back to the state before the discarded rollout"
+    assert got["same_draw"], "the resume drew other prompts than the discarded rollout's"
+
+
 # ---------------------------------------------------------------------------------------
 # several updates per rollout (--minibatches, --ppo-epochs) and --loss-normalization sequence
 # ---------------------------------------------------------------------------------------

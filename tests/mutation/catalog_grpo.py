@@ -95,8 +95,8 @@ MUTANTS: list[dict] = [
         "why": "a checkpoint saved inside a rollout at --kl-beta 0 resumed with --kl-beta > 0 reuses that rollout, "
                "which has no reference log-probs (the run crashed)",
         "file": "megatron_prune/grpo/trainer.py",
-        "old": "            elif changed:\n",
-        "new": "            elif changed and False:\n",
+        "old": "        if changed:\n",
+        "new": "        if changed and False:\n",
         "tests": [f"{RESUME}::test_resume_may_turn_the_kl_term_on"],
     },
     {
@@ -134,10 +134,19 @@ MUTANTS: list[dict] = [
         "tests": [ROUTER_LAYOUT],
     },
     {
+        "name": "grpo-discarded-rollout-skips-its-prompts",
+        "why": "a resume that cannot reuse the saved rollout keeps the sampler and prompt history from after it: "
+               "the rollout's prompts are skipped and its discarded rewards stay in the history",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "        source = (state.get(\"before_rollout\") or state) if \"rollout\" in state and not reused else state\n",
+        "new": "        source = state\n",
+        "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
+    },
+    {
         "name": "grpo-resume-sampler-not-restored",
         "why": "a resumed GRPO run starts the prompt order from the beginning instead of the saved position",
         "file": "megatron_prune/grpo/trainer.py",
-        "old": "            self.sampler.load_state_dict(state[\"sampler\"])",
+        "old": "            self.sampler.load_state_dict(source[\"sampler\"])",
         "new": "            pass",
         "tests": [RESUME],
     },
@@ -145,7 +154,7 @@ MUTANTS: list[dict] = [
         "name": "grpo-resume-history-not-restored",
         "why": "a resumed DPPO run forgets the prompt history, so its prompt keep probabilities and draws change",
         "file": "megatron_prune/grpo/trainer.py",
-        "old": "            self.pruner.load_state_dict(state[\"dppo\"])",
+        "old": "            self.pruner.load_state_dict(source[\"dppo\"])",
         "new": "            pass",
         "tests": [RESUME],
     },
@@ -153,8 +162,8 @@ MUTANTS: list[dict] = [
         "name": "grpo-resume-rollout-not-restored",
         "why": "a run resumed inside a rollout rolls out again with the current policy instead of reusing the saved rollout",
         "file": "megatron_prune/grpo/trainer.py",
-        "old": "                self.buffer = self._load_buffer(saved)",
-        "new": "                pass",
+        "old": "            self.buffer = self._load_buffer(state[\"rollout\"])",
+        "new": "            pass",
         "tests": [ROLLOUT_STATE],
     },
     {
@@ -559,8 +568,8 @@ MUTANTS: list[dict] = [
         "why": "a resume inside a rollout reuses the saved rollout although this run renders its prompts to other "
                "tokens (--chat-template-kwargs, another tokenizer): it trains on prompts the run no longer makes",
         "file": "megatron_prune/grpo/trainer.py",
-        "old": "            elif self._rerendered_prompts(saved):\n",
-        "new": "            elif False and self._rerendered_prompts(saved):\n",
+        "old": "        if self._rerendered_prompts(saved):\n",
+        "new": "        if False and self._rerendered_prompts(saved):\n",
         "tests": ["tests/e2e/test_grpo_resume.py::test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again"],
     },
     {
