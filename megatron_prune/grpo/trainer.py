@@ -419,6 +419,7 @@ class GRPOObjective:
             self.pruner.load_state_dict(source["dppo"])
         if reused:
             self.buffer = self._load_buffer(state["rollout"])
+            self._before_buffer = state.get("before_rollout")  # for the next save inside this rollout
 
     def _reusable(self, saved: dict[str, Any]) -> bool:
         """Whether this run can train on the saved rollout; says why not."""

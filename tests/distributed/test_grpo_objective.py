@@ -520,8 +520,9 @@ def test_state_inside_a_rollout_restores_it_on_every_rank():
 
 
 def _discard_a_saved_rollout() -> dict:
-    """Objective A trains rollout 0 (two updates) and update 0 of rollout 1, and is saved there; B,
-    at another --temperature, cannot reuse rollout 1 and draws it again."""
+    """Three updates per rollout. Objective A trains rollout 0 and update 0 of rollout 1 and is saved
+    there; B resumes with the same flags (reusing rollout 1), trains update 1 and is saved again,
+    still inside rollout 1; C, at another --temperature, cannot reuse it and draws it again."""
     import dataclasses
 
     from megatron_prune.config import TrainConfig
@@ -537,7 +538,7 @@ def _discard_a_saved_rollout() -> dict:
         arch = get_preset("tiny")
         policy = setup_model(arch, par, seed=SEED)
         source = toy_source(vocab_size=arch.vocab_size, num_prompts=6, seed=SEED, prompt_length=4)
-        grpo = GRPOConfig(group_size=3, max_new_tokens=3, ppo_epochs=2, toy_num_prompts=6)
+        grpo = GRPOConfig(group_size=3, max_new_tokens=3, ppo_epochs=3, toy_num_prompts=6)
         configs = {
             "TrainConfig": TrainConfig(global_batch_size=4, micro_batch_size=4, seq_length=16, seed=SEED),
             "GRPOConfig": grpo,
@@ -549,26 +550,31 @@ def _discard_a_saved_rollout() -> dict:
                                    arch=arch, policy=policy, reference=None, source=source)
 
         first = build()
-        first.train_step(0)
-        first.train_step(1)
+        for step in range(3):
+            first.train_step(step)
         before = (first.sampler.state_dict(), first.pruner.state_dict())
-        first.train_step(2)
+        first.train_step(3)
         after = first.sampler.state_dict()
-        state = first.state_dict()
+        reused = build()
+        reused.load_state_dict(first.state_dict())
+        reused_metrics = reused.train_step(4)
+        state = reused.state_dict()
         resumed = build(temperature=0.7)
         resumed.load_state_dict(state)
         loaded = (resumed.sampler.state_dict(), resumed.pruner.state_dict())
-        metrics = resumed.train_step(3)
+        metrics = resumed.train_step(5)
         return dict(has_rollout="rollout" in state, history=bool(before[1]["history"]["ids"]),
-                    loaded_before=loaded == before, same_draw=resumed.sampler.state_dict() == after,
-                    fresh=metrics["fresh_rollout"], moved=after != before[0])
+                    reused=reused_metrics["fresh_rollout"] == 0.0, loaded_before=loaded == before,
+                    same_draw=resumed.sampler.state_dict() == after, fresh=metrics["fresh_rollout"],
+                    moved=after != before[0])
 
 
 def test_a_rollout_a_resume_cannot_reuse_is_drawn_again():
     """It used to keep the sampler position and prompt history saved after that rollout: the resume
-    skipped the rollout's prompts, drew the next ones, and kept the discarded rewards in the history."""
+    skipped the rollout's prompts, drew the next ones, and kept the discarded rewards in the history.
+    A resume that reuses the rollout keeps the state from before it for its own saves."""
     (got,) = run_distributed(_discard_a_saved_rollout, 1)
-    assert got["has_rollout"] and got["history"] and got["moved"] and got["fresh"] == 1.0
+    assert got["has_rollout"] and got["reused"] and got["history"] and got["moved"] and got["fresh"] == 1.0
     assert got["loaded_before"], "the resume did not go back to the state before the discarded rollout"
     assert got["same_draw"], "the resume drew other prompts than the discarded rollout's"
 

@@ -143,6 +143,15 @@ MUTANTS: list[dict] = [
         "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
     },
     {
+        "name": "grpo-reused-rollout-forgets-the-state-before-it",
+        "why": "a resume that reuses the saved rollout saves again inside it without the state from before it, "
+               "so a later resume that cannot reuse it skips its prompts",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "            self._before_buffer = state.get(\"before_rollout\")  # for the next save inside this rollout\n",
+        "new": "",
+        "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
+    },
+    {
         "name": "grpo-resume-sampler-not-restored",
         "why": "a resumed GRPO run starts the prompt order from the beginning instead of the saved position",
         "file": "megatron_prune/grpo/trainer.py",
