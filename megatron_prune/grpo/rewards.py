@@ -175,11 +175,21 @@ def extract_gsm8k_answer(text: str) -> str | None:
     boxed = extract_boxed(text)
     if boxed is None:
         return _last_number(text)
-    content = re.sub(r"\\[dt]?frac\s*(\d)\s*(\d)", r"\1/\2", boxed.replace("{,}", ","))
+    content = re.sub(r"(\d+)\s*\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}", _mixed_number, boxed)
+    content = re.sub(r"\\[dt]?frac\s*(\d)\s*(\d)", r"\1/\2", content.replace("{,}", ","))
     content = re.sub(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}", r"\1/\2", content)
     if "\\frac" in content:  # a fraction of more than two numbers: not read here
         return None
     return _last_number(content.rsplit("=", 1)[-1])
+
+
+def _mixed_number(match: re.Match) -> str:
+    """``2\\frac{1}{2}`` as the fraction it stands for, ``5/2`` (a zero denominator: left alone)."""
+    whole, numerator, denominator = (int(part) for part in match.groups())
+    if denominator == 0:
+        return match.group(0)
+    value = whole + Fraction(numerator, denominator)
+    return f"{value.numerator}/{value.denominator}"
 
 
 def _last_number(text: str) -> str | None:
@@ -270,18 +280,25 @@ def _unwrap_command(text: str, command: str) -> str:
         text = text[:start] + content + text[end:]
 
 
+_MAGNITUDES = {"hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions",
+               "trillion", "trillions", "dozen", "dozens", "percent"}
+"""Words after a number that change its value: never dropped as a unit."""
+
+
 def normalize_math_answer(answer: str) -> str:
     """Canonical form of a MATH answer string, for string comparison.
 
     Strips spaces, ``\\left``/``\\right``, spacing commands (``\\!``, ``\\,``, ...), a
-    trailing unit in ``\\text{ ...}`` (with its leading space, as MATH writes units),
+    unit after a number in ``\\text{...}``/``\\mbox{...}`` (words, not "million" and the like),
     ``\\text{}``-style wrappers (keeping their content), degrees, percent and dollar signs,
     a trailing ``.``, and a leading ``x =``; maps ``\\dfrac``/``\\tfrac`` to ``\\frac``,
     ``\\frac12`` to ``\\frac{1}{2}``, a plain ``a/b`` of integers to ``\\frac{a}{b}``,
     LaTeX's ``{,}`` to a comma, and a space between two digits to a comma (``6 7`` is not ``67``).
     """
     text = answer.strip().translate(MINUS_SIGNS).replace("{,}", ",")
-    text = re.sub(r"(?<=\S)\s*\\(?:text|mbox)\{\s+[^{}]*\}\s*\.?$", "", text)
+    unit = re.search(r"(?<=[\d}])\s*\\(?:text|mbox)\{\s*([a-zA-Z][a-zA-Z ]*)\}\s*\.?$", text)
+    if unit and not set(unit.group(1).lower().split()) & _MAGNITUDES:
+        text = text[: unit.start()]
     text = re.sub(r"\\left(?![a-zA-Z])", "", text)
     text = re.sub(r"\\right(?![a-zA-Z])", "", text)
     text = re.sub(r"\\[!,;:]|\\ |~", "", text)
@@ -327,7 +344,7 @@ def math_answers_equal(predicted: str, reference: str) -> bool:
     """True when the normalised strings match, or both parse as numbers and are equal. A leading
     ``x =`` counts only where both sides have one: then the variables must be the same."""
     sides = [_LEFT_SIDE.match(text.translate(MINUS_SIGNS)) for text in (predicted, reference)]
-    if all(sides) and sides[0].group(1).replace(" ", "") != sides[1].group(1).replace(" ", ""):
+    if all(sides) and len({re.sub(r"[{}\s]", "", side.group(1)) for side in sides}) > 1:
         return False
     left, right = normalize_math_answer(predicted), normalize_math_answer(reference)
     if left == right:

@@ -291,6 +291,16 @@ MUTANTS: list[dict] = [
         "tests": [f"{CKPT_TESTS}::test_checkpoint_saved_without_an_optimizer_refuses_to_resume_one"],
     },
     {
+        "name": "rng-restored-at-another-layout",
+        "why": "a resume at another layout of the same world size gives rank k the generator states of the "
+               "saving layout's rank k: TP ranks of one replicated LoRA adapter drop out differently and drift apart",
+        "file": CHECKPOINT,
+        "old": "    if not ps.model_parallel_is_initialized():\n",
+        "new": "    if True:\n",
+        "tests": ["tests/distributed/test_checkpoint_reshard.py::"
+                  "test_rank_generators_are_restored_at_the_saving_layout_only"],
+    },
+    {
         "name": "checkpoint-scan-picks-oldest",
         "why": "without a usable tracker file the oldest complete iter_* directory is loaded, not the newest",
         "file": CHECKPOINT,

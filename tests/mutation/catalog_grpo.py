@@ -418,7 +418,7 @@ MUTANTS: list[dict] = [
         "name": "math-left-side-variable-ignored",
         "why": "the MATH reward drops any one-letter left-hand side: the asymptote x = 3 matches y = 3",
         "file": "megatron_prune/grpo/rewards.py",
-        "old": "    if all(sides) and sides[0].group(1).replace(\" \", \"\") != sides[1].group(1).replace(\" \", \"\"):\n",
+        "old": "    if all(sides) and len({re.sub(r\"[{}\\s]\", \"\", side.group(1)) for side in sides}) > 1:\n",
         "new": "    if False:\n",
         "tests": ["tests/unit/grpo/test_rewards.py::test_math_reward"],
     },

@@ -102,6 +102,8 @@ def test_normalize_number(text, expected):
         ("The answer is 1/2.", "0.5", 1.0),
         ("#### 1e3", "1000", 1.0),
         ("2^10 = 1024", "1024", 1.0),
+        ("\\boxed{2\\frac{1}{2}}", "2.5", 1.0),  # a mixed number
+        ("\\boxed{2\\frac{1}{2}}", "10.5", 0.0),  # ... not 21/2
     ],
 )
 def test_gsm8k_reward(completion, reference, reward):
@@ -209,6 +211,11 @@ def test_math_answers_equal(predicted, reference, equal):
         ("\\boxed{10000}", "10{,}000", 1.0),
         ("\\boxed{10{,}000}", "10000", 1.0),
         ("\\boxed {5}", "5", 1.0),
+        ("\\boxed{5 \\text{inches}}", "5\\text{ inches}", 1.0),  # a unit with or without its space
+        ("\\boxed{5\\mbox{cm}}", "5\\mbox{ cm}", 1.0),
+        ("\\boxed{\\$5 \\text{ million}}", "5", 0.0),  # a magnitude is no unit
+        ("\\boxed{\\text{Monday}}", "\\text{Monday}", 1.0),  # a word alone is the answer
+        ("\\boxed{x_1 = 3}", "x_{1} = 3", 1.0),  # one variable, written two ways
     ],
 )
 def test_math_reward(completion, reference, reward):
