@@ -311,6 +311,9 @@ def resume(parts: TrainingParts, objective: Objective, ckpt: CheckpointConfig, *
         print(f"[megatron-prune] loaded {loaded['path']} (iteration {loaded['iteration']}"
               f"{', weights only' if weights_only else ''})", flush=True)
     if weights_only:
+        # Under --bf16 (and the distributed optimizer) the optimizer holds fp32 main copies of the
+        # weights, taken when it was built: its first step would write them back over these.
+        parts.optimizer.reload_model_params()
         return 0, {}
     _say_flags_changed(meta.get("flags"), parts.extra_meta.get("flags"))
     _say_reference_changed(meta, parts.extra_meta)

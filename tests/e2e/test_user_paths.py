@@ -109,6 +109,21 @@ def test_bad_records_name_file_line_and_the_way_out(tmp_path, monkeypatch, capsy
         assert "pass --skip-invalid-records" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["plain", "distributed"])
+def test_bf16_finetune_trains_the_loaded_weights(tmp_path, optimizer):
+    """Under --bf16 the optimizer keeps fp32 main copies of the weights, taken when it is built,
+    before --load fills the model: a weights-only load (--finetune, a converted checkpoint) was
+    undone by the first step, which wrote the preset's initialisation back. At --lr 0 the policy
+    must stay the loaded weights, the reference: margin 0 at every step."""
+    source = tmp_path / "source"
+    _dpo(tmp_path, "source", "--train-iters", "2", "--lr", "1e-2", "--bf16", *optimizer, "--save", str(source))
+    tuned, out = _dpo(tmp_path, "tuned", "--load", str(source), "--finetune", "--lr", "0", "--train-iters", "3",
+                      "--bf16", *optimizer)
+    assert "weights only" in out
+    assert [r["step"] for r in tuned] == [0, 1, 2]
+    assert all(r["margin"] == 0.0 for r in tuned), [r["margin"] for r in tuned]
+
+
 def test_resume_keeps_the_recorded_reference_and_finetune_compares_with_the_loaded_weights(tmp_path):
     """A run trained against ``--ref-load A`` and resumed with ``--load`` (``--model-preset`` still
     on the command line, ``--ref-load`` not) keeps A as its reference: its steps equal the

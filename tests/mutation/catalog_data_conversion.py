@@ -301,6 +301,15 @@ MUTANTS: list[dict] = [
                   "test_rank_generators_are_restored_at_the_saving_layout_only"],
     },
     {
+        "name": "bf16-weights-only-load-undone-by-the-first-step",
+        "why": "under --bf16 a --finetune or converted-checkpoint load leaves the optimizer's fp32 main weights at "
+               "the initialisation: the first step writes them back over the loaded model",
+        "file": "megatron_prune/training/loop.py",
+        "old": "        parts.optimizer.reload_model_params()\n",
+        "new": "",
+        "tests": ["tests/e2e/test_user_paths.py::test_bf16_finetune_trains_the_loaded_weights"],
+    },
+    {
         "name": "checkpoint-scan-picks-oldest",
         "why": "without a usable tracker file the oldest complete iter_* directory is loaded, not the newest",
         "file": CHECKPOINT,
