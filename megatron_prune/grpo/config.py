@@ -66,7 +66,7 @@ class GRPOConfig:
     """KV-cached generation on Megatron's inference path (StaticInferenceContext), prompts of different
     lengths in one batch; any TP / PP / VPP layout (each pipeline stage keeps its own layers' cache). With
     --sequence-parallel the cached forwards run without it (a decoding step feeds one token per row) and
-    training with it."""
+    training with it. The same tokens as without the cache in fp32; in bf16 near-ties may differ (rounding)."""
     clip_eps_low: float = field(default=0.2, metadata=_flag("--clip-eps-low"))
     """Lower clip of the PPO ratio: 1 - eps_low (it binds only when a rollout feeds several updates: --ppo-epochs
     or --minibatches > 1; with one, the ratio is exactly 1)."""

@@ -29,8 +29,10 @@ sequence parallelism the cached forwards run with it switched off (a decoding st
 per row) and the training passes with it on. The model's self-attention
 (:class:`~megatron_prune.model.decode_attention.RotatedKeyCacheSelfAttention`) allocates the cache
 on its own device, caches keys with their rotary embedding applied and, with the local layer spec,
-lays the cache out for attention per key/value group. Same generators, same draws: the cached and
-uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py).
+lays the cache out for attention per key/value group. Same generators, same draws: in fp32 the
+cached and uncached samplers give the same tokens (tests/unit/grpo/test_rollout_cache.py). In bf16
+a one-token decoding step and a whole-prefix forward round differently (other matrix shapes), so
+near-ties can pick other tokens; training is unaffected (its log-probs are recomputed).
 
 Under expert parallelism the ranks of an expert-parallel group (data-parallel ranks with their
 own prompts) must run every MoE forward together. So, only then, the data-parallel ranks agree
