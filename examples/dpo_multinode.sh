@@ -5,9 +5,10 @@
 #   NODES=2 NODE_RANK=1 MASTER_ADDR=node0 MASTER_PORT=29500 GPUS=8 TP=2 PP=2 bash examples/dpo_multinode.sh
 #
 # torchrun's c10d rendezvous (--nnodes/--node-rank/--rdzv-*) meets at MASTER_ADDR:MASTER_PORT; node 0
-# hosts it. Under c10d torchrun assigns the global ranks itself (it says NODE_RANK is ignored): global
-# rank 0, which logs progress and writes metrics, may run on any node, and a refused flag is printed
-# by the first rank of every node. Launch every node with the same flags.
+# hosts it. Under c10d torchrun assigns the global ranks itself (it says NODE_RANK is ignored): the
+# first rank of the last pipeline stage, which logs progress and writes metrics, may run on any node,
+# and a refused flag is printed by the first rank of every node. Launch every node with the same flags
+# and data; SAVE must be a directory every node shares.
 # Arguments after the script name are appended to (and override) the plugin flags below.
 #
 # Environment (defaults in brackets):

@@ -6,6 +6,7 @@ import array
 import hashlib
 import logging
 import os
+import socket
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from megatron_prune.lora_config import lora_active
 from megatron_prune.ranks import first_rank
 from megatron_prune.training import session
 from megatron_prune.training.loop import check_resumed_data_size, train
-from megatron_prune.training.parallel import is_logging_rank, world_size_from_env
+from megatron_prune.training.parallel import any_rank, is_logging_rank, world_size_from_env
 from megatron_prune.training.step import reduce_metrics
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,10 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
     receives the whole table, because a pair may land on any DP rank in a later step.
     """
     path = reference_table_path(cache_dir, fingerprint)
-    if os.path.isfile(path):
+    # Every rank must take the same branch (the computation is collective): a table on some nodes
+    # only (a cache directory on node-local disk) is computed again by all.
+    (missing_somewhere,) = any_rank(not os.path.isfile(path))
+    if not missing_somewhere:
         try:
             table = torch.load(path)
         except Exception as exc:  # torch raises several types for a truncated or foreign file
@@ -252,10 +256,13 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
         table.update(part)
     missing = [(i, b) for i in indices for b in (CHOSEN, REJECTED) if (i, b) not in table]
     assert not missing, f"reference log-probs missing for {missing[:3]}"
-    if dist.get_rank() == 0:
+    # The first rank of every node writes (a node-local cache directory then holds it next time);
+    # each writer its own temporary file, so that writers sharing a directory never collide.
+    if dist.get_rank() == 0 or os.environ.get("LOCAL_RANK") == "0":
         os.makedirs(cache_dir, exist_ok=True)
-        torch.save({"fingerprint": fingerprint, "logps": table}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+        torch.save({"fingerprint": fingerprint, "logps": table}, tmp)
+        os.replace(tmp, path)
         print(f"[megatron-prune] stored reference log-probs for {len(dataset)} pairs in {path}", flush=True)
     dist.barrier()
     return table
@@ -341,6 +348,8 @@ def run_dpo(configs: dict[str, Any], checked: session.LaunchChecks | None = None
                                    interleaved_pp=interleaved)
 
     parallel = session.start(model_cfg, train_cfg, configs)
+    session.check_same_data({"--data-path": dataset.content_sha256,
+                             "--eval-data-path": eval_dataset.content_sha256 if eval_dataset is not None else None})
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     ref_source = session.reference_source(model_cfg, ckpt_cfg, dpo.ref_load, lora_base=lora_base)
     ref_meta = session.reference_meta(model_cfg, ckpt_cfg, ref_source, lora_base=lora_base)

@@ -594,6 +594,7 @@ def run_grpo(configs: dict[str, Any], checked: session.LaunchChecks | None = Non
         if grpo.kl_beta > 0:
             raise
     parallel = session.start(model_cfg, train_cfg, configs)
+    session.check_same_data({"--data-path": source.records.content_sha256 if source.records is not None else None})
     parts = session.build_parts(arch, parallel, model_cfg, train_cfg, lora=lora, lora_base=lora_base)
     parts.extra_meta.update(ref_meta)
     reference = None

@@ -99,12 +99,18 @@ def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
         dist.init_process_group(backend=acc.process_group_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        backend=acc.process_group_backend,
-        rank=int(os.environ.get("RANK", "0")),
-        world_size=int(world_size),
-        timeout=timeout,
-    )
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        dist.init_process_group(backend=acc.process_group_backend, rank=rank, world_size=int(world_size),
+                                timeout=timeout)
+    except RuntimeError as exc:  # torch's DistStoreError names a store key, not the rank that never came
+        if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+            raise
+        raise CollectiveTimeout(
+            f"rank {rank} of {world_size}: not every rank joined the process group within the "
+            f"{timeout_minutes:g}-minute timeout (--distributed-timeout-minutes); a rank that stopped before "
+            "joining says why in its own node's log (a refused flag, or a data file, tokenizer or checkpoint "
+            "that its node lacks)") from exc
 
 
 def collective_failure(exc: BaseException, *, during: str) -> CollectiveTimeout | None:

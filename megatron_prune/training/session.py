@@ -487,6 +487,23 @@ def check_same_flags(configs: dict) -> None:
                              f"{' ...' if len(differ) > 4 else ''}; launch every node with the same command")
 
 
+def check_same_data(digests: dict[str, str | None]) -> None:
+    """UsageError on every rank unless every rank read the same bytes for each data flag
+    (``{flag: content digest}``): a node holding another copy of a file at the same path would
+    train on other data without a word. One all-gather."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digests)
+    for rank, theirs in enumerate(every):
+        differ = [flag for flag in digests if theirs.get(flag) != every[0].get(flag)]
+        if differ:
+            raise UsageError(f"rank {rank} read other data than rank 0 for {' and '.join(differ)}: the files at "
+                             "that path differ between its node and rank 0's; give every node the same files")
+
+
 def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, *,
                 lora=None, lora_base: dict | None = None) -> TrainingParts:
     """``lora_base``: the checked base record of a LoRA run (``lora_config.check_load``)."""

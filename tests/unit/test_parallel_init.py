@@ -76,3 +76,28 @@ def test_every_parallel_group_waits_as_long_as_the_timeout_flag_says():
     assert proc.returncode == 0, proc.stderr[-3000:]
     seconds = dict(line.split() for line in proc.stdout.splitlines())
     assert seconds == {"data": "30.0", "tensor": "30.0", "pipeline": "30.0", "expert": "30.0"}, seconds
+
+
+LONELY = """
+from megatron_prune.training.parallel import initialize_distributed
+
+initialize_distributed(timeout_minutes=0.05)
+"""
+
+
+def test_a_rank_that_never_joins_is_named_as_such():
+    """Rank 1 stopped before the process group started (its node refused a flag or lacks the data
+    file) and says why in its own log; rank 0 waited the whole timeout and then died with torch's
+    ``DistStoreError: wait timeout ... keys: /default_pg/0//cpu//0/1``, which names neither."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, "-c", LONELY], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert ("CollectiveTimeout: rank 0 of 2: not every rank joined the process group within the 0.05-minute "
+            "timeout (--distributed-timeout-minutes); a rank that stopped before joining says why in its own "
+            "node's log") in out.stderr, out.stderr[-3000:]
