@@ -217,6 +217,23 @@ def reference_shares(num_pairs: int, *, batch: int) -> list[list[int]]:
     return shares
 
 
+def _read_reference_table(path: str, fingerprint: str, dataset: PreferenceDataset) -> dict:
+    """The stored table at ``path``, checked against its key and the data; UsageError otherwise."""
+    try:
+        table = torch.load(path)
+    except Exception as exc:  # torch raises several types for a truncated or foreign file
+        raise session.UsageError(f"reference log-probs cache {path} cannot be read ({exc}); delete it to "
+                                 "recompute, or point --ref-cache elsewhere") from None
+    if isinstance(table, dict) and "fingerprint" in table:  # tables stored before it held its key are bare
+        if table["fingerprint"] != fingerprint:
+            raise session.UsageError(
+                f"reference log-probs cache {path} was stored for key {table['fingerprint']}, not {fingerprint} "
+                "(a file copied or renamed); delete it to recompute, or point --ref-cache elsewhere")
+        table = table["logps"]
+    check_reference_table(table, dataset, path)
+    return table
+
+
 def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cache_dir: str,
                          fingerprint: str, batch: int) -> dict[tuple[int, int], torch.Tensor]:
     """Reference log-probs of every response token of ``dataset``, cached on disk and reused.
@@ -230,17 +247,15 @@ def precompute_reference(*, runner_off: DPOStep, dataset: PreferenceDataset, cac
     (missing_somewhere,) = any_rank(not os.path.isfile(path))
     if not missing_somewhere:
         try:
-            table = torch.load(path)
-        except Exception as exc:  # torch raises several types for a truncated or foreign file
-            raise session.UsageError(f"reference log-probs cache {path} cannot be read ({exc}); delete it to "
-                                     "recompute, or point --ref-cache elsewhere") from None
-        if isinstance(table, dict) and "fingerprint" in table:  # tables stored before it held its key are bare
-            if table["fingerprint"] != fingerprint:
-                raise session.UsageError(
-                    f"reference log-probs cache {path} was stored for key {table['fingerprint']}, not {fingerprint} "
-                    "(a file copied or renamed); delete it to recompute, or point --ref-cache elsewhere")
-            table = table["logps"]
-        check_reference_table(table, dataset, path)
+            table, problem = _read_reference_table(path, fingerprint, dataset), None
+        except session.UsageError as exc:
+            problem = exc
+        # One rank's unusable copy (its node's) stops every rank, at once rather than at a timeout.
+        (failed,) = any_rank(problem is not None)
+        if failed:
+            raise problem or session.UsageError(
+                f"reference log-probs cache {path}: another rank's copy of it cannot be used (its node's log "
+                "says why); delete that copy to recompute, or point --ref-cache elsewhere")
         if is_logging_rank():
             print(f"[megatron-prune] reusing reference log-probs {path}", flush=True)
         return table

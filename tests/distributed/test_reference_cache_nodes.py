@@ -75,3 +75,37 @@ def test_a_table_on_one_node_only_is_computed_again_by_every_rank(tmp_path):
         assert second["passes"] > 0 and second["pairs"] == 5, (rank, second)  # computed again, by both ranks
         assert third["passes"] == 0 and third["pairs"] == 5, (rank, third)  # then each node reuses its own
         assert [f for f in third["files"] if f.endswith(".tmp")] == [], third
+
+
+def unreadable_copy_on_one_node(root: str) -> str:
+    import torch.distributed as dist
+
+    from megatron_prune.arguments import UsageError
+    from megatron_prune.dpo.trainer import precompute_reference
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.parallel import model_parallel
+
+    rank = dist.get_rank()
+    os.environ["LOCAL_RANK"] = "0"
+    cache = os.path.join(root, f"node{rank}")
+    with model_parallel(ParallelConfig(), seed=1):
+        data = _Pairs(5)
+        precompute_reference(runner_off=_Reference(), dataset=data, cache_dir=cache, fingerprint="k", batch=1)
+        if rank == 1:  # node 1's copy was cut short (its disk filled)
+            (name,) = os.listdir(cache)
+            with open(os.path.join(cache, name), "r+b") as f:
+                f.truncate(20)
+        try:
+            precompute_reference(runner_off=_Reference(), dataset=data, cache_dir=cache, fingerprint="k", batch=1)
+        except UsageError as exc:
+            return str(exc)
+    return "went on"
+
+
+@pytest.mark.distributed
+def test_an_unusable_copy_on_one_node_stops_every_rank_at_once(tmp_path):
+    """Rank 1 refused its truncated copy while rank 0 went on into training and waited for it until
+    the collective timeout; now both stop, each saying whose copy it is."""
+    ranks = run_distributed(unreadable_copy_on_one_node, 2, root=str(tmp_path))
+    assert "another rank's copy of it cannot be used" in ranks[0], ranks[0]
+    assert f"{tmp_path}/node1/" in ranks[1] and "cannot be read" in ranks[1], ranks[1]
