@@ -280,6 +280,9 @@ def _unwrap_command(text: str, command: str) -> str:
         text = text[:start] + content + text[end:]
 
 
+_VARIABLE = r"[a-zA-Z](?:_\{?\w+\}?)?"
+"""A one-letter variable, optionally subscripted (``x``, ``x_1``, ``x_{12}``): a leading ``x =``."""
+
 _MAGNITUDES = {"hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions",
                "trillion", "trillions", "dozen", "dozens", "percent"}
 """Words after a number that change its value: never dropped as a unit."""
@@ -310,7 +313,7 @@ def normalize_math_answer(answer: str) -> str:
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"(?<=\d)\s+(?=\d)", ",", text)
     text = re.sub(r"\s+", "", text)
-    text = re.sub(r"^[a-zA-Z](?:_\{?\w+\}?)?=", "", text)
+    text = re.sub(rf"^{_VARIABLE}=", "", text)
     text = text.rstrip(".")
     text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)
     text = re.sub(r"\\frac(\d)\{", r"\\frac{\1}{", text)
@@ -337,7 +340,7 @@ def _parse_math_number(normalized: str) -> Fraction | None:
     return -value if sign == "-" else value
 
 
-_LEFT_SIDE = re.compile(r"^\s*([a-zA-Z](?:_\{?\w+\}?)?)\s*=")
+_LEFT_SIDE = re.compile(rf"^\s*({_VARIABLE})\s*=")
 
 
 def math_answers_equal(predicted: str, reference: str) -> bool:
