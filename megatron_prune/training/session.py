@@ -469,39 +469,40 @@ def check_same_flags(configs: dict) -> None:
     """UsageError on every rank unless every rank was launched with the same flags (nodes started
     with different commands otherwise build different parallel groups and wait for each other
     until the timeout, or train with different settings silently). One all-gather."""
-    import torch.distributed as dist
-
     from megatron_prune.config import flag_of
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
     mine = {flag_of(f): repr(getattr(cfg, f.name)) for cfg in configs.values() if dataclasses.is_dataclass(cfg)
             for f in dataclasses.fields(cfg)}
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for rank, theirs in enumerate(every):
-        differ = sorted(flag for flag in set(mine) | set(theirs) if every[0].get(flag) != theirs.get(flag))
-        if differ:
-            shown = "; ".join(f"{flag} {theirs.get(flag)} (rank 0: {every[0].get(flag)})" for flag in differ[:4])
-            raise UsageError(f"rank {rank} was launched with other flags than rank 0: {shown}"
-                             f"{' ...' if len(differ) > 4 else ''}; launch every node with the same command")
+    for rank, theirs, first, differ in _differing_ranks(mine):
+        shown = "; ".join(f"{flag} {theirs.get(flag)} (rank 0: {first.get(flag)})" for flag in differ[:4])
+        raise UsageError(f"rank {rank} was launched with other flags than rank 0: {shown}"
+                         f"{' ...' if len(differ) > 4 else ''}; launch every node with the same command")
 
 
 def check_same_data(digests: dict[str, str | None]) -> None:
     """UsageError on every rank unless every rank read the same bytes for each data flag
     (``{flag: content digest}``): a node holding another copy of a file at the same path would
     train on other data without a word. One all-gather."""
+    for rank, _, _, differ in _differing_ranks(digests):
+        raise UsageError(f"rank {rank} read other data than rank 0 for {' and '.join(differ)}: the files at "
+                         "that path differ between its node and rank 0's; give every node the same files")
+
+
+def _differing_ranks(mine: dict) -> list[tuple[int, dict, dict, list]]:
+    """``(rank, its dict, rank 0's dict, the keys that differ)`` for each rank whose ``mine`` differs
+    from rank 0's; every rank gets the same list (one all-gather), so every rank raises together."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+        return []
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, digests)
+    dist.all_gather_object(every, mine)
+    differing = []
     for rank, theirs in enumerate(every):
-        differ = [flag for flag in digests if theirs.get(flag) != every[0].get(flag)]
+        differ = sorted(key for key in set(every[0]) | set(theirs) if every[0].get(key) != theirs.get(key))
         if differ:
-            raise UsageError(f"rank {rank} read other data than rank 0 for {' and '.join(differ)}: the files at "
-                             "that path differ between its node and rank 0's; give every node the same files")
+            differing.append((rank, theirs, every[0], differ))
+    return differing
 
 
 def build_parts(arch: ModelArch, parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, *,
