@@ -305,7 +305,8 @@ class LoggingConfig:
     tensorboard_dir: str | None = field(default=None, metadata=_flag("--tensorboard-dir"))
     """TensorBoard event directory (needs the tensorboard package: pip install tensorboard)."""
     log_interval: int = field(default=1, metadata=_flag("--log-interval"))
-    """Console progress line every N steps."""
+    """Console progress line at steps N, 2N, ... (counted from 1), and at the run's first and last step
+    (the metrics file and TensorBoard get every step)."""
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
@@ -396,7 +397,8 @@ class DPOConfig:
     each pass's pairs to balance the microbatches' tokens (exact; concat and shared layouts). Off by default:
     the padded rows are Megatron's usual [b, s] shapes."""
     ref_mode: str | None = field(default=None, metadata=_flag("--ref-mode", choices=("online", "precomputed", "adapter-off")))
-    """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk;
+    """online: a frozen reference model runs forward-only; precomputed: reference log-probs cached on disk
+    (the reference model is freed once they are, unless --eval-data-path keeps it for the held-out pairs);
     adapter-off: the policy itself with its LoRA adapters switched off (no second model). Default: adapter-off
     with --lora-rank > 0, online otherwise."""
     ref_load: str | None = field(default=None, metadata=_flag("--ref-load"))

@@ -148,6 +148,8 @@ class DPOMicrobatch:
     """Values the loss needs from earlier passes (reference log-probs, pruned-branch log-ratios)."""
     row_starts: list[int] | None = None
     """After :func:`pack_rows`: where each row of the unpacked layout starts in the one packed row."""
+    padding_mask: torch.Tensor | None = None
+    """[b, s] bool, True at padding (kept out of a mixture-of-experts model's router losses)."""
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -217,6 +219,7 @@ def build_microbatch(
     segment_rows: list[list[Segment]] = [[] for _ in range(num_rows)]
     index, label_ids, seq_ids, responses = [], [], [], []
     executed = 0
+    used = [0] * num_rows  # tokens at the start of each row; the rest is padding
     for row, sequences in enumerate(rows):
         if layout == "shared":
             plan_i = sequences[0][0]
@@ -243,6 +246,7 @@ def build_microbatch(
             labels[row, : len(plan.prompt) - 1] = torch.tensor(plan.prompt[1:], dtype=torch.long)
             labels[row, len(plan.prompt) - 1] = first[0] if first else pad_id
             executed += len(seq)
+            used[row] = len(seq)
             continue
         start = 0
         for plan_i, branch in sequences:
@@ -263,9 +267,16 @@ def build_microbatch(
             responses.append(Response(plan_i, branch, len(scored), len(plan.responses[branch])))
             executed += len(seq)
             start = end
+        used[row] = start
     segments = None if layout == "full" else SegmentLayout(rows=segment_rows, seq_length=seq_length)
     selection = TokenSelection(index=torch.cat(index), labels=torch.cat(label_ids), seq_ids=torch.cat(seq_ids))
-    return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed)
+    return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed,
+                         padding_mask=_padding_after(used, seq_length))
+
+
+def _padding_after(used: list[int], seq_length: int) -> torch.Tensor:
+    """[len(used), seq_length] bool: True from position ``used[r]`` of row ``r`` on."""
+    return torch.arange(seq_length)[None, :] >= torch.tensor(used, dtype=torch.long)[:, None]
 
 
 def pack_rows(batch: DPOMicrobatch, *, seq_length: int, pad_id: int) -> DPOMicrobatch:
@@ -300,7 +311,7 @@ def pack_rows(batch: DPOMicrobatch, *, seq_length: int, pad_id: int) -> DPOMicro
                                seq_ids=batch.selection.seq_ids)
     return DPOMicrobatch(tokens, position_ids, None, SegmentLayout(rows=[segments], seq_length=seq_length),
                          selection, labels, batch.responses, batch.num_pairs, batch.executed_tokens,
-                         dict(batch.extras), row_starts=starts)
+                         dict(batch.extras), row_starts=starts, padding_mask=_padding_after([sum(used)], seq_length))
 
 
 def build_prefix_replay(

@@ -110,6 +110,8 @@ def policy_forward_step(data_iterator: Iterator, model, *, selective_head: bool)
     if not selective_head:
         selection = type(selection)(selection.index, selection.labels, selection.seq_ids, all_labels=batch.labels)
     extra = {} if batch.segments is None else {"segments": batch.segments}
+    if batch.padding_mask is not None:
+        extra["padding_mask"] = batch.padding_mask
     replay = batch.extras.get("replay")
     if replay is None:
         output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=selection, **extra)

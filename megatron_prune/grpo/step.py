@@ -135,6 +135,8 @@ class GRPOMicrobatch:
     extras: dict = field(default_factory=dict)
     segments: SegmentLayout | None = None
     """Packed rows: one causal segment per sequence (attention computed per sequence, not per row)."""
+    padding_mask: torch.Tensor | None = None
+    """[b, s] bool, True at padding (kept out of a mixture-of-experts model's router losses)."""
 
 
 @dataclass
@@ -274,18 +276,20 @@ def _microbatch(rows_of_units: list[list[tuple[int, _Unit]]], *, rows: int, leng
     tokens = torch.full((rows, length), settings.pad_id, dtype=torch.long)
     position_ids = torch.arange(length).repeat(rows, 1)
     segment_rows = [[Segment(0, length)] for _ in range(rows)]
+    padding_mask = torch.ones((rows, length), dtype=torch.bool)
     placements = []
     for r, placed in enumerate(rows_of_units):
         segment_rows[r] = []
         for offset, unit in placed:
             tokens[r, offset : offset + unit.length] = torch.tensor(unit.tokens(), dtype=torch.long)
+            padding_mask[r, offset : offset + unit.length] = False
             position_ids[r, offset : offset + unit.length] = unit.positions()
             segment_rows[r].extend(unit.segments(offset))
             placements.append((r, offset, unit))
     selection = _selection(placements, rows, _train_temperature(settings))
     segments = SegmentLayout(rows=segment_rows, seq_length=length) if with_segments else None
     return GRPOMicrobatch(tokens, position_ids, None, selection, [it for _, _, u in placements for it in u.items],
-                          segments=segments)
+                          segments=segments, padding_mask=padding_mask)
 
 
 def _padded_rows(units: list[_Unit], *, settings: GRPOStepSettings, multiple: int, equal_shapes: bool) -> Layout:
@@ -343,7 +347,7 @@ def _forward_step(data_iterator, model):
     scale = batch.extras.get("router_scale")
     with router_loss_scale(model, scale) if scale is not None else contextlib.nullcontext():
         output = model(batch.tokens, batch.position_ids, batch.attention_mask, token_selection=batch.selection,
-                       segments=batch.segments)
+                       segments=batch.segments, padding_mask=batch.padding_mask)
     return output, partial(batch.extras["loss_func"], batch)
 
 

@@ -14,6 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.utils import unwrap_model
 
 from megatron_prune.model.arch import ModelArch
@@ -39,6 +41,11 @@ def moe_config_kwargs(arch: ModelArch, parallel, *, grouped_gemm: bool) -> dict:
         raise ValueError(
             f"--moe-token-dispatcher must be one of {', '.join(TOKEN_DISPATCHERS)}, got {parallel.moe_token_dispatcher!r}"
         )
+    if ep > 1 and parallel.moe_token_dispatcher == "allgather":
+        # The ranks of an expert-parallel group hold different pairs or completions, so their
+        # microbatches differ in shape, and Megatron's allgather dispatcher gathers equal shapes only.
+        raise ValueError("--moe-token-dispatcher allgather needs --expert-model-parallel-size 1: the expert-parallel "
+                         "ranks' microbatches differ in shape, which that dispatcher cannot gather; use alltoall")
     if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
         raise ValueError("a mixture-of-experts model at --tensor-model-parallel-size > 1 needs --sequence-parallel")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
@@ -75,10 +82,35 @@ def layer_specs_with_moe(arch: ModelArch, config, dense_spec, *, vp_stage: int |
     moe_mlp = get_gpt_layer_local_spec(
         num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     ).submodules.mlp
+    moe_mlp = dataclasses.replace(moe_mlp, submodules=dataclasses.replace(moe_mlp.submodules, router=GroupMeanZLossRouter))
     moe_spec = dataclasses.replace(dense_spec, submodules=dataclasses.replace(dense_spec.submodules, mlp=moe_mlp))
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = arch.moe_layer_pattern()
     return [moe_spec if pattern[offset + i] else dense_spec for i in range(n_local)]
+
+
+class GroupMeanZLossRouter(TopKRouter):
+    """Megatron's top-k router whose z-loss with a padding mask is the mean over the valid tokens of
+    the whole sequence-parallel group. Megatron averages over each rank's own valid tokens and then
+    over the ranks, which weighs a shard holding little padding the same as one holding much: the
+    loss would depend on the tensor-parallel size and on where the padding falls."""
+
+    def apply_z_loss(self, logits, padding_mask=None):
+        config = self.config
+        group = self.tp_cp_group
+        if (padding_mask is None or group.size() == 1 or config.moe_z_loss_coeff is None or not self.training
+                or not torch.is_grad_enabled() or self.calculate_per_token_loss):
+            return super().apply_z_loss(logits, padding_mask=padding_mask)
+        valid = (~padding_mask).to(torch.float32)
+        count = valid.sum().detach()
+        dist.all_reduce(count, group=group)
+        # This rank's part of the group's mean; the sequence-parallel gradient all-reduce sums the parts.
+        share = (torch.logsumexp(logits.float(), dim=-1).square() * valid).sum() / count.clamp(min=1.0)
+        logits = MoEAuxLossAutoScaler.apply(logits, share * config.moe_z_loss_coeff)
+        num_layers = config.num_layers + (config.mtp_num_layers or 0)
+        # Megatron's tracker keeps a per-rank mean, averaged over the group when reported.
+        save_to_aux_losses_tracker("z_loss", share.detach() * group.size(), self.layer_number, num_layers)
+        return logits
 
 
 @contextlib.contextmanager

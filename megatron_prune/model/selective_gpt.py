@@ -13,6 +13,10 @@ as a rejected response after the chosen one, must rotate as if it followed its p
 layer spec's core attention is our :class:`~megatron_prune.model.segment_attention.SegmentAttention`
 the layout reaches it as a segment table and only the pairs it allows are computed; otherwise the
 layout's dense mask is used.
+
+``forward(..., padding_mask=mask)`` (``[b, s]`` bool, True at padding) keeps padding out of a
+mixture-of-experts model's router losses; it changes nothing else (routing is drop-less, so pad
+tokens still run through the experts and their outputs are never scored).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class SelectiveGPTModel(GPTModel):
         *args,
         token_selection: TokenSelection | None = None,
         segments: SegmentLayout | None = None,
+        padding_mask: torch.Tensor | None = None,
         **kwargs,
     ):
         # Batches are built on the CPU; they reach the accelerator here, in the one place every
@@ -92,6 +97,9 @@ class SelectiveGPTModel(GPTModel):
             kwargs["labels"] = _to(kwargs["labels"], device)
         if segments is not None:
             attention_mask = self._segment_attention_input(segments, position_ids, attention_mask)
+        padding_mask = self._router_padding_mask(padding_mask, device)
+        if padding_mask is not None:
+            kwargs["padding_mask"] = padding_mask
         self._selection = token_selection
         self._segment_positions = position_ids if segments is not None else None
         try:
@@ -100,6 +108,24 @@ class SelectiveGPTModel(GPTModel):
         finally:
             self._selection = None
             self._segment_positions = None
+
+    def _router_padding_mask(self, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """``mask`` as Megatron's MoE routers take it on this stage, or None where it changes nothing:
+        a dense model, no padding, or nothing but padding (a placeholder microbatch, whose router
+        losses are scaled to 0; a mean over no tokens would be NaN)."""
+        if mask is None or not self.config.num_moe_experts or not bool(mask.any()) or bool(mask.all()):
+            return None
+        mask = mask.to(device=device, dtype=torch.bool)
+        if not self.pre_process and self.config.sequence_parallel:
+            # Megatron scatters the mask along the sequence on the first stage only; a later stage
+            # takes this tensor-parallel rank's shard itself, as the scatter would have.
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            shard = mask.shape[1] // tp
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            mask = mask[:, rank * shard : (rank + 1) * shard].contiguous()
+        return mask
 
     def _device(self) -> torch.device:
         param = next(self.parameters(), None)

@@ -29,7 +29,7 @@ from megatron_prune.config import CheckpointConfig, LoggingConfig, TrainConfig
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import checkpoint as ckpt_io
 from megatron_prune.training.exit_conditions import ExitConditions
-from megatron_prune.training.parallel import collective_failure, guard_collectives, is_logging_rank
+from megatron_prune.training.parallel import collective_failure, guard_collectives, is_logging_rank, largest_over_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -576,7 +576,8 @@ def train(
                     "lr": lr,
                     "skipped": not finite,
                     "step_time_s": time.perf_counter() - t0,
-                    "peak_mem_bytes": acc.peak_memory_bytes(),
+                    # The rank that peaked highest (pipeline stages and expert-parallel ranks differ).
+                    "peak_mem_bytes": largest_over_ranks(acc.peak_memory_bytes()),
                 }
                 if eval_interval and ((step + 1) % eval_interval == 0 or step + 1 == train_cfg.train_iters):
                     held_out = objective.evaluate(step)
@@ -584,7 +585,9 @@ def train(
                         record.update({f"eval_{k}": v for k, v in held_out.items()})
                 records.append(record)
                 writer.write(record)
-                if is_logging_rank() and (step % log_cfg.log_interval == 0 or step + 1 == train_cfg.train_iters):
+                # Steps N, 2N, ... (1-based, as Megatron-LM and --eval-interval count), the run's first and its last.
+                if is_logging_rank() and ((step + 1) % log_cfg.log_interval == 0 or step == start
+                                          or step + 1 == train_cfg.train_iters):
                     print(_progress_line(record, train_cfg.train_iters), flush=True)
                 done = step + 1
                 saved = bool(ckpt.save and ((ckpt.save_interval and done % ckpt.save_interval == 0) or done == total))

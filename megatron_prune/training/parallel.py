@@ -281,6 +281,17 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in values.tolist())
 
 
+def largest_over_ranks(value: int) -> int:
+    """The largest ``value`` over every rank (one all-reduce); ``value`` itself without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    import torch
+
+    total = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return int(total)
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -298,6 +309,7 @@ __all__ = [
     "check_rendezvous_env",
     "destroy_model_parallel",
     "expert_parallel_max",
+    "largest_over_ranks",
     "schedule_microbatches",
     "guard_collectives",
     "initialize_distributed",

@@ -120,3 +120,18 @@ def test_ranks_launched_with_other_flags_stop_with_one_message():
     message = ("rank 1 was launched with other flags than rank 0: --lr 0.0001 (rank 0: 1e-05); launch every node "
                "with the same command")
     assert run_distributed(_flags_checked, world_size=2, lr_by_rank=[1e-5, 1e-4]) == [message, message]
+
+
+def _largest(values: list[int]) -> int:
+    import torch.distributed as dist
+
+    from megatron_prune.training.parallel import largest_over_ranks
+
+    return largest_over_ranks(values[dist.get_rank()])
+
+
+def test_peak_memory_is_the_largest_over_ranks():
+    """``peak_mem_bytes`` is the rank that peaked highest (a later pipeline stage or another expert-parallel
+    rank may peak above the logging rank): every rank gets the largest of the ranks' values."""
+    assert run_distributed(_largest, world_size=2, values=[7, 3]) == [7, 7]
+    assert run_distributed(_largest, world_size=2, values=[3, 2**40]) == [2**40, 2**40]

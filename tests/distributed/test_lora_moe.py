@@ -42,7 +42,7 @@ PRESET = "tiny-moe"
 TOLERANCE = 1e-5
 LAYOUTS_2 = {
     "ep2": dict(expert_model_parallel_size=2),
-    "ep2-allgather": dict(expert_model_parallel_size=2, moe_token_dispatcher="allgather"),
+    "tp2-sp-allgather": dict(tensor_model_parallel_size=2, sequence_parallel=True, moe_token_dispatcher="allgather"),
     # EP=1: every expert on both ranks, each split over (expert) TP.
     "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
 }

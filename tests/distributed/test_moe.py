@@ -2,9 +2,10 @@
 
 Compared on the whole (layout-independent) tensors: the loss, the router's load-balancing and
 z losses, every gradient and every parameter after an Adam step. Routing is drop-less, so every
-layout computes the same function. The router losses count every token of a microbatch,
-padding included, so the step runs one pair per microbatch padded to one common length: then
-every layout runs exactly the same microbatches and the router losses are comparable too.
+layout computes the same function. The router losses count the real tokens of a microbatch
+only; each pair is padded to one common length, longer than the pair, so at TP=2 with sequence
+parallelism the two ranks' shards hold different amounts of padding (the z-loss is still the
+mean over the whole microbatch's real tokens).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ COMMON_LENGTH = 256
 
 LAYOUTS_2 = {
     "ep2": dict(expert_model_parallel_size=2),
-    "ep2-allgather": dict(expert_model_parallel_size=2, moe_token_dispatcher="allgather"),
+    # Megatron's allgather dispatcher, over the tensor-parallel group (refused at EP > 1).
+    "tp2-sp-allgather": dict(tensor_model_parallel_size=2, sequence_parallel=True, moe_token_dispatcher="allgather"),
 }
 LAYOUTS_4 = {
     "ep2xtp2-sp": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+    # The second stage takes its sequence-parallel shard of the padding mask itself.
+    "tp2xpp2-sp": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
     "ep2xpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
     # One layer per model chunk: the dense layer 0 and the MoE layers land on different chunks.
     "ep2xpp2-vpp2": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2,

@@ -5,9 +5,10 @@ One real DPO training step on tiny-moe (one rank, two microbatches of different 
 coefficients non-zero and not 1). Forward pre-hooks on every MoE router record its input hidden
 states and weight on each training call; the test then recomputes, in plain PyTorch (float64),
 the losses Megatron-Core 0.16 defines for the preset's router (softmax scores, top-2 of 4
-experts, ``moe_router_load_balancing_type="aux_loss"``, no padding mask, TP = CP = 1):
+experts, ``moe_router_load_balancing_type="aux_loss"``, TP = CP = 1), over the microbatch's real
+tokens only (the padding after them excluded through Megatron's router padding mask):
 
-- load balancing (``switch_load_balancing_loss_func``): per layer and microbatch, with T tokens,
+- load balancing (``switch_load_balancing_loss_func``): per layer and microbatch, with T real tokens,
   ``E / (k T^2) * sum_i (sum_x softmax(logits)[x, i]) * (tokens routed to expert i)``, the
   routing being the top-k of the softmax over all experts (``compute_routing_scores_for_aux_loss``);
 - z-loss (``z_loss_func``): per layer and microbatch, ``mean_x logsumexp(logits[x])^2``;
@@ -67,6 +68,7 @@ def hooked_moe_dpo_step() -> dict:
     second = dataclasses.replace(second, prompt_ids=second.prompt_ids[:20], chosen_ids=second.chosen_ids[:20],
                                  rejected_ids=second.rejected_ids[:14])
     samples = [(i, first), (j, second)]
+    real_tokens = {k: 2 * len(s.prompt_ids) + len(s.chosen_ids) + len(s.rejected_ids) for k, s in samples}
     par = ParallelConfig(moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z)
     off = dict(position_ratio=1.0, seq_min_ratio=1.0, branch=False, branch_chosen_prob=0.5, selective_head=True)
     calls: list[dict] = []
@@ -103,12 +105,17 @@ def hooked_moe_dpo_step() -> dict:
                 h.remove()
         metrics = reduce_metrics(outputs)
     return dict(metrics=metrics, calls=calls, routers=sorted(routers), facts=facts,
-                num_microbatches=len(outputs))
+                num_microbatches=len(outputs), real_tokens=sorted(real_tokens[k] for k, _ in mine))
 
 
-def expected_router_losses(hidden: torch.Tensor, weight: torch.Tensor, *, topk: int) -> tuple[float, float]:
-    """Megatron 0.16's load-balancing loss and z-loss of one router call, without coefficient."""
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]).double(), weight.double())  # [T, E]
+def expected_router_losses(hidden: torch.Tensor, weight: torch.Tensor, padding: torch.Tensor | None, *,
+                           topk: int) -> tuple[float, float]:
+    """Megatron 0.16's load-balancing loss and z-loss of one router call over its real tokens
+    (``padding``: ``[s, b]``, True at padding), without coefficient."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if padding is not None:
+        hidden = hidden[~padding.reshape(-1)]
+    logits = F.linear(hidden.double(), weight.double())  # [T, E]
     tokens, experts = logits.shape
     scores = torch.softmax(logits, dim=-1)
     chosen = scores.topk(topk, dim=-1).indices
@@ -138,12 +145,20 @@ def _check_router_config(step: dict) -> None:
 
 def _tracked_calls(step: dict) -> list[dict]:
     """The router calls of the training pass: every MoE layer once per training microbatch (no
-    recomputation, no extra passes), every token counted (no padding mask)."""
+    recomputation, no extra passes), each masking exactly the padding: its pair's tokens
+    (prompt + chosen, prompt + rejected) are the only ones counted."""
     tracked = [c for c in step["calls"] if c["tracked"]]
     assert len(tracked) == MOE_LAYERS * step["num_microbatches"]
     assert sorted(c["layer"] for c in tracked) == sorted(step["routers"] * step["num_microbatches"])
-    assert all(c["padding_mask"] is None for c in tracked)
+    counted = sorted(_real(c) for c in tracked if c["layer"] == step["routers"][0])
+    assert counted == step["real_tokens"]
     return tracked
+
+
+def _real(call: dict) -> int:
+    """Tokens the router call counts (no mask: the microbatch has no padding)."""
+    mask = call["padding_mask"]
+    return call["hidden"].shape[:2].numel() if mask is None else int((~mask).sum())
 
 
 @pytest.mark.distributed
@@ -152,10 +167,11 @@ def test_reported_router_losses_equal_megatrons_formulas(step):
     num_microbatches = step["num_microbatches"]
     assert num_microbatches == NUM_PAIRS
     tracked = _tracked_calls(step)
-    # The microbatches differ in length, so per-microbatch token normalisation matters.
-    assert len({c["hidden"].shape[:2].numel() for c in tracked}) > 1
+    # The microbatches differ in length, so per-microbatch token normalisation matters, and padding is masked.
+    assert len({_real(c) for c in tracked}) > 1
+    assert any(c["padding_mask"] is not None and c["padding_mask"].any() for c in tracked), "no padding tested"
 
-    losses = [expected_router_losses(c["hidden"], c["weight"], topk=2) for c in tracked]
+    losses = [expected_router_losses(c["hidden"], c["weight"], c["padding_mask"], topk=2) for c in tracked]
     expected_aux = AUX * sum(lb for lb, _ in losses) / num_microbatches
     expected_z = Z * sum(z for _, z in losses) / num_microbatches
     metrics = step["metrics"]
@@ -174,9 +190,9 @@ def test_router_losses_are_averaged_over_data_parallel_ranks():
         _check_router_config(step)
         assert step["num_microbatches"] == NUM_PAIRS // 2, f"rank {rank}"
         tracked = _tracked_calls(step)
-        losses = [expected_router_losses(c["hidden"], c["weight"], topk=2) for c in tracked]
+        losses = [expected_router_losses(c["hidden"], c["weight"], c["padding_mask"], topk=2) for c in tracked]
         per_rank.append((sum(lb for lb, _ in losses), sum(z for _, z in losses),
-                         tracked[0]["hidden"].shape[:2].numel()))
+                         _real(tracked[0])))
     assert per_rank[0][2] != per_rank[1][2], "the two ranks' microbatches should differ in length"
     # Each rank's own value differs from the mean: a metric that skipped the DP reduction shows.
     assert per_rank[0][0] != pytest.approx(per_rank[1][0], rel=1e-3)
@@ -251,3 +267,50 @@ def test_grpo_router_losses_do_not_depend_on_the_placeholders_a_layout_needs():
         assert values[0] > 0 and values == pytest.approx([values[0]] * 4, rel=RTOL, abs=0), (name, values)
     for rank, got in enumerate(ep2):
         assert_metrics_and_grads(ep1[0], got, f"ep2 rank {rank}", ("loss",), rtol=1e-5, atol=1e-7)
+
+
+def grpo_padded_and_packed() -> dict:
+    """One GRPO training pass over the same two completions of different lengths, as one microbatch
+    of two padded rows and as one densely packed row: router-loss metrics and router gradients."""
+    from megatron_prune.grpo.loss import GRPOLossConfig
+    from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig(moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z)
+    items = [TrainItem(prompt_id=0, index=0, prompt=[1, 5, 9, 3], completion=[4, 7, 2, 8, 8, 6, 1], advantage=1.0,
+                       weight=1.0),
+             TrainItem(prompt_id=1, index=0, prompt=[2, 6], completion=[3, 3], advantage=-0.5, weight=1.0)]
+    out = {}
+    with model_parallel(par, seed=7):
+        policy = setup_model(get_preset("tiny-moe"), par, seed=7)
+        for packed in (False, True):
+            settings = GRPOStepSettings(loss=GRPOLossConfig(), micro_batch_size=2, pad_id=0, dense_packing=packed,
+                                        pack_capacity=32)
+            for chunk in policy:
+                chunk.zero_grad_buffer()
+            metrics, layout = GRPOStep(settings=settings, policy=policy).train(items, normaliser=8.0)
+            router = {n: p.main_grad.clone() for chunk in policy for n, p in chunk.named_parameters()
+                      if n.endswith("router.weight")}
+            out["packed" if packed else "padded"] = dict(metrics=metrics, router=router, slots=layout.row_tokens,
+                                                         microbatches=len(layout.batches))
+    return out
+
+
+@pytest.mark.distributed
+def test_grpo_router_losses_do_not_count_padding():
+    """Padding is no token the router is trained on: the same two completions padded to one row
+    length (15 tokens in 32 slots) or packed end to end give the same router losses and the
+    same router gradients."""
+    (got,) = run_distributed(grpo_padded_and_packed, 1)
+    padded, packed = got["padded"], got["packed"]
+    assert padded["microbatches"] == packed["microbatches"] == 1
+    assert padded["slots"] == 32 and packed["slots"] < padded["slots"]
+    for name in ("moe_aux_loss", "moe_z_loss"):
+        assert padded["metrics"][name] > 0
+        assert packed["metrics"][name] == pytest.approx(padded["metrics"][name], rel=RTOL, abs=0), name
+    assert len(padded["router"]) == MOE_LAYERS
+    for name, grad in padded["router"].items():
+        torch.testing.assert_close(packed["router"][name], grad, rtol=1e-5, atol=1e-8, msg=name)

@@ -455,10 +455,15 @@ def test_ctrl_c_ends_in_one_line_that_says_how_to_resume(tmp_path):
 
 
 def test_eval_runs_after_every_eval_interval_steps(tmp_path):
-    """``--eval-interval 2 --train-iters 3`` evaluates after the 2nd step and at the end (0-based steps 1, 2)."""
-    records, _ = _dpo(tmp_path, "evalint", "--train-iters", "3", "--global-batch-size", "2",
-                      "--eval-data-path", str(_heldout(tmp_path, 2)), "--eval-interval", "2")
+    """``--eval-interval 2 --train-iters 3`` evaluates after the 2nd step and at the end (0-based steps 1, 2);
+    ``--log-interval 2`` prints the same 1-based steps (2, the last) besides the first, so every
+    evaluation reaches the console."""
+    records, out = _dpo(tmp_path, "evalint", "--train-iters", "3", "--global-batch-size", "2",
+                        "--eval-data-path", str(_heldout(tmp_path, 2)), "--eval-interval", "2", "--log-interval", "2")
     assert [r["step"] for r in records if "eval_reward_accuracy" in r] == [1, 2]
+    lines = [line for line in out.splitlines() if line.startswith("[megatron-prune] step ")]
+    assert [line.split()[2] for line in lines] == ["1/3", "2/3", "3/3"], out[-3000:]
+    assert [("eval_reward_accuracy" in line) for line in lines] == [False, True, True], out[-3000:]
 
 
 def test_heldout_pairs_under_the_interleaved_schedule_are_whole_pipeline_groups(capsys):

@@ -436,6 +436,33 @@ MUTANTS: list[dict] = [
         "tests": [ROUTER_LOSS_VALUES],
     },
     {
+        "name": "dpo-router-losses-count-padding",
+        "why": "the DPO forward step drops the padding mask: a MoE router's load-balancing and z-losses (and their "
+               "gradient) count the pad tokens, so they depend on how rows are padded",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "    if batch.padding_mask is not None:\n        extra[\"padding_mask\"] = batch.padding_mask\n",
+        "new": "",
+        "tests": [ROUTER_LOSS_VALUES],
+    },
+    {
+        "name": "dpo-padding-mask-off-by-one",
+        "why": "a DPO row's padding mask starts one position late: its first pad token is counted as a real one",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "    return torch.arange(seq_length)[None, :] >= torch.tensor(used, dtype=torch.long)[:, None]\n",
+        "new": "    return torch.arange(seq_length)[None, :] > torch.tensor(used, dtype=torch.long)[:, None]\n",
+        "tests": [ROUTER_LOSS_VALUES],
+    },
+    {
+        "name": "z-loss-mean-of-shard-means",
+        "why": "Megatron's own router: with sequence parallelism the z-loss averages each TP shard's mean over its "
+               "real tokens, so a padded microbatch's z-loss depends on the TP size and on where the padding falls",
+        "file": MOE,
+        "old": "    moe_mlp = dataclasses.replace(moe_mlp, submodules=dataclasses.replace(moe_mlp.submodules, "
+               "router=GroupMeanZLossRouter))\n",
+        "new": "",
+        "tests": ["tests/distributed/test_moe.py::test_expert_parallel_4_ranks_matches_single_rank"],
+    },
+    {
         "name": "reduce-metrics-mean-of-microbatch-means",
         "why": "[sum, count] metrics (GRPO's per-token clip fraction, ratio, KL) are averaged per microbatch, not "
                "pooled over their tokens",

@@ -109,6 +109,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/distributed/test_moe_router_losses.py::test_a_placeholder_microbatch_adds_no_router_loss"],
     },
     {
+        "name": "grpo-router-losses-count-padding",
+        "why": "the GRPO forward step drops the padding mask: padded rows give other router losses and router "
+               "gradients than the same completions packed",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "segments=batch.segments, padding_mask=batch.padding_mask)",
+        "new": "segments=batch.segments)",
+        "tests": ["tests/distributed/test_moe_router_losses.py::test_grpo_router_losses_do_not_count_padding"],
+    },
+    {
         "name": "grpo-router-losses-diluted-by-placeholders",
         "why": "the real microbatches' MoE router losses keep Megatron's 1/(all microbatches) weight, so the "
                "placeholders expert parallelism adds shrink them: the gradient depends on the layout",

@@ -83,6 +83,7 @@ def test_other_moe_families_are_refused():
         (dict(expert_model_parallel_size=3), "not divisible"),
         (dict(tensor_model_parallel_size=2), "needs --sequence-parallel"),
         (dict(moe_token_dispatcher="flex"), "dispatcher"),
+        (dict(expert_model_parallel_size=2, moe_token_dispatcher="allgather"), "allgather needs"),
         (dict(moe_aux_loss_coeff=-1.0), "must be a finite number >= 0"),
     ],
 )
