@@ -220,6 +220,7 @@ def build_microbatch(
     index, label_ids, seq_ids, responses = [], [], [], []
     executed = 0
     used = [0] * num_rows  # tokens at the start of each row; the rest is padding
+    untrained: list[tuple[int, int, int]] = []  # (row, start, end) of pruned responses in a training row
     for row, sequences in enumerate(rows):
         if layout == "shared":
             plan_i = sequences[0][0]
@@ -240,6 +241,8 @@ def build_microbatch(
                 label_ids.append(torch.tensor(response, dtype=torch.long)[scored])
                 seq_ids.append(torch.full((len(scored),), len(responses), dtype=torch.long))
                 responses.append(Response(plan_i, branch, len(scored), len(response)))
+                if plan.kept_branch is not None and branch != plan.kept_branch:
+                    untrained.append((row, start, start + len(response)))
             # One label per position (the full-logits head, refused with this layout): the prompt's
             # last position gets the first response's first token.
             first = plan.responses[sequences[0][1]]
@@ -270,8 +273,13 @@ def build_microbatch(
         used[row] = start
     segments = None if layout == "full" else SegmentLayout(rows=segment_rows, seq_length=seq_length)
     selection = TokenSelection(index=torch.cat(index), labels=torch.cat(label_ids), seq_ids=torch.cat(seq_ids))
+    padding_mask = _padding_after(used, seq_length)
+    # A branch-pruned response run inside a training row (shared layout) only gives its log-probs,
+    # like one run in its own forward-only pass: the router losses leave it out in both cases.
+    for row, start, end in untrained:
+        padding_mask[row, start:end] = True
     return DPOMicrobatch(tokens, position_ids, None, segments, selection, labels, responses, len(plans), executed,
-                         padding_mask=_padding_after(used, seq_length))
+                         padding_mask=padding_mask)
 
 
 def _padding_after(used: list[int], seq_length: int) -> torch.Tensor:
@@ -297,9 +305,11 @@ def pack_rows(batch: DPOMicrobatch, *, seq_length: int, pad_id: int) -> DPOMicro
     tokens = torch.full((1, seq_length), pad_id, dtype=torch.long)
     labels = torch.full_like(tokens, pad_id)
     position_ids = torch.zeros_like(tokens)
+    padding_mask = torch.ones((1, seq_length), dtype=torch.bool)
     segments = []
     for r, (start, n) in enumerate(zip(starts, used)):
         tokens[0, start : start + n] = batch.tokens[r, :n]
+        padding_mask[0, start : start + n] = batch.padding_mask[r, :n] if batch.padding_mask is not None else False
         labels[0, start : start + n] = batch.labels[r, :n]
         position_ids[0, start : start + n] = batch.position_ids[r, :n]
         segments += [Segment(seg.start + start, seg.end + start,
@@ -311,7 +321,7 @@ def pack_rows(batch: DPOMicrobatch, *, seq_length: int, pad_id: int) -> DPOMicro
                                seq_ids=batch.selection.seq_ids)
     return DPOMicrobatch(tokens, position_ids, None, SegmentLayout(rows=[segments], seq_length=seq_length),
                          selection, labels, batch.responses, batch.num_pairs, batch.executed_tokens,
-                         dict(batch.extras), row_starts=starts, padding_mask=_padding_after([sum(used)], seq_length))
+                         dict(batch.extras), row_starts=starts, padding_mask=padding_mask)
 
 
 def build_prefix_replay(

@@ -314,3 +314,25 @@ def test_grpo_router_losses_do_not_count_padding():
     assert len(padded["router"]) == MOE_LAYERS
     for name, grad in padded["router"].items():
         torch.testing.assert_close(packed["router"][name], grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def shared_branch_pruning(join: bool) -> dict:
+    from tests.distributed.dpo_harness import dpo_grads
+
+    return dpo_grads(preset="tiny-moe", parallel=dict(moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z), layout="shared",
+                     prune=dict(branch=True), micro_batch_size=1, join=join)
+
+
+@pytest.mark.distributed
+def test_a_pruned_branch_in_the_training_row_adds_no_router_loss():
+    """Shared layout under branch pruning: a pruned response run inside the training row (for its
+    log-probs only) is left out of the router losses, as one run in its own forward-only pass is, so
+    where the step runs it (a cost heuristic) changes neither the router losses nor any gradient."""
+    from tests.distributed.dpo_harness import assert_metrics_and_grads
+
+    (joined,) = run_distributed(shared_branch_pruning, 1, join=True)
+    (separate,) = run_distributed(shared_branch_pruning, 1, join=False)
+    assert joined["counters"]["forward_only_tokens"] < separate["counters"]["forward_only_tokens"]
+    assert joined["metrics"]["moe_aux_loss"] > 0 and joined["metrics"]["moe_z_loss"] > 0
+    assert_metrics_and_grads(separate, joined, "pruned branch joined vs separate",
+                             ("loss", "margin", "moe_aux_loss", "moe_z_loss"), rtol=1e-5, atol=1e-7)

@@ -453,6 +453,16 @@ MUTANTS: list[dict] = [
         "tests": [ROUTER_LOSS_VALUES],
     },
     {
+        "name": "dpo-joined-pruned-branch-in-router-losses",
+        "why": "a branch-pruned response run inside the shared layout's training row counts in the router losses: "
+               "where a cost heuristic runs it changes the router losses and the gradient",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "    for row, start, end in untrained:\n        padding_mask[row, start:end] = True\n",
+        "new": "",
+        "tests": ["tests/distributed/test_moe_router_losses.py::"
+                  "test_a_pruned_branch_in_the_training_row_adds_no_router_loss"],
+    },
+    {
         "name": "z-loss-mean-of-shard-means",
         "why": "Megatron's own router: with sequence parallelism the z-loss averages each TP shard's mean over its "
                "real tokens, so a padded microbatch's z-loss depends on the TP size and on where the padding falls",
