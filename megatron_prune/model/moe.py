@@ -82,11 +82,20 @@ def layer_specs_with_moe(arch: ModelArch, config, dense_spec, *, vp_stage: int |
     moe_mlp = get_gpt_layer_local_spec(
         num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     ).submodules.mlp
-    moe_mlp = dataclasses.replace(moe_mlp, submodules=dataclasses.replace(moe_mlp.submodules, router=GroupMeanZLossRouter))
     moe_spec = dataclasses.replace(dense_spec, submodules=dataclasses.replace(dense_spec.submodules, mlp=moe_mlp))
+    moe_spec = with_group_mean_z_loss(moe_spec)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = arch.moe_layer_pattern()
     return [moe_spec if pattern[offset + i] else dense_spec for i in range(n_local)]
+
+
+def with_group_mean_z_loss(layer_spec):
+    """``layer_spec`` with :class:`GroupMeanZLossRouter` as its MoE router; a dense layer's unchanged."""
+    mlp = layer_spec.submodules.mlp
+    if getattr(getattr(mlp, "submodules", None), "router", None) is None:
+        return layer_spec
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, router=GroupMeanZLossRouter))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
 
 
 class GroupMeanZLossRouter(TopKRouter):

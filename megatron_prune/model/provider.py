@@ -162,12 +162,13 @@ def _local_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int 
 def _te_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: int | None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=True, normalization="RMSNorm", qk_layernorm=arch.qk_norm, vp_stage=vp_stage
-    )
+    from megatron_prune.model.moe import with_group_mean_z_loss
+
+    # The QK norm comes from config.qk_layernorm (the builder takes no such argument).
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage)
     # Transformer-Engine's core attention gains the segment path (flash varlen); untested without a GPU.
-    return dataclasses.replace(
-        spec, layer_specs=[with_rotated_key_cache(with_segment_attention(layer)) for layer in spec.layer_specs])
+    return dataclasses.replace(spec, layer_specs=[
+        with_group_mean_z_loss(with_rotated_key_cache(with_segment_attention(layer))) for layer in spec.layer_specs])
 
 
 def build_model_chunks(arch: ModelArch, parallel: ParallelConfig) -> list[torch.nn.Module]:

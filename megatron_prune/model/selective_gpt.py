@@ -22,6 +22,7 @@ tokens still run through the experts and their outputs are never scored).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,8 @@ class SelectiveGPTModel(GPTModel):
         a dense model, no padding, or nothing but padding (a placeholder microbatch, whose router
         losses are scaled to 0; a mean over no tokens would be NaN)."""
         if mask is None or not self.config.num_moe_experts or not bool(mask.any()) or bool(mask.all()):
+            return None
+        if "padding_mask" not in inspect.signature(GPTModel.forward).parameters:  # a stack that replaced it
             return None
         mask = mask.to(device=device, dtype=torch.bool)
         if not self.pre_process and self.config.sequence_parallel:

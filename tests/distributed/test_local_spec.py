@@ -52,3 +52,46 @@ def test_built_model_runs_the_specs_norm_and_swiglu(preset):
     # A dense model's MLPs take the spec's SwiGLU; a mixture-of-experts model (its dense first
     # layer too) keeps Megatron's own activation.
     assert names.get("_SwiGLUFunctionBackward", 0) == (0 if preset == "tiny-moe" else layers), names
+
+
+def _te_path_specs(preset: str) -> dict:
+    """The Transformer-Engine path's block spec (``provider._te_block_spec``) built on this machine:
+    Megatron's real builder is called with the arguments the provider gives it (an argument it does
+    not take fails here), only switched to its local modules, since Transformer Engine needs a GPU."""
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    from megatron_prune.model import provider
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.moe import GroupMeanZLossRouter
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.parallel import model_parallel
+
+    real = specs.get_gpt_decoder_block_spec
+    calls = []
+
+    def without_te(config, use_transformer_engine, *args, **kwargs):
+        calls.append(use_transformer_engine)
+        return real(config, False, *args, **kwargs)
+
+    arch = get_preset(preset)
+    par = ParallelConfig(transformer_engine=True)
+    specs.get_gpt_decoder_block_spec = without_te
+    try:
+        with model_parallel(par, seed=3):
+            config = provider.transformer_config(arch, par)
+            spec = provider._te_block_spec(arch, config, None)
+    finally:
+        specs.get_gpt_decoder_block_spec = real
+    routers = [getattr(getattr(layer.submodules.mlp, "submodules", None), "router", None) for layer in spec.layer_specs]
+    return dict(calls=calls, qk_layernorm=config.qk_layernorm, num_layers=len(spec.layer_specs),
+                routers=[r is GroupMeanZLossRouter if r is not None else None for r in routers])
+
+
+@pytest.mark.parametrize("preset, routers", [("tiny", [None] * 4), ("tiny-moe", [None, True, True, True])])
+def test_transformer_engine_path_builds_with_our_router(preset, routers):
+    """The spec of a GPU with Transformer Engine (the default there) builds — it used to pass Megatron
+    0.16's builder an argument it does not take, so no model could be built — and its MoE layers
+    get the router whose z-loss is the mean over the whole sequence-parallel group."""
+    got = run_distributed(_te_path_specs, 1, preset=preset)[0]
+    assert got["calls"] == [True]
+    assert got["routers"] == routers

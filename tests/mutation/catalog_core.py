@@ -463,12 +463,20 @@ MUTANTS: list[dict] = [
                   "test_a_pruned_branch_in_the_training_row_adds_no_router_loss"],
     },
     {
+        "name": "te-spec-keeps-megatrons-router",
+        "why": "the Transformer-Engine layer spec (the default on a GPU with TE) keeps Megatron's own router, whose "
+               "z-loss with padding is a mean of the sequence-parallel shards' means",
+        "file": "megatron_prune/model/provider.py",
+        "old": "        with_group_mean_z_loss(with_rotated_key_cache(with_segment_attention(layer)))",
+        "new": "        with_rotated_key_cache(with_segment_attention(layer))",
+        "tests": ["tests/distributed/test_local_spec.py::test_transformer_engine_path_builds_with_our_router"],
+    },
+    {
         "name": "z-loss-mean-of-shard-means",
         "why": "Megatron's own router: with sequence parallelism the z-loss averages each TP shard's mean over its "
                "real tokens, so a padded microbatch's z-loss depends on the TP size and on where the padding falls",
         "file": MOE,
-        "old": "    moe_mlp = dataclasses.replace(moe_mlp, submodules=dataclasses.replace(moe_mlp.submodules, "
-               "router=GroupMeanZLossRouter))\n",
+        "old": "    moe_spec = with_group_mean_z_loss(moe_spec)\n",
         "new": "",
         "tests": ["tests/distributed/test_moe.py::test_expert_parallel_4_ranks_matches_single_rank"],
     },
