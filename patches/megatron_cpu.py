@@ -256,13 +256,6 @@ _cpu(
     ("if self.weight.device.type == 'cpu':", "if False:"),
     ("if self.bias is not None and self.bias.device.type == 'cpu':", "if False:"),
 )
-for _fn in ("forward", "backward"):
-    _cpu(
-        f"RouterGatingLinearFunction.{_fn}",
-        f"megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.{_fn}",
-        "without Transformer Engine the router GEMM reads te_general_gemm, which is then never defined",
-        ("te_general_gemm is not None", "False"),
-    )
 _cpu(
     "mappings._AllToAll.forward",
     "megatron.core.tensor_parallel.mappings._AllToAll.forward",

@@ -224,4 +224,4 @@ def rewrite_source(*replacements: tuple[str, str]) -> Callable[[Any], Any]:
 
 def _import_patch_modules() -> None:
     """Import every module that registers patches (registration happens at import)."""
-    from . import megatron_cpu  # noqa: F401
+    from . import megatron_cpu, megatron_no_te  # noqa: F401

@@ -78,13 +78,15 @@ def check_rendezvous_env() -> None:
 def initialize_distributed(*, timeout_minutes: float = 10.0) -> None:
     """Start torch.distributed from torchrun's environment (a single process when absent).
 
-    On CPU this also applies the registered Megatron CPU patches.
+    On CPU this also applies the registered Megatron CPU patches, and on every device the ones
+    Megatron needs where Transformer Engine is missing.
     """
+    from megatron_prune.patches import apply_cpu_patches, apply_missing_te_patches
+
     acc = get_accelerator()
     if acc.kind == "cpu":
-        from megatron_prune.patches import apply_cpu_patches
-
         apply_cpu_patches()
+    apply_missing_te_patches()
     acc.set_device()
     if dist.is_initialized():
         return

@@ -472,6 +472,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/distributed/test_local_spec.py::test_transformer_engine_path_builds_with_our_router"],
     },
     {
+        "name": "no-te-patches-on-cpu-only",
+        "why": "the MoE router's no-Transformer-Engine patches are applied on CPU only: a GPU without TE raises "
+               "NameError (te_general_gemm) at the first MoE forward",
+        "file": "megatron_prune/training/parallel.py",
+        "old": "    apply_missing_te_patches()\n",
+        "new": "    if acc.kind == \"cpu\":\n        apply_missing_te_patches()\n",
+        "tests": ["tests/unit/test_patches.py::test_initialize_distributed_applies_the_no_te_patches_off_the_cpu_too"],
+    },
+    {
         "name": "z-loss-mean-of-shard-means",
         "why": "Megatron's own router: with sequence parallelism the z-loss averages each TP shard's mean over its "
                "real tokens, so a padded microbatch's z-loss depends on the TP size and on where the padding falls",

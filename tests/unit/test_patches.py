@@ -114,13 +114,15 @@ def test_rewrite_source_refuses_changed_text(scratch):
 
 
 def test_every_cpu_patch_builds_against_installed_megatron():
-    """Each registered CPU patch resolves its target and its textual replacements still match."""
+    """Each registered CPU (and no-TE) patch resolves its target and its textual replacements still match."""
     from megatron_prune.patches import registered
 
     registry._import_patch_modules()
     patches = registered("cpu")
     assert len(patches) >= 20
-    for patch in patches:
+    no_te = registered("no_te")
+    assert len(no_te) == 2
+    for patch in patches + no_te:
         _, _, original = registry._resolve(patch)
         patch.build(original)  # raises PatchTargetError naming the symbol if Megatron moved
         assert patch.reason and patch.checked_versions
@@ -153,3 +155,52 @@ def test_a_checkout_on_pythonpath_without_pip_install_finds_its_patches(tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(checkout / "patches" / "registry.py")
+
+
+_MOE_FORWARD = """
+import torch
+import megatron_prune.patches as patches
+from megatron_prune.model.arch import get_preset
+from megatron_prune.model.provider import ParallelConfig, build_model_chunks
+from megatron_prune.training.parallel import initialize_distributed, model_parallel
+
+patches.apply_cpu_patches()
+if {missing_te}:
+    patches.apply_missing_te_patches()
+patches.apply_cpu_patches = patches.apply_missing_te_patches = lambda: []  # as given, nothing more
+initialize_distributed()
+with model_parallel(ParallelConfig(), seed=1):
+    (model,) = build_model_chunks(get_preset("tiny-moe"), ParallelConfig())
+    try:
+        print("shape", tuple(model(torch.randint(0, 100, (1, 16)), torch.arange(16)[None], None).shape))
+    except NameError as exc:
+        print("NameError", exc)
+"""
+
+
+@pytest.mark.parametrize("missing_te, expected", [(False, "NameError name 'te_general_gemm'"), (True, "shape (1, 16")])
+def test_a_moe_router_without_transformer_engine_needs_the_no_te_patches_on_every_device(missing_te, expected):
+    """Megatron 0.16 reads ``te_general_gemm`` in every MoE router forward and defines it only when
+    Transformer Engine imports. The CPU patches (applied on CPU only) do not cover it, so a GPU
+    without TE needs the ``no_te`` group, which ``initialize_distributed`` applies on every device."""
+    code = _MOE_FORWARD.format(missing_te=missing_te)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert expected in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
+_GPU_INIT = """
+import types
+import megatron_prune.training.parallel as parallel
+from megatron_prune.patches import is_applied
+
+gpu = types.SimpleNamespace(kind="cuda", set_device=lambda: None, process_group_backend="gloo")
+parallel.get_accelerator = lambda: gpu
+parallel.initialize_distributed()
+print(is_applied("no_te.RouterGatingLinearFunction.forward"), is_applied("cpu.Router.gating"))
+"""
+
+
+def test_initialize_distributed_applies_the_no_te_patches_off_the_cpu_too():
+    """On a (stand-in) GPU the CPU patches stay off and the no-TE ones go on (Megatron found no TE here)."""
+    out = subprocess.run([sys.executable, "-c", _GPU_INIT], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-2:] == ["True", "False"], (out.stdout + out.stderr)[-3000:]
