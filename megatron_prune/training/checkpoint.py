@@ -408,10 +408,12 @@ def _saved_steps(common: Any) -> list:
     return []
 
 
-def _across_split_state(template: Any, loaded: Any, *, ckpt: str, parts: int) -> Any:
+def _across_split_state(template: Any, loaded: Any, *, ckpt: str, optimizer) -> Any:
     """The optimizer state to load: this optimizer's own structure and param groups (learning rates
     are set again when the scheduler's state loads), the tensors loaded from their saved keys, and
-    the step count the saved optimizers shared."""
+    the step count the saved optimizers shared, where the resuming optimizer reads it: torch's Adam
+    per parameter (Megatron's ``common_step``), Transformer Engine's and Apex's fused Adam in each
+    param group (as an int: their kernels take one)."""
     from megatron.core import dist_checkpointing
 
     state = _fill(template, loaded)
@@ -419,13 +421,18 @@ def _across_split_state(template: Any, loaded: Any, *, ckpt: str, parts: int) ->
     if not steps:
         return state
     assert len(set(steps)) == 1, f"the saved optimizers' step counts differ: {sorted(set(steps))}"
-    for sub in ([state[i] for i in range(parts)] if parts > 1 else [state]):
+    chained = _chained(optimizer)
+    for part, sub in zip(chained, [state[i] for i in range(len(chained))] if len(chained) > 1 else [state]):
         if "param_state_sharding_type" in sub:  # distributed optimizer: the step is in the param groups
             for group in sub["optimizer"]["param_groups"]:
-                group["step"] = steps[0]
-        else:
-            inner = sub["optimizer"] if "fp32_from_fp16_params" in sub else sub
+                group["step"] = int(steps[0])
+            continue
+        inner = sub["optimizer"] if "fp32_from_fp16_params" in sub else sub
+        if _is_torch_adam(part.optimizer):
             inner["state"]["common_step"] = torch.tensor(steps[0])
+        else:
+            for group in inner["param_groups"]:
+                group["step"] = int(steps[0])
     return state
 
 
@@ -679,8 +686,7 @@ def load_checkpoint(
     if optimizer is not None:
         loaded_optimizer = loaded["optimizer"]
         if across is not None:  # saved on the other side of the expert split
-            loaded_optimizer = _across_split_state(template, loaded_optimizer, ckpt=ckpt,
-                                                   parts=len(_chained(optimizer)))
+            loaded_optimizer = _across_split_state(template, loaded_optimizer, ckpt=ckpt, optimizer=optimizer)
         if optimizer_format(optimizer) == DISTRIBUTED_OPTIMIZER:
             _load_distributed_optimizer(optimizer, loaded_optimizer)
         else:

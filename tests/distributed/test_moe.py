@@ -245,3 +245,24 @@ def test_expert_parallel_4_ranks_matches_single_rank(single, tmp_path):
     assert not torch.equal(straight["params"][EXPERT_FC1], single["main"]["params"][EXPERT_FC1])
     assert same["metrics"] == straight["metrics"]
     assert all(torch.equal(same["params"][k], v) for k, v in straight["params"].items())
+
+
+def fused_adam_across_the_split(root: str) -> dict:
+    from tests.distributed import fused_adam_standin
+
+    fused_adam_standin.install()
+    straight = moe_dpo_step(parallel=dict(expert_model_parallel_size=2), steps=(0, 1), save_dir=root)
+    fused_adam_standin.STEPS_USED.clear()
+    resumed = moe_dpo_step(parallel={}, steps=(1,), load_dir=root)
+    return dict(straight=straight, resumed=resumed, steps=list(fused_adam_standin.STEPS_USED))
+
+
+@pytest.mark.distributed
+def test_fused_adam_resumes_across_the_split_at_its_step(tmp_path):
+    """Transformer Engine's and Apex's fused Adam keep the step in each param group, which the
+    cross-split load used to leave empty (only torch's per-parameter ``common_step`` was set): Apex
+    restarted bias correction at step 1, TE failed to load. The resumed step is now step 2, the
+    straight run's."""
+    got = run_distributed(fused_adam_across_the_split, 2, root=str(tmp_path / "ckpt"))[0]
+    assert got["steps"] and set(got["steps"]) == {2}, got["steps"]
+    assert_same_step(got["straight"], got["resumed"], "fused Adam resumed EP=2 -> EP=1")

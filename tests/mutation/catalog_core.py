@@ -481,6 +481,16 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/test_patches.py::test_initialize_distributed_applies_the_no_te_patches_off_the_cpu_too"],
     },
     {
+        "name": "across-split-step-per-parameter-only",
+        "why": "a resume across the expert split gives every optimizer the step as torch's per-parameter "
+               "common_step: Transformer Engine's and Apex's fused Adam, which read it from the param groups, "
+               "restart bias correction at step 1 (Apex) or fail to load (TE)",
+        "file": "megatron_prune/training/checkpoint.py",
+        "old": "        if _is_torch_adam(part.optimizer):\n",
+        "new": "        if True:\n",
+        "tests": ["tests/distributed/test_moe.py::test_fused_adam_resumes_across_the_split_at_its_step"],
+    },
+    {
         "name": "z-loss-mean-of-shard-means",
         "why": "Megatron's own router: with sequence parallelism the z-loss averages each TP shard's mean over its "
                "real tokens, so a padded microbatch's z-loss depends on the TP size and on where the padding falls",
