@@ -22,6 +22,7 @@ tokens still run through the experts and their outputs are never scored).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -36,6 +37,14 @@ from megatron_prune.model.segments import SegmentLayout
 from megatron_prune.ops import vocab_parallel_logprobs
 
 DEFAULT_CHUNK_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_padding_mask(forward) -> bool:
+    """Whether ``forward`` (``GPTModel.forward`` as it is now) takes the router's padding mask: a
+    stack that replaced it after import (an accelerator adaptor, an older core) gets none rather
+    than an unexpected keyword. Keyed on the function, so a later replacement is seen."""
+    return "padding_mask" in inspect.signature(forward).parameters
 
 
 def _to(value, device: torch.device):
@@ -116,7 +125,7 @@ class SelectiveGPTModel(GPTModel):
         losses are scaled to 0; a mean over no tokens would be NaN)."""
         if mask is None or not self.config.num_moe_experts or not bool(mask.any()) or bool(mask.all()):
             return None
-        if "padding_mask" not in inspect.signature(GPTModel.forward).parameters:  # a stack that replaced it
+        if not _takes_padding_mask(GPTModel.forward):
             return None
         mask = mask.to(device=device, dtype=torch.bool)
         if not self.pre_process and self.config.sequence_parallel:

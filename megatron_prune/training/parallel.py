@@ -247,14 +247,12 @@ def expert_parallel_max(value: int) -> int:
     forward together — the token dispatcher is a collective over the group — so they must run as
     many forwards as each other. Collective over the data-parallel group when EP > 1.
     """
-    import torch
     from megatron.core import parallel_state
 
     if parallel_state.get_expert_model_parallel_world_size() == 1:
         return value
-    total = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    return int(total)
+    (value,) = max_over_ranks(value, group=parallel_state.get_data_parallel_group())
+    return value
 
 
 def schedule_microbatches(value: int) -> int:
@@ -272,26 +270,27 @@ def schedule_microbatches(value: int) -> int:
     return value
 
 
-def any_rank(*flags: bool) -> tuple[bool, ...]:
-    """Each flag, true when it is true on any rank. Collective over the world (one all-reduce)."""
-    if not dist.is_initialized():
-        return tuple(bool(f) for f in flags)
+def max_over_ranks(*values: int, group=None) -> tuple[int, ...]:
+    """Each value's largest over the ranks of ``group`` (the world by default), in one all-reduce;
+    the values themselves without a process group or on a group of one rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return tuple(int(v) for v in values)
     import torch
 
-    values = torch.tensor([int(f) for f in flags])
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return tuple(bool(v) for v in values.tolist())
+    largest = torch.tensor([int(v) for v in values], dtype=torch.long)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    return tuple(largest.tolist())
+
+
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag, true when it is true on any rank. Collective over the world (one all-reduce)."""
+    return tuple(bool(v) for v in max_over_ranks(*flags))
 
 
 def largest_over_ranks(value: int) -> int:
-    """The largest ``value`` over every rank (one all-reduce); ``value`` itself without a process group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    import torch
-
-    total = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return int(total)
+    """The largest ``value`` over every rank (one all-reduce)."""
+    (value,) = max_over_ranks(value)
+    return value
 
 
 def broadcast_object(obj, src: int = 0):

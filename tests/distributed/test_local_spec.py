@@ -83,7 +83,10 @@ def _te_path_specs(preset: str) -> dict:
     finally:
         specs.get_gpt_decoder_block_spec = real
     routers = [getattr(getattr(layer.submodules.mlp, "submodules", None), "router", None) for layer in spec.layer_specs]
-    return dict(calls=calls, qk_layernorm=config.qk_layernorm, num_layers=len(spec.layer_specs),
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    qk_norm = [layer.submodules.self_attention.submodules.q_layernorm is not IdentityOp for layer in spec.layer_specs]
+    return dict(calls=calls, qk_norm=qk_norm, num_layers=len(spec.layer_specs),
                 routers=[r is GroupMeanZLossRouter if r is not None else None for r in routers])
 
 
@@ -94,4 +97,5 @@ def test_transformer_engine_path_builds_with_our_router(preset, routers):
     get the router whose z-loss is the mean over the whole sequence-parallel group."""
     got = run_distributed(_te_path_specs, 1, preset=preset)[0]
     assert got["calls"] == [True]
+    assert got["qk_norm"] == [True] * 4  # the presets' QK norm reaches the builder through the config
     assert got["routers"] == routers
