@@ -38,6 +38,13 @@ def npu_actual_seq_len(cu_seqlens: Any) -> list[int]:
     return values
 
 
+def _offsets_like(values: list[int], like: Any):
+    import torch
+
+    device = like.device if isinstance(like, torch.Tensor) else None
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 def to_npu_packed_seq_params(params: Any) -> Any:
     """A copy of a THD ``PackedSeqParams`` whose cu_seqlens MindSpeed's TND attention reads right.
 
@@ -52,8 +59,9 @@ def to_npu_packed_seq_params(params: Any) -> Any:
     if q is None or kv is None or len(q) == 0 or int(q[0]) != 0:
         return params
     converted = copy.copy(params)
-    converted.cu_seqlens_q = npu_actual_seq_len(q)
-    converted.cu_seqlens_kv = npu_actual_seq_len(kv)
+    # A tensor, as Megatron's are: MindSpeed's fusion attention calls ``.tolist()`` on these.
+    converted.cu_seqlens_q = _offsets_like(npu_actual_seq_len(q), q)
+    converted.cu_seqlens_kv = _offsets_like(npu_actual_seq_len(kv), kv)
     converted.cu_seqlens_q_padded = None
     converted.cu_seqlens_kv_padded = None
     return converted

@@ -45,7 +45,8 @@ def test_real_packed_seq_params(plan):
     assert params.max_seqlen_q == params.max_seqlen_kv == max(max(LENGTHS), max(r.padding for r in plan.rows))
     converted = to_npu_packed_seq_params(params)
     assert isinstance(converted, PackedSeqParams)
-    assert converted.cu_seqlens_q == params.cu_seqlens_q.tolist()[1:]
+    assert converted.cu_seqlens_q.dtype == torch.int32  # MindSpeed calls .tolist() on it
+    assert converted.cu_seqlens_q.tolist() == params.cu_seqlens_q.tolist()[1:]
     assert params.cu_seqlens_q.tolist()[0] == 0  # not modified
 
 
@@ -83,7 +84,7 @@ def test_padded_offsets_win():
     # With per-sequence padding the kernel must see where sequences lie in the packed tensor.
     params = _Params(cu=torch.tensor([0, 3, 5]), padded=torch.tensor([0, 4, 8]))
     converted = to_npu_packed_seq_params(params)
-    assert converted.cu_seqlens_q == converted.cu_seqlens_kv == [4, 8]
+    assert converted.cu_seqlens_q.tolist() == converted.cu_seqlens_kv.tolist() == [4, 8]
     assert converted.cu_seqlens_q_padded is None
 
 
@@ -98,4 +99,4 @@ def test_wrapper_leaves_calls_without_thd_alone():
     assert wrapped(None, 1, 2, 3, None) == "out" and seen == [None]
     params = _Params(cu=torch.tensor([0, 2, 6]))
     wrapped(None, 1, 2, 3, None, packed_seq_params=params)
-    assert seen[-1] is not params and seen[-1].cu_seqlens_q == [2, 6]
+    assert seen[-1] is not params and seen[-1].cu_seqlens_q.tolist() == [2, 6]

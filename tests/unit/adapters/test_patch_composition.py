@@ -181,9 +181,8 @@ class _Params:
 
 
 def _mindspeed_fusion_attention(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-    """What MindSpeed's TND path hands npu_fusion_attention (``cu_seqlens_q`` as a list)."""
-    q = packed_seq_params.cu_seqlens_q
-    return {"impl": "mindspeed", "actual_seq_qlen": q if isinstance(q, list) else q.tolist()}
+    """What MindSpeed's TND path hands npu_fusion_attention: ``cu_seqlens_q.tolist()``, unchecked."""
+    return {"impl": "mindspeed", "actual_seq_qlen": packed_seq_params.cu_seqlens_q.tolist()}
 
 
 def test_thd_patch_converts_cu_seqlens_for_mindspeeds_attention(manager, fake_megatron):
@@ -201,7 +200,7 @@ def test_thd_patch_converts_cu_seqlens_for_mindspeeds_attention(manager, fake_me
     out = attn.forward(None, None, None, None, None, None, params)  # positional, as some callers do
     assert out["actual_seq_qlen"] == [3, 7, 10]
     assert params.cu_seqlens_q.tolist() == [0, 3, 7, 10]  # the caller's object is not modified
-    already_npu = _Params([3, 7, 10])
+    already_npu = _Params(torch.tensor([3, 7, 10], dtype=torch.int32))
     assert attn.forward(None, None, None, None, packed_seq_params=already_npu)["actual_seq_qlen"] == [3, 7, 10]
     inner = fake_megatron.attention.DotProductAttention.forward.__wrapped__
     assert inner is _mindspeed_fusion_attention

@@ -17,11 +17,8 @@ def dot_product_attention_forward_impl(
     """Returns what MindSpeed's fusion attention would pass to npu_fusion_attention as actual_seq_qlen."""
     if packed_seq_params is None:
         return {"impl": "mindspeed-standin", "actual_seq_qlen": None}
-    if isinstance(packed_seq_params.cu_seqlens_q, list):
-        qlen = packed_seq_params.cu_seqlens_q
-    else:
-        qlen = packed_seq_params.cu_seqlens_q.tolist()
-    return {"impl": "mindspeed-standin", "actual_seq_qlen": qlen}
+    # As MindSpeed does, without looking at the type: a list here raises AttributeError.
+    return {"impl": "mindspeed-standin", "actual_seq_qlen": packed_seq_params.cu_seqlens_q.tolist()}
 
 
 class OptimizationLevelFeature(MindSpeedFeature):
