@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -194,25 +193,34 @@ def _build_plan(layout: SegmentLayout, device: torch.device, queries_from: int =
     )
 
 
-# Every layer of a stage receives the same table tensor: its plan is built once and reused.
-_plan_cache: dict = {"table": None, "device": None, "seq": None, "queries_from": None, "plan": None}
+# Every layer of a stage receives the same table: its plan is built once and reused. The key is
+# the table's storage, not the tensor object, because recomputation (activation checkpointing)
+# hands each layer a detached copy of it; the cache holds the table, so that storage is not reused.
+_plan_cache: dict = {"key": None, "table": None, "plan": None}
 
 
 def _plan_for(table: torch.Tensor, seq_length: int, device: torch.device, queries_from: int = 0) -> _Plan:
-    cached = _plan_cache["table"]
-    if (cached is not None and cached() is table and _plan_cache["device"] == device
-            and _plan_cache["seq"] == seq_length and _plan_cache["queries_from"] == queries_from):
+    key = (table.data_ptr(), tuple(table.shape), table._version, device, seq_length, queries_from)
+    if _plan_cache["key"] == key:
         return _plan_cache["plan"]
     plan = _build_plan(SegmentLayout.from_table(table.cpu(), seq_length=seq_length), device, queries_from)
-    _plan_cache.update(table=weakref.ref(table), device=device, seq=seq_length, queries_from=queries_from, plan=plan)
+    _plan_cache.update(key=key, table=table, plan=plan)
     return plan
 
 
 def _flash_for(query: torch.Tensor):
-    """``flash_attn_varlen_func`` when it can run ``query`` (CUDA, fp16/bf16, package installed)."""
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+    """``flash_attn_varlen_func`` when it can run ``query``: CUDA on Ampere or newer, fp16/bf16,
+    head size up to 256, flash-attn 2.1 or newer installed. Older releases align the causal mask
+    to the top left when a segment has fewer queries than keys, which would drop every prefix;
+    everything else falls back to the SDPA path."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256:
         return None
-    if importlib.util.find_spec("flash_attn") is None:
+    if importlib.util.find_spec("flash_attn") is None or torch.cuda.get_device_capability(query.device)[0] < 8:
+        return None
+    import flash_attn
+    from packaging.version import Version
+
+    if Version(flash_attn.__version__) < Version("2.1"):
         return None
     from flash_attn import flash_attn_varlen_func
 
@@ -227,6 +235,7 @@ def segment_attention(
     *,
     softmax_scale: float | None = None,
     softmax_in_fp32: bool = True,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[s_q, b, np, hn]`` over ``key``/``value`` ``[s, b, ng, hn]`` as the
     segment ``table`` (over ``s`` positions) allows; returns ``[s_q, b, np * hn]`` (Megatron's
@@ -235,7 +244,8 @@ def segment_attention(
     The queries are the last ``s_q`` positions (all of them when ``s_q == s``); the positions
     before them are keys only, which segments may take as their prefix. Query head ``h`` uses
     key/value group ``h // (np / ng)`` (grouped-query attention, as Megatron's
-    ``repeat_interleave``); the scale defaults to ``1 / sqrt(hn)``.
+    ``repeat_interleave``); the scale defaults to ``1 / sqrt(hn)``. ``deterministic`` asks the
+    flash-attention kernel for its deterministic backward (the SDPA path is deterministic on CPU).
     """
     s_q, b, np_, hn = query.shape
     s, ng = key.shape[0], key.shape[2]
@@ -252,6 +262,7 @@ def segment_attention(
         pieces.append(flash(
             q.index_select(0, plan.q_flat), k.index_select(0, plan.k_flat), v.index_select(0, plan.k_flat),
             plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, dropout_p=0.0, softmax_scale=scale, causal=True,
+            **({"deterministic": True} if deterministic else {}),
         ))
     else:
         compute = torch.float32 if softmax_in_fp32 and query.dtype in (torch.float16, torch.bfloat16) else query.dtype
@@ -354,11 +365,16 @@ class SegmentAttentionMixin:
             query, key, value, attention_mask,
             softmax_scale=self._segment_softmax_scale(),
             softmax_in_fp32=bool(self.config.attention_softmax_in_fp32),
+            deterministic=bool(getattr(self.config, "deterministic_mode", False)),
         )
 
     def _segment_softmax_scale(self) -> float:
-        scale = getattr(self, "softmax_scale", None)
-        return 1.0 / math.sqrt(self.config.kv_channels) if scale is None else scale
+        # Megatron's local attention keeps its scale; Transformer Engine's keeps it only inside its
+        # backends, so the config's (when set) and then the default stand in for it there.
+        for scale in (getattr(self, "softmax_scale", None), getattr(self.config, "softmax_scale", None)):
+            if scale is not None:
+                return scale
+        return 1.0 / math.sqrt(self.config.kv_channels)
 
     def _check_segment_support(self, kwargs) -> None:
         config = self.config

@@ -295,3 +295,67 @@ def test_positions_before_the_queries_are_keys_only(flash, monkeypatch):
         for name, g, w in zip("qkv", got_grads, want_grads):
             assert_close(g.double(), w.double(), **TOL, msg=f"grad {name}")
     assert calls is None or calls, "the flash path did not run"
+
+
+class _CudaQuery:
+    """What _flash_for reads of a query on a GPU (none is needed to decide)."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+    device = "cuda:0"
+
+    def __init__(self, head_size=64):
+        self.shape = (8, 1, 4, head_size)
+
+
+@pytest.mark.parametrize(
+    "version, capability, head_size, uses_flash",
+    [("2.6.3", (9, 0), 128, True), ("2.0.9", (9, 0), 128, False), ("2.6.3", (7, 5), 128, False),
+     ("2.6.3", (8, 0), 320, False)],
+)
+def test_flash_only_where_its_causal_rule_and_the_gpu_fit(monkeypatch, version, capability, head_size, uses_flash):
+    """flash-attn before 2.1 aligns the causal mask top-left when a segment has fewer queries than
+    keys (every prefix would be lost); flash-attn 2 refuses pre-Ampere GPUs and heads over 256."""
+    import importlib.util
+    import sys
+    import types
+
+    kernel = object()
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__=version, flash_attn_varlen_func=kernel))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    got = segment_attention_module._flash_for(_CudaQuery(head_size))
+    assert (got is kernel) == uses_flash
+
+
+def test_recomputed_layers_reuse_the_plan(monkeypatch):
+    """Activation recomputation hands each layer a detached copy of the table: still one plan."""
+    built = []
+    real = segment_attention_module._build_plan
+    monkeypatch.setattr(segment_attention_module, "_build_plan", lambda *a, **k: built.append(1) or real(*a, **k))
+    monkeypatch.setattr(segment_attention_module, "_plan_cache", {"key": None, "table": None, "plan": None})
+    table = shared_pair_layout().to_table()
+    q = torch.randn(16, 1, 4, 8)
+    kv = torch.randn(16, 1, 2, 8)
+    first = segment_attention(q, kv, kv, table)
+    for _ in range(3):
+        assert torch.equal(segment_attention(q, kv, kv, table.detach()), first)
+    assert len(built) == 1
+    segment_attention(q, kv, kv, table.clone())  # another microbatch's table: a new plan
+    assert len(built) == 2
+
+
+def test_deterministic_mode_reaches_the_flash_kernel(monkeypatch):
+    seen = []
+
+    def kernel(*args, **kwargs):
+        seen.append(kwargs.get("deterministic", False))
+        return flash_varlen_emulator(*args, **{k: v for k, v in kwargs.items() if k != "deterministic"})
+
+    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: kernel)
+    table = shared_pair_layout().to_table()
+    q, kv = torch.randn(16, 1, 4, 8), torch.randn(16, 1, 2, 8)
+    segment_attention(q, kv, kv, table)
+    segment_attention(q, kv, kv, table, deterministic=True)
+    assert seen == [False, True]
