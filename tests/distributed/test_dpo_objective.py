@@ -2,6 +2,8 @@
 
 - Pruning off: loss and every gradient equal the reference (``dpo_reference``) in every layout
   (full, concat, shared), both reductions, micro-batch 1 and 2.
+- Sequence pruning (a forced draw) equals the reference DPO on the kept prefixes, both layouts
+  and both reductions.
 - Estimators through the real step: branch pruning's gradient, enumerated over every kept-branch
   pattern with the real ``plan()`` and weighted by each pattern's probability, equals the
   unpruned gradient (q = 0.3 and 0.5), in the concat layout and in the shared layout (with the
@@ -196,6 +198,70 @@ def test_pruning_off_equals_independent_reference(reference_results, index):
     from tests.distributed.dpo_reference import assert_grads_close
 
     assert_grads_close(want["grads"], got["grads"], str(case))
+
+
+# -- 2. sequence pruning: DPO on the kept prefixes ----------------------------------------------------
+SEQUENCE_CASES = [dict(layout=layout, reduction=reduction) for layout in ("concat", "shared") for reduction in ("mean", "sum")]
+
+
+def _kept_prefix(length: int) -> int:
+    """The prefix the forced sequence-pruning draw keeps: about two thirds, at least one token."""
+    return max(1, (2 * length) // 3)
+
+
+@contextlib.contextmanager
+def forced_prefixes():
+    """Every sequence-pruning draw keeps :func:`_kept_prefix` tokens; counts the draws."""
+    from megatron_prune import sampling
+
+    original = sampling.prefix_length
+    calls = {"prefix": 0}
+
+    def prefix_length(length, **kw):
+        calls["prefix"] += 1
+        return _kept_prefix(length)
+
+    sampling.prefix_length = prefix_length
+    try:
+        yield calls
+    finally:
+        sampling.prefix_length = original
+
+
+def sequence_pruning_checks() -> dict:
+    import dataclasses
+
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.parallel import model_parallel
+
+    samples, _ = sample_pairs()
+    truncated = [dataclasses.replace(p, chosen_ids=p.chosen_ids[: _kept_prefix(len(p.chosen_ids))],
+                                     rejected_ids=p.rejected_ids[: _kept_prefix(len(p.rejected_ids))])
+                 for _, p in samples]
+    cut = sum(len(t.chosen_ids) < len(p.chosen_ids) for t, (_, p) in zip(truncated, samples))
+    with model_parallel(ParallelConfig(), seed=SEED):
+        arch, policy, reference = _models()
+        expected = {red: R.loss_and_grads(policy[0], reference[0], truncated, beta=BETA, vocab_size=arch.vocab_size,
+                                          reduction=red) for red in ("mean", "sum")}
+        with forced_prefixes() as calls:
+            got = [(case, _step(_runner(policy, reference, seq_min_ratio=0.5, **case), policy, samples))
+                   for case in SEQUENCE_CASES]
+    return dict(expected=expected, got=got, draws=calls["prefix"], cut=cut)
+
+
+@pytest.mark.distributed
+def test_sequence_pruning_is_dpo_on_the_kept_prefixes():
+    """Sequence pruning (forced draw: two thirds of each response) equals the reference DPO on the
+    truncated pairs, in both layouts and both reductions: under ``sum`` each response's log-ratio
+    is the sum over its kept prefix (its length after sequence pruning, not before)."""
+    from tests.distributed.dpo_reference import assert_grads_close
+
+    results = run_distributed(sequence_pruning_checks, 1)[0]
+    assert results["draws"] > 0 and results["cut"] > 0, "no response was cut: the test would prove nothing"
+    for case, got in results["got"]:
+        want = results["expected"][case["reduction"]]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), f"{case}: loss"
+        assert_grads_close(want["grads"], got["grads"], str(case))
 
 
 # -- 3a. branch pruning: unbiased by enumeration through the real plan() ---------------------------

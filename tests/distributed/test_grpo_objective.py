@@ -23,7 +23,13 @@
   ``--loss-normalization sequence``: every ``train_step`` of one rollout, with an SGD step of the
   policy in between, equals a plain-PyTorch reference on its minibatch's prompts whose ratio takes
   the *rollout* policy's log-probs as old ones, divided by ``minibatch prompts x G x max_new_tokens``
-  (sequence: each completion's token mean, divided by ``prompts x G``).
+  (sequence: each completion's token mean, divided by ``prompts x G``). One update per rollout
+  (the default: old log-probs are the policy's own, detached), ``--no-std-normalization``,
+  ``--advantage-std sample`` and ``--clip-eps-high`` above ``--clip-eps-low`` likewise, each far
+  from the same update without its flag.
+* Flags reach their level: ``--dppo-sampling`` rules the completion draw, ``--dppo-prompt-sampling``
+  the prompt draw; with ``--minibatches 2`` and prompt pruning each minibatch trains its own
+  slice of the prompt list.
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ class Harness:
 
     def __init__(self, *, policy, reference, arch, source, prompt_rate: float, completion_rate: float,
                  dense_packing: bool, sampling: str | None, kl_beta: float = KL_BETA,
-                 skip_zero_advantage: bool = True) -> None:
+                 skip_zero_advantage: bool = True, prompt_sampling: str | None = None) -> None:
         from megatron_prune.config import TrainConfig
         from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
         from megatron_prune.grpo.trainer import build_objective
@@ -100,8 +106,8 @@ class Harness:
         dppo = dict(prompt_prune_rate=prompt_rate, completion_prune_rate=completion_rate,
                     prompt_floor=PROMPT_FLOOR, completion_floor=COMPLETION_FLOOR, dense_packing=dense_packing,
                     skip_zero_advantage=skip_zero_advantage)
-        if sampling is not None:  # the same rule at both levels
-            dppo.update(sampling=sampling, prompt_sampling=sampling)
+        if sampling is not None:  # the same rule at both levels unless prompt_sampling says otherwise
+            dppo.update(sampling=sampling, prompt_sampling=prompt_sampling or sampling)
         configs = {
             "TrainConfig": TrainConfig(global_batch_size=NUM_PROMPTS, micro_batch_size=2, seq_length=16, seed=SEED),
             "GRPOConfig": GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, kl_beta=kl_beta, ppo_epochs=2,
@@ -329,7 +335,8 @@ def reference_grpo(*, policy, reference, arch, source, prompt_ids: list[int], ro
 # ---------------------------------------------------------------------------------------
 
 
-def _objective_checks(*, sampling_modes: tuple, reference_step: bool, kl_beta: float = KL_BETA) -> dict:
+def _objective_checks(*, sampling_modes: tuple, reference_step: bool, kl_beta: float = KL_BETA,
+                      split_sampling: tuple = ()) -> dict:
     import megatron_prune.grpo.dppo as dppo
     import megatron_prune.grpo.trainer as trainer
     from megatron_prune.grpo.rollout import Completion
@@ -370,6 +377,13 @@ def _objective_checks(*, sampling_modes: tuple, reference_step: bool, kl_beta: f
                 pruned = build(prompt_rate=PROMPT_RATE, completion_rate=COMPLETION_RATE, dense_packing=True,
                                sampling=mode)
                 out[mode] = enumerate_expected_gradient(pruned, draws)
+            for completion_rule, prompt_rule in split_sampling:  # which uniforms each level asks for
+                pruned = build(prompt_rate=PROMPT_RATE, completion_rate=COMPLETION_RATE, dense_packing=True,
+                               sampling=completion_rule, prompt_sampling=prompt_rule)
+                draws.table.clear()
+                draws.asked = {"prompt": [], "completion": []}
+                pruned.step()
+                out[(completion_rule, prompt_rule)] = {level: list(keys) for level, keys in draws.asked.items()}
         finally:
             trainer.generate, dppo.keep_uniform = original_generate, original_uniform
         if reference_step:
@@ -411,6 +425,20 @@ def test_zero_advantage_completions_are_skipped_exactly_without_kl():
     for key, frequency in result["completion_freq"].items():
         assert abs(frequency - result["completion_marginal"][key]) < 1e-9, (key, frequency)
     _assert_grad_close(result["expected"], every["grad"], "E[DPPO] vs GRPO (no KL)", rtol=1e-4)
+
+
+def test_each_level_draws_by_its_own_sampling_flag():
+    """--dppo-sampling sets the completion level's rule and --dppo-prompt-sampling the prompt
+    level's: a systematic draw asks one uniform per group (completions) or per batch (prompts), an
+    independent draw one per item."""
+    splits = (("independent", "systematic"), ("systematic", "independent"))
+    got = run_distributed(_objective_checks, 1, sampling_modes=(), reference_step=False, split_sampling=splits)[0]
+    independent_completions, systematic_prompts = got[splits[0]]["completion"], got[splits[0]]["prompt"]
+    assert systematic_prompts == ["batch"]
+    assert independent_completions and all(isinstance(key, tuple) for key in independent_completions)
+    systematic_completions, independent_prompts = got[splits[1]]["completion"], got[splits[1]]["prompt"]
+    assert sorted(independent_prompts) == list(range(NUM_PROMPTS))
+    assert systematic_completions and all(isinstance(key, int) for key in systematic_completions)
 
 
 def _assert_grad_close(got: torch.Tensor, expected: torch.Tensor, label: str, *, rtol: float) -> None:
@@ -587,6 +615,9 @@ MB_PROMPTS = 4
 MB_CLIP = 0.05  # a tight clip, so that one SGD step moves some ratios past it
 MB_LR = 0.02  # SGD step between the updates of a rollout: enough for some ratios to pass the clip (measured)
 MB_REWARDS = {0: [1.0, 1 / 3], 1: [0.0, 1.0], 2: [0.5, 0.0], 3: [1.0, 0.5]}
+FLAG_DEFAULTS = dict(clip_eps_high=MB_CLIP, normalize_std=True, advantage_std="population")
+"""The GRPOConfig fields a run of :func:`_several_updates` may set (``run["flags"]``), at the values
+the other runs use."""
 """The rewards of :func:`minibatch_rollout`'s completions, written out (checked against the scorer)."""
 
 
@@ -640,14 +671,25 @@ def _sgd_step(policy, lr: float) -> None:
                     p.add_(p.main_grad.to(p.dtype), alpha=-lr)
 
 
+def reference_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, sample_std: bool = False) -> torch.Tensor:
+    """``r - mean``, divided by ``std + eps`` unless ``normalize_std`` is off (Dr. GRPO); the sample
+    std (``--advantage-std sample``) takes eps 1e-4, the population std 1e-6."""
+    centred = rewards - rewards.mean()
+    if not normalize_std:
+        return centred.float()
+    return (centred / (rewards.std(correction=1 if sample_std else 0) + (1e-4 if sample_std else 1e-6))).float()
+
+
 def reference_minibatch(*, policy, reference, arch, source, prompt_ids: list[int], rollout, old: dict | None,
-                        sequence: bool, kl_beta: float, clip: float) -> tuple[float, torch.Tensor]:
+                        sequence: bool, kl_beta: float, clip: float, clip_high: float | None = None,
+                        normalize_std: bool = True, sample_std: bool = False) -> tuple[float, torch.Tensor]:
     """Loss and flat gradient of one GRPO update on the prompts ``prompt_ids`` (a minibatch) at the
     policy's current weights, in plain PyTorch (no project code but the model).
 
     ``old[(prompt_id, j)]``: the old log-probs of the ratio (None: the current policy's, detached,
-    i.e. ratio 1). Advantages ``(r - mean) / (std + 1e-6)`` on the full group. Per completion the
-    token sum of ``clipped surrogate + beta * k3`` (``sequence``: divided by its length); summed over
+    i.e. ratio 1). Advantages ``(r - mean) / (std + 1e-6)`` on the full group (or as
+    :func:`reference_advantages` is told). The ratio is clipped to ``[1 - clip, 1 + clip_high]``
+    (``clip_high`` defaults to ``clip``). Per completion the token sum of ``clipped surrogate + beta * k3`` (``sequence``: divided by its length); summed over
     the minibatch and divided by ``len(prompt_ids) x G x max_new_tokens`` (``sequence``:
     ``len(prompt_ids) x G``)."""
     for chunk in policy:
@@ -657,12 +699,13 @@ def reference_minibatch(*, policy, reference, arch, source, prompt_ids: list[int
     for prompt_id in prompt_ids:
         prompt = list(source.get(prompt_id).tokens)
         rewards = torch.tensor(MB_REWARDS[prompt_id], dtype=torch.float64)
-        advantages = ((rewards - rewards.mean()) / (rewards.std(correction=0) + 1e-6)).float()
+        advantages = reference_advantages(rewards, normalize_std=normalize_std, sample_std=sample_std)
         for j, (completion, advantage) in enumerate(zip(rollout[prompt_id], advantages)):
             logp = _completion_logprobs(policy[0], arch, prompt, completion, grad=True)
             old_logp = logp.detach() if old is None else old[(prompt_id, j)]
             ratio = torch.exp(logp - old_logp)
-            term = -torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
+            high = clip if clip_high is None else clip_high
+            term = -torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + high) * advantage)
             if kl_beta > 0:
                 ref = _completion_logprobs(reference[0], arch, prompt, completion, grad=False)
                 term = term + kl_beta * (torch.exp(ref - logp) - (ref - logp) - 1)
@@ -713,10 +756,11 @@ def _several_updates(*, runs: list[dict], kl_beta: float = KL_BETA) -> list[dict
             for run in runs:
                 _load_weights(policy, start)
                 generated.clear()
+                flags = {**FLAG_DEFAULTS, **run.get("flags", {})}
                 grpo = GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, kl_beta=kl_beta,
                                   ppo_epochs=run["ppo_epochs"], minibatches=run["minibatches"],
                                   loss_normalization=run["normalization"], clip_eps_low=MB_CLIP,
-                                  clip_eps_high=MB_CLIP, toy_num_prompts=MB_PROMPTS)
+                                  toy_num_prompts=MB_PROMPTS, **flags)
                 configs = {
                     "TrainConfig": TrainConfig(global_batch_size=MB_PROMPTS, micro_batch_size=2, seq_length=16,
                                                seed=SEED),
@@ -742,8 +786,12 @@ def _several_updates(*, runs: list[dict], kl_beta: float = KL_BETA) -> list[dict
                     kwargs = dict(policy=policy, reference=reference, arch=arch, source=source,
                                   prompt_ids=prompt_ids, rollout=rollout, sequence=run["normalization"] == "sequence",
                                   kl_beta=kl_beta, clip=MB_CLIP)
-                    record["reference"] = reference_minibatch(old=old, **kwargs)
-                    record["old_is_current"] = reference_minibatch(old=None, **kwargs)
+                    as_flags = dict(clip_high=flags["clip_eps_high"], normalize_std=flags["normalize_std"],
+                                    sample_std=flags["advantage_std"] == "sample")
+                    record["reference"] = reference_minibatch(old=old, **kwargs, **as_flags)
+                    record["old_is_current"] = reference_minibatch(old=None, **kwargs, **as_flags)
+                    # The same update without the run's flags: the check must tell them apart.
+                    record["flags_ignored"] = reference_minibatch(old=old, **kwargs) if run.get("flags") else None
                     record["moved"] = max(float((w - s).abs().max()) for w, s in zip(record["weights"], start))
                     del record["weights"]
                 out.append(dict(run=run, steps=steps, rollouts=list(generated)))
@@ -758,7 +806,7 @@ def _check_updates(result: dict, *, rtol: float = 1e-4) -> None:
     far from the trainer (the check is sensitive to which old log-probs are used)."""
     run, steps = result["run"], result["steps"]
     assert result["rollouts"] == [0], f"one rollout feeds every update: {result['rollouts']}"
-    assert len(steps) == run["ppo_epochs"] * run["minibatches"] >= 2
+    assert len(steps) == run["ppo_epochs"] * run["minibatches"]
     for step, record in enumerate(steps):
         metrics, grad = record["metrics"], record["grad"]
         loss, expected = record["reference"]
@@ -777,6 +825,31 @@ def _check_updates(result: dict, *, rtol: float = 1e-4) -> None:
             f"{label}: old = current policy gives nearly the same gradient ({error:.3g}): the test is insensitive")
 
 
+def _check_flags_matter(result: dict, *, rtol: float = 1e-4) -> None:
+    """Some update of a run with ``flags`` is far from the same update without them: the reference
+    check of that run is sensitive to whether the trainer applies them."""
+    run = result["run"]
+    distance = max(float((r["grad"] - r["flags_ignored"][1]).abs().max()) / float(r["reference"][1].abs().max())
+                   for r in result["steps"])
+    assert distance > 100 * rtol, f"{run}: the flags change the gradient by {distance:.3g} only: the test is insensitive"
+
+
+def test_one_update_per_rollout_and_the_advantage_and_clip_flags():
+    """The default one update per rollout (ratio 1, old log-probs = the policy's own, detached: the
+    surrogate's gradient is the advantage-weighted score), and with it --no-std-normalization
+    (Dr. GRPO) and --advantage-std sample; --clip-eps-high above --clip-eps-low (clip-higher) over
+    two updates, where ratios move past the clip. Each equals the plain-PyTorch update with the
+    same settings, which is far from the update without them."""
+    runs = [dict(minibatches=1, ppo_epochs=1, normalization="constant"),
+            dict(minibatches=1, ppo_epochs=1, normalization="constant", flags=dict(normalize_std=False)),
+            dict(minibatches=1, ppo_epochs=1, normalization="constant", flags=dict(advantage_std="sample")),
+            dict(minibatches=1, ppo_epochs=2, normalization="constant", flags=dict(clip_eps_high=4 * MB_CLIP))]
+    for result in run_distributed(_several_updates, 1, runs=runs)[0]:
+        _check_updates(result)
+        if "flags" in result["run"]:
+            _check_flags_matter(result)
+
+
 def test_minibatch_updates_use_the_rollout_policy_as_old_and_the_minibatch_normaliser():
     """--minibatches 2 (with --ppo-epochs 1 and 2): every update of one rollout trains its minibatch's
     prompts with the normaliser minibatch prompts x G x max_new_tokens, and its ratio uses the
@@ -793,3 +866,60 @@ def test_sequence_normalisation_is_the_mean_over_each_completion():
     runs = [dict(minibatches=1, ppo_epochs=2, normalization="sequence")]
     for result in run_distributed(_several_updates, 1, runs=runs)[0]:
         _check_updates(result)
+
+
+def _minibatch_membership() -> dict:
+    """One rollout of four prompts in two minibatches, the first prompt of the order pruned before
+    rollout: which prompts each minibatch trains, and its normaliser."""
+    import megatron_prune.grpo.trainer as trainer
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+    from megatron_prune.grpo.dppo import KeepDecision
+    from megatron_prune.grpo.rollout import Completion
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    original_generate = trainer.generate
+    with model_parallel(ParallelConfig(), seed=SEED):
+        arch = get_preset("tiny")
+        policy = setup_model(arch, ParallelConfig(), seed=SEED)
+        source = trainer.toy_source(vocab_size=arch.vocab_size, num_prompts=MB_PROMPTS, seed=SEED, prompt_length=4)
+        rollout = minibatch_rollout(source)
+
+        def generate(*, model, prompts, group_size, settings, step):
+            return [[Completion(prompt_id=pid, index=j, tokens=list(rollout[pid][j])) for j in range(group_size)]
+                    for pid, _ in prompts]
+
+        configs = {
+            "TrainConfig": TrainConfig(global_batch_size=MB_PROMPTS, micro_batch_size=2, seq_length=16, seed=SEED),
+            "GRPOConfig": GRPOConfig(group_size=GROUP, max_new_tokens=MAX_NEW, minibatches=2, toy_num_prompts=MB_PROMPTS),
+            "DPPOArgs": DPPOArgs(prompt_prune_rate=0.25, prompt_floor=0.5),
+        }
+        trainer.generate = generate
+        try:
+            objective = trainer.build_objective(configs=configs, arch=arch, policy=policy, reference=None, source=source)
+            order = list(objective.sampler.epoch_order(0)[:MB_PROMPTS])
+
+            def select_prompts(*, step, prompt_ids):  # the first prompt of the order is pruned
+                probs = torch.tensor([0.5] + [1.0] * (len(prompt_ids) - 1), dtype=torch.float64)
+                return KeepDecision(probs=probs, keep=probs == 1.0, target_rate=0.25)
+
+            objective.pruner.select_prompts = select_prompts
+            objective.train_step(0)
+            buffer = objective.buffer
+        finally:
+            trainer.generate = original_generate
+    return dict(order=order, minibatches=[sorted({item.prompt_id for item in items}) for items in buffer.minibatches],
+                normalisers=buffer.normalisers)
+
+
+def test_prompt_pruning_leaves_each_minibatch_its_own_slice():
+    """--minibatches 2 with prompt pruning: minibatch m trains the kept prompts of its own slice of
+    the step's prompt list (positions 2m, 2m+1), whichever prompts were pruned elsewhere, under the
+    normaliser of the whole slice (pruned prompts included: the 1/p weights restore them)."""
+    got = run_distributed(_minibatch_membership, 1)[0]
+    order = got["order"]
+    assert got["minibatches"] == [sorted(order[1:2]), sorted(order[2:4])]
+    assert got["normalisers"] == [2.0 * GROUP * MAX_NEW] * 2

@@ -408,4 +408,13 @@ MUTANTS: list[dict] = [
         "tests": ["tests/distributed/test_dpo_reference_table_layouts.py::"
                   "test_the_reference_table_is_the_single_rank_one[moe-ep2-uneven-data]"],
     },
+    {
+        "name": "dpo-sum-coefficient-full-length",
+        "why": "under --dpo-logp-reduction sum with sequence pruning, c_r = T_r/|S_r| takes the length before "
+               "pruning, which inflates every log-ratio by T_full/T_kept",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "responses.append(Response(plan_i, branch, len(scored), len(plan.responses[branch])))",
+        "new": "responses.append(Response(plan_i, branch, len(scored), plan.full_lengths[branch]))",
+        "tests": ["tests/distributed/test_dpo_objective.py::test_sequence_pruning_is_dpo_on_the_kept_prefixes"],
+    },
 ]

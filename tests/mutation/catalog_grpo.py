@@ -18,6 +18,9 @@ ROUTER_LAYOUT = ("tests/distributed/test_moe_router_losses.py::"
                  "test_grpo_router_losses_do_not_depend_on_the_placeholders_a_layout_needs")
 MINIBATCHES = f"{OBJECTIVE}::test_minibatch_updates_use_the_rollout_policy_as_old_and_the_minibatch_normaliser"
 SEQUENCE = f"{OBJECTIVE}::test_sequence_normalisation_is_the_mean_over_each_completion"
+ONE_UPDATE_FLAGS = f"{OBJECTIVE}::test_one_update_per_rollout_and_the_advantage_and_clip_flags"
+SAMPLING_FLAGS = f"{OBJECTIVE}::test_each_level_draws_by_its_own_sampling_flag"
+MINIBATCH_SLICES = f"{OBJECTIVE}::test_prompt_pruning_leaves_each_minibatch_its_own_slice"
 TOP_P = "tests/unit/grpo/test_top_p.py"
 SAMPLER_REFERENCE = "tests/unit/grpo/test_sampler.py::test_batched_draws_equal_one_row_at_a_time"
 TOP_P_NUCLEUS = f"{TOP_P}::test_top_p_samples_the_renormalised_nucleus"
@@ -597,5 +600,48 @@ MUTANTS: list[dict] = [
         "old": "        self._warned_clipped = True\n",
         "new": "",
         "tests": ["tests/e2e/test_grpo_resume.py::test_a_resume_that_renders_the_prompts_otherwise_rolls_out_again"],
+    },
+    {
+        "name": "grpo-single-update-ratio-not-detached",
+        "why": "with one update per rollout (the default) the old log-probs fall back to the policy's own; "
+               "without detach the ratio is 1 with gradient 0 and the policy never learns",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "it.old_logprobs.to(device) if it.old_logprobs is not None else values.detach()",
+        "new": "it.old_logprobs.to(device) if it.old_logprobs is not None else values",
+        "tests": [ONE_UPDATE_FLAGS],
+    },
+    {
+        "name": "grpo-clip-eps-high-ignored",
+        "why": "--clip-eps-high (clip-higher) silently takes --clip-eps-low's value",
+        "file": "megatron_prune/grpo/config.py",
+        "old": "clip_eps_high=self.clip_eps_high, kl_beta=self.kl_beta",
+        "new": "clip_eps_high=self.clip_eps_low, kl_beta=self.kl_beta",
+        "tests": [ONE_UPDATE_FLAGS],
+    },
+    {
+        "name": "grpo-advantage-flags-ignored",
+        "why": "--no-std-normalization and --advantage-std sample silently do nothing in the trainer",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "advantages = group_advantages(rewards, config=self.grpo.advantage_config())",
+        "new": "advantages = group_advantages(rewards)",
+        "tests": [ONE_UPDATE_FLAGS],
+    },
+    {
+        "name": "dppo-sampling-flags-swapped",
+        "why": "--dppo-sampling and --dppo-prompt-sampling rule each other's level (still unbiased: only "
+               "the variance changes, so only a test of the draws sees it)",
+        "file": "megatron_prune/grpo/config.py",
+        "old": "sampling=self.sampling, prompt_sampling=self.prompt_sampling,",
+        "new": "sampling=self.prompt_sampling, prompt_sampling=self.sampling,",
+        "tests": [SAMPLING_FLAGS],
+    },
+    {
+        "name": "grpo-minibatch-slot-by-kept-position",
+        "why": "with --minibatches > 1 and prompt pruning, minibatches are cut from the kept prompts, so a "
+               "minibatch trains another slice's prompts under its own normaliser",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "slot = {i: position // per_minibatch for position, i in enumerate(ids)}",
+        "new": "slot = {i: position // per_minibatch for position, i in enumerate(kept_ids)}",
+        "tests": [MINIBATCH_SLICES],
     },
 ]
