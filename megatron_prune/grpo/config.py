@@ -148,7 +148,8 @@ class DPPOArgs:
     """DPPO: unbiased prompt- and completion-level pruning, and dense packing (docs/dppo.md)."""
 
     prompt_prune_rate: float = field(default=0.0, metadata=_flag("--dppo-prompt-prune-rate"))
-    """r_q: expected fraction of prompts pruned before rollout (they cost no rollout); 0 = off."""
+    """r_q: expected fraction of prompts pruned before rollout (they cost no rollout); 0 = off. A prompt
+    never rolled out is kept, so pruning starts at the prompts' second visit (the second epoch)."""
     completion_prune_rate: float = field(default=0.0, metadata=_flag("--dppo-completion-prune-rate"))
     """r_o: expected fraction of completions pruned after rewards (no training forward/backward); 0 = off."""
     prompt_floor: float = field(default=0.3, metadata=_flag("--dppo-prompt-floor"))

@@ -245,6 +245,7 @@ class GRPOObjective:
         self._before_buffer: dict[str, Any] | None = None  # sampler and history before the buffer's draws
         self._steps_done = 0
         self._warned_clipped = False
+        self._told_unseen = False
 
     # -- rollout ----------------------------------------------------------------------------------
     def _generate(self, prompts: list[Prompt], step: int) -> dict[Hashable, list[Completion]]:
@@ -272,6 +273,7 @@ class GRPOObjective:
         ids = self.sampler.next_indices(self.train_cfg.global_batch_size)
         prompts = {i: self.source.get(i) for i in ids}
         prompt_decision = self.pruner.select_prompts(step=step, prompt_ids=ids)
+        self._tell_unseen(ids, step)
         kept_ids = [i for i, keep in zip(ids, prompt_decision.keep.tolist()) if keep]
         completions = self._generate([prompts[i] for i in kept_ids], step)
         rollout_time = time.perf_counter() - timer
@@ -444,6 +446,18 @@ class GRPOObjective:
                                "or --seq-length), so that rollout is not reused")
             return False
         return True
+
+    def _tell_unseen(self, ids: list, step: int) -> None:
+        """Say once when prompt pruning is on but no prompt of the step has a history: a prompt
+        never rolled out has keep probability 1, so nothing is pruned until prompts come round again."""
+        if (self.dppo_args.prompt_prune_rate <= 0 or self._told_unseen or any(i in self.pruner.history for i in ids)
+                or not is_logging_rank()):
+            return
+        self._told_unseen = True
+        logger.warning("%s: no prompt of this step has been rolled out before, so --dppo-prompt-prune-rate keeps "
+                       "them all: a prompt is pruned only from its second visit, by its reward history (the first "
+                       "epoch over %d prompts is %d steps at --global-batch-size %d; said once)", self._step_name(step),
+                       len(self.source), -(-len(self.source) // len(ids)) * self.grpo.updates_per_rollout, len(ids))
 
     def _warn_clipped(self, clipped: float, step: int) -> None:
         """Say once when most completions of a graded task run out of --max-new-tokens: a cut

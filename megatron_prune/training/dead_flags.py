@@ -110,6 +110,22 @@ class Setting:
     def lora_on(self) -> bool:
         return lora_active(self.lora)
 
+    @functools.cached_property
+    def lora_narrowest(self) -> tuple[int, str]:
+        """The smallest input or output width of a linear the adapters target, and that linear."""
+        a = self.arch
+        ffn = min(a.intermediate_size, a.moe_intermediate_size or a.intermediate_size) if a.is_moe else a.intermediate_size
+        widths = {"linear_qkv": (a.hidden_size, (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim),
+                  "linear_proj": (a.num_attention_heads * a.head_dim, a.hidden_size),
+                  "linear_fc1": (a.hidden_size, 2 * ffn), "linear_fc2": (ffn, a.hidden_size)}
+        return min((min(widths[name]), name) for name in self.lora.target_names)
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Layers of each pipeline stage (of each model chunk under the interleaved schedule)."""
+        m = self.model
+        return self.arch.num_layers // (m.pipeline_model_parallel_size * (m.virtual_pipeline_model_parallel_size or 1))
+
     @property
     def schedule_from_flags(self) -> bool:
         """Whether this launch's schedule flags set the learning rate: a resume keeps the checkpoint's
@@ -147,6 +163,11 @@ RULES: list[Rule] = [
          "shards nothing at data-parallel size 1: each rank holds its parameters' whole optimizer state "
          "either way; it only saves that state in the distributed format, which a resume then needs {flag} to read"),
     # training: the optimizer and its schedule
+    Rule(("ModelConfig.recompute_num_layers",),
+         lambda s: s.model.recompute_method == "block" and s.model.recompute_num_layers > s.layers_per_chunk,
+         "is more than the {s.layers_per_chunk} layers of each pipeline stage (model chunk under the interleaved "
+         "schedule): --recompute-method block recomputes the first N layers of each, so every layer is recomputed; "
+         "give at most {s.layers_per_chunk}"),
     Rule(("TrainConfig.lr",), lambda s: s.schedule_from_flags and s.train.lr == 0,
          "trains nothing: every update is scaled by the learning rate, so the weights never change; give --lr > 0"),
     Rule(("TrainConfig.lr_warmup_iters",), lambda s: s.warmup_outlasts_run,
@@ -196,6 +217,10 @@ RULES: list[Rule] = [
     # LoRA
     Rule(("LoRAConfig.alpha", "LoRAConfig.dropout", "LoRAConfig.targets"), lambda s: not s.lora_on,
          "needs --lora-rank > 0 (LoRA is off at rank 0): give --lora-rank, or drop {flag}", error=True),
+    Rule(("LoRAConfig.rank",), lambda s: s.lora_on and s.lora.rank >= s.lora_narrowest[0],
+         "is not below {s.lora_narrowest[0]}, the narrowest side of the {s.lora_narrowest[1]} it adapts: that "
+         "adapter is full-rank and holds more values than the weight it adapts, so LoRA saves nothing there; give a "
+         "rank well below the model's widths"),
     # DPO pruning
     Rule(("PruneConfig.branch_chosen_prob",), lambda s: not s.prune.branch,
          "has no effect without --prune-branch (it is the chosen branch's keep probability under branch pruning)"),

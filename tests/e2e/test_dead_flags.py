@@ -75,6 +75,14 @@ WARNINGS = [
     pytest.param("dpo", ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"],
                  "--recompute-modules core_attn moe names moe, which has no effect: the model (qwen3) is dense, it has "
                  "no mixture-of-experts layers", id="recompute-moe-on-dense"),
+    pytest.param("dpo", ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "9"],
+                 "--recompute-num-layers 9 is more than the 4 layers of each pipeline stage (model chunk under the "
+                 "interleaved schedule): --recompute-method block recomputes the first N layers of each, so every layer "
+                 "is recomputed; give at most 4", id="block-recompute-past-the-stage"),
+    pytest.param("dpo", ["--lora-rank", "64"],
+                 "--lora-rank 64 is not below 64, the narrowest side of the linear_fc1 it adapts: that adapter is "
+                 "full-rank and holds more values than the weight it adapts, so LoRA saves nothing there; give a rank "
+                 "well below the model's widths", id="lora-rank-at-a-width"),
     pytest.param("dpo", ["--use-distributed-optimizer"],
                  "--use-distributed-optimizer shards nothing at data-parallel size 1: each rank holds its parameters' "
                  "whole optimizer state either way; it only saves that state in the distributed format, which a resume "
@@ -276,6 +284,8 @@ NO_WARNING = [
                          "selective", "--recompute-modules", "moe"], id="moe-flags-on-moe"),
     pytest.param("dpo", [*TINY_DPO, "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1",
                          "--lora-targets", "linear_qkv"], id="lora-flags-with-lora"),
+    pytest.param("dpo", [*TINY_DPO, "--recompute-granularity", "full", "--recompute-method", "block",
+                         "--recompute-num-layers", "4", "--lora-rank", "32"], id="block-recompute-and-lora-rank-that-fit"),
     pytest.param("grpo", TINY_GRPO, id="grpo-defaults"),
     pytest.param("grpo", [*TINY_GRPO, "--dppo-prompt-prune-rate", "0.3", "--dppo-completion-prune-rate", "0.3",
                           "--dppo-prompt-floor", "0.2", "--dppo-completion-floor", "0.2", "--dppo-sampling",

@@ -111,3 +111,9 @@ def test_a_minibatch_emptied_by_prompt_pruning_says_so(tmp_path):
                 "(its prompts pruned, or its completions' advantages all 0), so this update trains nothing (loss "
                 "and gradient 0); the optimizer still steps") in run.output, run.output[-3000:]
     assert run.output.count("kept no completions") == len(emptied)
+    # The first rollout's prompts have no history: nothing can be pruned yet, and the run says so once.
+    assert records[0]["kept_prompt_fraction"] == 1.0
+    assert ("step 1/12: no prompt of this step has been rolled out before, so --dppo-prompt-prune-rate keeps them "
+            "all: a prompt is pruned only from its second visit, by its reward history (the first epoch over 4 "
+            "prompts is 2 steps at --global-batch-size 4; said once)") in run.output
+    assert run.output.count("has been rolled out before") == 1
