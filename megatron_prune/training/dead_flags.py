@@ -162,12 +162,12 @@ RULES: list[Rule] = [
          lambda s: s.data_parallel == 1 and not s.resumes_distributed_optimizer,
          "shards nothing at data-parallel size 1: each rank holds its parameters' whole optimizer state "
          "either way; it only saves that state in the distributed format, which a resume then needs {flag} to read"),
-    # training: the optimizer and its schedule
     Rule(("ModelConfig.recompute_num_layers",),
          lambda s: s.model.recompute_method == "block" and s.model.recompute_num_layers > s.layers_per_chunk,
          "is more than the {s.layers_per_chunk} layers of each pipeline stage (model chunk under the interleaved "
          "schedule): --recompute-method block recomputes the first N layers of each, so every layer is recomputed; "
          "give at most {s.layers_per_chunk}"),
+    # training: the optimizer and its schedule
     Rule(("TrainConfig.lr",), lambda s: s.schedule_from_flags and s.train.lr == 0,
          "trains nothing: every update is scaled by the learning rate, so the weights never change; give --lr > 0"),
     Rule(("TrainConfig.lr_warmup_iters",), lambda s: s.warmup_outlasts_run,
