@@ -517,4 +517,13 @@ MUTANTS: list[dict] = [
         "new": "if eval_interval and (step % eval_interval == 0 or",
         "tests": ["tests/e2e/test_user_paths.py::test_eval_runs_after_every_eval_interval_steps"],
     },
+    {
+        "name": "interleaved-schedule-rounds-to-the-model-chunks",
+        "why": "the interleaved schedule takes microbatches in groups of one per pipeline stage; rounding to the "
+               "model chunks instead is refused by Megatron whenever PP != VPP",
+        "file": "megatron_prune/training/parallel.py",
+        "old": "        stages = parallel_state.get_pipeline_model_parallel_world_size()\n",
+        "new": "        stages = parallel_state.get_virtual_pipeline_model_parallel_world_size()\n",
+        "tests": ["tests/unit/test_schedule_and_lengths.py::test_interleaved_schedule_runs_a_multiple_of_the_pipeline_stages"],
+    },
 ]

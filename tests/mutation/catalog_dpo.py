@@ -417,4 +417,13 @@ MUTANTS: list[dict] = [
         "new": "responses.append(Response(plan_i, branch, len(scored), plan.full_lengths[branch]))",
         "tests": ["tests/distributed/test_dpo_objective.py::test_sequence_pruning_is_dpo_on_the_kept_prefixes"],
     },
+    {
+        "name": "dpo-pack-rows-drops-the-router-padding-mask",
+        "why": "--dpo-pack-rows forgets which tokens are padding or a pruned branch, so a MoE model's router "
+               "losses count them",
+        "file": "megatron_prune/dpo/batch.py",
+        "old": "padding_mask[0, start : start + n] = batch.padding_mask[r, :n] if batch.padding_mask is not None else False",
+        "new": "padding_mask[0, start : start + n] = False",
+        "tests": ["tests/unit/test_dpo_microbatches.py::test_packed_rows_keep_the_router_padding_mask"],
+    },
 ]

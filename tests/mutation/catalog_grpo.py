@@ -644,4 +644,12 @@ MUTANTS: list[dict] = [
         "new": "slot = {i: position // per_minibatch for position, i in enumerate(kept_ids)}",
         "tests": [MINIBATCH_SLICES],
     },
+    {
+        "name": "grpo-rows-not-a-multiple-of-tp",
+        "why": "GRPO rows padded to 8 tokens only: at TP = 3, 6 or 16 sequence parallelism cannot split them",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "    multiple = math.lcm(settings.pad_multiple, tp)\n",
+        "new": "    multiple = settings.pad_multiple\n",
+        "tests": ["tests/unit/test_schedule_and_lengths.py::test_grpo_rows_split_over_any_tensor_parallel_size"],
+    },
 ]

@@ -228,6 +228,25 @@ def test_packed_rows_keep_every_token_position_segment_and_scored_position():
                   seq_length=8, pad_id=0)
 
 
+def test_packed_rows_keep_the_router_padding_mask():
+    """A branch-pruned response run inside a shared training row stays out of a MoE model's router
+    losses once rows are packed (--dpo-pack-rows), as it does unpacked; the row padding dropped by
+    packing is not counted, the packed row's tail is."""
+    import dataclasses
+
+    from megatron_prune.dpo.batch import pack_rows
+
+    a = dataclasses.replace(_plan([1, 2], [3, 4], [5, 6, 7], sample_id=0), kept_branch=CHOSEN)
+    b = _plan([8, 9, 10], [11], [12, 13], sample_id=1)
+    padded = build_microbatch([a, b], branches=[[CHOSEN, REJECTED], [CHOSEN, REJECTED]], layout="shared",
+                              seq_length=12, pad_id=0, num_rows=3)
+    assert padded.padding_mask[0, :7].tolist() == [False] * 4 + [True] * 3  # a's pruned rejected
+    batch = pack_rows(padded, seq_length=16, pad_id=0)
+    assert batch.row_starts == [0, 7, 13]
+    expected = padded.padding_mask[0, :7].tolist() + padded.padding_mask[1, :6].tolist() + [True] * 3
+    assert batch.padding_mask[0].tolist() == expected
+
+
 def test_packing_the_full_layout_is_refused_by_its_flag():
     with pytest.raises(ValueError, match="--dpo-pack-rows needs --dpo-layout concat or shared"):
         DPOConfig(layout="full", pack_rows=True)
