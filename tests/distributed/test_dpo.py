@@ -105,6 +105,9 @@ def test_layouts_match_single_rank_2_ranks(single):
     for rank, (layout, mode), got in every_rank(run_distributed(layout_checks, 2)):
         ref = single[mode] if mode == "tied_all" else single["modes"][mode]
         assert_same(ref, got, f"rank {rank}: {layout}/{mode}")
+        # The step's token counters count the whole step (every data-parallel rank's share).
+        for name in ("policy_tokens", "ref_tokens", "train_tokens", "scored_positions"):
+            assert got["counters"][name] == ref["counters"][name], f"rank {rank}: {layout}/{mode}: {name}"
 
 
 @pytest.mark.distributed

@@ -762,8 +762,8 @@ def _several_updates(*, runs: list[dict], kl_beta: float = KL_BETA) -> list[dict
                                   loss_normalization=run["normalization"], clip_eps_low=MB_CLIP,
                                   toy_num_prompts=MB_PROMPTS, **flags)
                 configs = {
-                    "TrainConfig": TrainConfig(global_batch_size=MB_PROMPTS, micro_batch_size=2, seq_length=16,
-                                               seed=SEED),
+                    "TrainConfig": TrainConfig(global_batch_size=MB_PROMPTS, micro_batch_size=run.get("micro_batch_size", 2),
+                                               seq_length=16, seed=SEED),
                     "GRPOConfig": grpo,
                     "DPPOArgs": DPPOArgs(),
                 }
@@ -848,6 +848,18 @@ def test_one_update_per_rollout_and_the_advantage_and_clip_flags():
         _check_updates(result)
         if "flags" in result["run"]:
             _check_flags_matter(result)
+
+
+def test_per_token_metrics_do_not_depend_on_the_microbatch_split():
+    """kl, ratio_mean and clip_fraction are means over the update's trained tokens: the same two
+    updates run as one microbatch or as one completion per microbatch (1 to 3 tokens each) report
+    the same values, with some ratios clipped in the second update."""
+    runs = [dict(minibatches=1, ppo_epochs=2, normalization="constant", micro_batch_size=size) for size in (1, 8)]
+    split, whole = run_distributed(_several_updates, 1, runs=runs, kl_beta=KL_BETA)[0]
+    assert split["steps"][1]["metrics"]["clip_fraction"] > 0.0
+    for step, (a, b) in enumerate(zip(split["steps"], whole["steps"], strict=True)):
+        for key in ("kl", "ratio_mean", "clip_fraction", "loss"):
+            assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), (step, key)
 
 
 def test_minibatch_updates_use_the_rollout_policy_as_old_and_the_minibatch_normaliser():

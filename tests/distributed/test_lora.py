@@ -307,6 +307,7 @@ def export_checks() -> dict:
     """A LoRA checkpoint (saved at the current layout) exported merged and as PEFT adapters,
     compared in transformers / peft with the LoRA model's own logits; plus a PEFT directory
     whose k and v adapters are swapped (must not match)."""
+    import dataclasses
     import os
     import shutil
     import tempfile
@@ -335,8 +336,10 @@ def export_checks() -> dict:
         from megatron_prune.model.lora_base import preset_base
 
         # The checkpoint holds the adapters alone; both exports regenerate the recorded preset base.
+        # Recorded as trained with adapter dropout (it acts in training only): the PEFT config says so.
+        trained = dataclasses.replace(cfg, dropout=0.1)
         save_checkpoint(d["lora"], iteration=1, model=lora, arch=arch,
-                        extra_meta=lora_meta(cfg, base=preset_base("tiny", seed=SEED).to_dict()))
+                        extra_meta=lora_meta(trained, base=preset_base("tiny", seed=SEED).to_dict()))
         save_checkpoint(d["base"], iteration=1, model=base, arch=arch)
         export_megatron_to_hf(load_dir=d["base"], hf_out=d["base_hf"])
         export_merged(load_dir=d["lora"], hf_out=d["merged"])
@@ -525,6 +528,44 @@ def test_fresh_adapter_is_the_base_model(single):
     assert not torch.allclose(ref["tuned_logits"], ref["base_logits"], atol=1e-4), "adapters changed nothing"
     assert single["loss"]["lora"]["loss"] == single["loss"]["base"]["loss"]
     assert single["loss"]["lora"]["margin"] == single["loss"]["base"]["margin"]
+
+
+def _fresh_adapter_weights() -> dict:
+    """Every adapter matrix of a fresh rank-4 LoRA model (one rank: whole matrices), by name."""
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.lora import LoRAConfig
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    par = ParallelConfig()
+    with model_parallel(par, seed=SEED):
+        policy = setup_model(get_preset("tiny"), par, seed=SEED, lora=LoRAConfig(**LORA))
+        return {name: p.detach().clone() for chunk in policy for name, p in chunk.named_parameters()
+                if "lora_" in name}
+
+
+@pytest.mark.distributed
+def test_fresh_adapters_start_at_b_zero_and_a_uniform_over_the_input_width():
+    """B = 0; A ~ U(-1/sqrt(in), 1/sqrt(in)) with its own draw in every layer and linear (the
+    bound comes from the input width, not the rank)."""
+    weights = run_distributed(_fresh_adapter_weights, 1)[0]
+    a_matrices = {name: w for name, w in weights.items() if name.endswith("lora_A")}
+    b_matrices = {name: w for name, w in weights.items() if name.endswith("lora_B")}
+    assert len(a_matrices) == len(b_matrices) >= 8
+    assert all(not w.any() for w in b_matrices.values())
+    for name, w in a_matrices.items():
+        rank, width = w.shape
+        assert rank == LORA["rank"], name
+        bound = 1.0 / width ** 0.5
+        assert 0.9 * bound < float(w.abs().max()) <= bound, (name, float(w.abs().max()), bound)
+    by_linear: dict[str, list[torch.Tensor]] = {}
+    for name, w in a_matrices.items():
+        linear = name.split(".layers.")[1].split(".", 1)[1]  # the same linear in every layer
+        by_linear.setdefault(linear, []).append(w)
+    for linear, layers in by_linear.items():
+        assert len(layers) >= 2, linear
+        assert all(not torch.equal(layers[0], other) for other in layers[1:]), f"{linear}: the same A in two layers"
 
 
 @pytest.mark.distributed
@@ -746,5 +787,6 @@ def test_merged_and_peft_exports_match_the_lora_model(single):
     layer0 = [k for k in res["peft_keys"] if ".layers.0." in k]
     assert len(layer0) == 2 * 7 and "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight" in layer0
     assert res["peft_config"]["r"] == LORA["rank"] and res["peft_config"]["lora_alpha"] == LORA["alpha"]
+    assert res["peft_config"]["lora_dropout"] == 0.1
     assert sorted(res["peft_config"]["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

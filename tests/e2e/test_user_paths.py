@@ -466,6 +466,32 @@ def test_eval_runs_after_every_eval_interval_steps(tmp_path):
     assert [("eval_reward_accuracy" in line) for line in lines] == [False, True, True], out[-3000:]
 
 
+def test_evaluation_is_unpruned_dpo_on_the_heldout_pairs(tmp_path):
+    """A pruned run (--prune-preset study: position, sequence and branch pruning) evaluates the
+    held-out pairs without pruning: at unchanged weights (--lr 0) its evaluation reports what an
+    unpruned run training on those pairs reports for its first step."""
+    lines = (REPO / "megatron_prune" / "data" / "samples" / "hh_rlhf_heldout.jsonl").read_text().splitlines()[:8]
+    heldout = tmp_path / "heldout8.jsonl"
+    heldout.write_text("\n".join(lines) + "\n")
+    # A reference that differs from the starting policy, so that margins are not 0.
+    _dpo(tmp_path, "reference", "--lr", "1e-2", "--save", str(tmp_path / "reference"))
+    reference = ["--ref-load", str(tmp_path / "reference")]
+    pruned, _ = _dpo(tmp_path, "pruned", "--train-iters", "1", "--lr", "0", "--prune-preset", "study",
+                     "--eval-data-path", str(heldout), *reference)
+    [evaluation] = [r for r in pruned if "eval_margin" in r]
+    assert evaluation["eval_pairs"] == 8
+    metrics = tmp_path / "on_heldout.jsonl"
+    proc = _run([sys.executable, "-m", "megatron_prune.dpo", "--model-preset", "tiny", "--data-path", str(heldout),
+                 "--device", "cpu", "--seq-length", "128", "--max-prompt-length", "64", "--train-iters", "1",
+                 "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "0", "--metrics-jsonl", str(metrics),
+                 *reference])
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    [unpruned] = read_jsonl(metrics)
+    assert abs(unpruned["margin"]) > 1e-4
+    for key in ("loss", "margin", "reward_accuracy", "chosen_reward", "rejected_reward"):
+        assert evaluation[f"eval_{key}"] == pytest.approx(unpruned[key], rel=1e-5, abs=1e-7), key
+
+
 def test_heldout_pairs_under_the_interleaved_schedule_are_whole_pipeline_groups(capsys):
     """Megatron's interleaved schedule refuses a last group of microbatches smaller than the
     pipeline: each evaluation runs a multiple of PP microbatches (3 pairs at PP 2: 2 of them)."""

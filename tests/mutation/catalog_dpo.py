@@ -426,4 +426,28 @@ MUTANTS: list[dict] = [
         "new": "padding_mask[0, start : start + n] = False",
         "tests": ["tests/unit/test_dpo_microbatches.py::test_packed_rows_keep_the_router_padding_mask"],
     },
+    {
+        "name": "dpo-eval-on-training-pairs",
+        "why": "held-out evaluation draws its pairs from the training data (a copy of train_step)",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "self._my_samples(indices, self.eval_dataset), forward_only=True)",
+        "new": "self._my_samples(indices, self.dataset), forward_only=True)",
+        "tests": ["tests/e2e/test_user_paths.py::test_evaluation_is_unpruned_dpo_on_the_heldout_pairs"],
+    },
+    {
+        "name": "dpo-eval-runs-pruned",
+        "why": "the evaluation runner gets the training step's pruning: held-out metrics become pruned estimates",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "        eval_runner = DPOStep(settings=off, policy=parts.model, reference=reference)\n",
+        "new": "        eval_runner = DPOStep(settings=settings, policy=parts.model, reference=reference)\n",
+        "tests": ["tests/e2e/test_user_paths.py::test_evaluation_is_unpruned_dpo_on_the_heldout_pairs"],
+    },
+    {
+        "name": "dpo-token-counters-one-rank-only",
+        "why": "DPO's token counters (policy_tokens, train_tokens, ...) are this data-parallel rank's share only",
+        "file": "megatron_prune/dpo/step.py",
+        "old": "            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())\n        return {n: float(v)",
+        "new": "            pass\n        return {n: float(v)",
+        "tests": ["tests/distributed/test_dpo.py::test_layouts_match_single_rank_2_ranks"],
+    },
 ]

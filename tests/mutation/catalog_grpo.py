@@ -652,4 +652,12 @@ MUTANTS: list[dict] = [
         "new": "    multiple = settings.pad_multiple\n",
         "tests": ["tests/unit/test_schedule_and_lengths.py::test_grpo_rows_split_over_any_tensor_parallel_size"],
     },
+    {
+        "name": "grpo-token-metrics-mean-of-microbatch-means",
+        "why": "clip_fraction, ratio_mean and kl reported as a mean of microbatch means, not over the trained tokens",
+        "file": "megatron_prune/grpo/step.py",
+        "old": "report.update({name: _sum_count(stats[name], n) for name in AVERAGED if name in stats})",
+        "new": "report.update({name: _sum_count(stats[name], 1.0) for name in AVERAGED if name in stats})",
+        "tests": [f"{OBJECTIVE}::test_per_token_metrics_do_not_depend_on_the_microbatch_split"],
+    },
 ]

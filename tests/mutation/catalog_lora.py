@@ -157,4 +157,37 @@ MUTANTS: list[dict] = [
         "new": "        \"target_modules\": sorted(lora[\"targets\"]),\n",
         "tests": [EXPORTS],
     },
+    {
+        "name": "lora-precomputed-ref-load-scored-adapter-off",
+        "why": "--ref-mode precomputed under LoRA with --ref-load scores the table with the adapter-off base, not the "
+               "--ref-load model, and stores it under that model's key",
+        "file": "megatron_prune/dpo/trainer.py",
+        "old": "if ref_mode == \"adapter-off\" or (ref_mode == \"precomputed\" and lora_on and not dpo.ref_load):",
+        "new": "if ref_mode == \"adapter-off\" or (ref_mode == \"precomputed\" and lora_on):",
+        "tests": ["tests/e2e/test_lora_reference.py"],
+    },
+    {
+        "name": "lora-a-init-bound-from-the-rank",
+        "why": "A drawn from U(+-1/sqrt(r)) instead of U(+-1/sqrt(in)): adapters start sqrt(in/r) times too large",
+        "file": "megatron_prune/model/lora.py",
+        "old": "            bound = 1.0 / math.sqrt(shape[1])\n",
+        "new": "            bound = 1.0 / math.sqrt(shape[0])\n",
+        "tests": ["tests/distributed/test_lora.py::test_fresh_adapters_start_at_b_zero_and_a_uniform_over_the_input_width"],
+    },
+    {
+        "name": "lora-a-init-the-same-in-every-layer",
+        "why": "the adapter init is keyed without the layer offset: every layer's A is the same matrix",
+        "file": "megatron_prune/model/lora.py",
+        "old": "gen = torch.Generator().manual_seed(_seed_for(seed, sh.key, tuple(sh.global_offset[:p])))",
+        "new": "gen = torch.Generator().manual_seed(_seed_for(seed, sh.key, ()))",
+        "tests": ["tests/distributed/test_lora.py::test_fresh_adapters_start_at_b_zero_and_a_uniform_over_the_input_width"],
+    },
+    {
+        "name": "lora-peft-config-records-no-dropout",
+        "why": "the PEFT export's adapter_config.json says lora_dropout 0 whatever --lora-dropout trained with",
+        "file": "megatron_prune/model/lora_export.py",
+        "old": "        \"lora_dropout\": lora[\"dropout\"],\n",
+        "new": "        \"lora_dropout\": 0.0,\n",
+        "tests": ["tests/distributed/test_lora.py::test_merged_and_peft_exports_match_the_lora_model"],
+    },
 ]
