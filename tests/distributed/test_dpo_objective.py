@@ -132,6 +132,17 @@ def forced_positions(by_length: dict[int, list[int]]):
 
 
 @contextlib.contextmanager
+def replaced(module, name: str, replacement):
+    """``module.name`` is ``replacement`` inside the block, the original again after it."""
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield original
+    finally:
+        setattr(module, name, original)
+
+
+@contextlib.contextmanager
 def recorded_pair_losses():
     """Record the (Δ_chosen, Δ_rejected) the step hands to the DPO loss."""
     import megatron_prune.dpo.step as step_mod
@@ -143,11 +154,8 @@ def recorded_pair_losses():
         seen.append((chosen.detach().double().clone(), rejected.detach().double().clone()))
         return original(chosen, rejected, **kw)
 
-    step_mod.dpo_pair_losses = wrapped
-    try:
+    with replaced(step_mod, "dpo_pair_losses", wrapped):
         yield seen
-    finally:
-        step_mod.dpo_pair_losses = original
 
 
 # -- 1. pruning off equals the reference -----------------------------------------------------------
@@ -214,18 +222,14 @@ def forced_prefixes():
     """Every sequence-pruning draw keeps :func:`_kept_prefix` tokens; counts the draws."""
     from megatron_prune import sampling
 
-    original = sampling.prefix_length
     calls = {"prefix": 0}
 
     def prefix_length(length, **kw):
         calls["prefix"] += 1
         return _kept_prefix(length)
 
-    sampling.prefix_length = prefix_length
-    try:
+    with replaced(sampling, "prefix_length", prefix_length):
         yield calls
-    finally:
-        sampling.prefix_length = original
 
 
 def sequence_pruning_checks() -> dict:
