@@ -208,19 +208,28 @@ def _plan_for(table: torch.Tensor, seq_length: int, device: torch.device, querie
     return plan
 
 
-def _flash_for(query: torch.Tensor):
-    """``flash_attn_varlen_func`` when it can run ``query``: CUDA on Ampere or newer, fp16/bf16,
-    head size up to 256, flash-attn 2.1 or newer installed. Older releases align the causal mask
-    to the top left when a segment has fewer queries than keys, which would drop every prefix;
-    everything else falls back to the SDPA path."""
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256:
+def _flash_for(query: torch.Tensor, *, deterministic: bool = False):
+    """``flash_attn_varlen_func`` where it can run ``query``, else None (the SDPA path): CUDA on
+    Ampere or newer, fp16/bf16, flash-attn 2.1 or newer (2.0 aligns the causal mask to the top left
+    when a segment has fewer queries than keys: its queries would see the first keys of the prefix
+    instead of their own tokens), head size up to 256 (over 192 only on A100/H100 before 2.5.5,
+    which added that backward elsewhere), and 2.4.1 or newer for a deterministic backward (the
+    first release that takes the keyword)."""
+    head = query.shape[-1]
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or head > 256:
         return None
-    if importlib.util.find_spec("flash_attn") is None or torch.cuda.get_device_capability(query.device)[0] < 8:
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    capability = tuple(torch.cuda.get_device_capability(query.device))
+    if capability[0] < 8:
         return None
     import flash_attn
     from packaging.version import Version
 
-    if Version(flash_attn.__version__) < Version("2.1"):
+    version = Version(flash_attn.__version__)
+    if version < Version("2.1") or (deterministic and version < Version("2.4.1")):
+        return None
+    if head > 192 and capability not in ((8, 0), (9, 0)) and version < Version("2.5.5"):
         return None
     from flash_attn import flash_attn_varlen_func
 
@@ -257,7 +266,7 @@ def segment_attention(
     k = key.reshape(s * b, ng, hn)
     v = value.reshape(s * b, ng, hn)
     pieces = []
-    flash = _flash_for(query)
+    flash = _flash_for(query, deterministic=deterministic)
     if flash is not None and plan.q_flat.numel():
         pieces.append(flash(
             q.index_select(0, plan.q_flat), k.index_select(0, plan.k_flat), v.index_select(0, plan.k_flat),

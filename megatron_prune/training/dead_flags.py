@@ -164,8 +164,8 @@ RULES: list[Rule] = [
          "either way; it only saves that state in the distributed format, which a resume then needs {flag} to read"),
     Rule(("ModelConfig.recompute_num_layers",),
          lambda s: s.model.recompute_method == "block" and s.model.recompute_num_layers > s.layers_per_chunk,
-         "is more than the {s.layers_per_chunk} layers of each pipeline stage (model chunk under the interleaved "
-         "schedule): --recompute-method block recomputes the first N layers of each, so every layer is recomputed; "
+         "is more than the layers of each pipeline stage ({s.layers_per_chunk}; of each model chunk under the "
+         "interleaved schedule): --recompute-method block recomputes the first N layers of each, so every layer is recomputed; "
          "give at most {s.layers_per_chunk}"),
     # training: the optimizer and its schedule
     Rule(("TrainConfig.lr",), lambda s: s.schedule_from_flags and s.train.lr == 0,

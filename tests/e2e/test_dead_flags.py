@@ -76,8 +76,8 @@ WARNINGS = [
                  "--recompute-modules core_attn moe names moe, which has no effect: the model (qwen3) is dense, it has "
                  "no mixture-of-experts layers", id="recompute-moe-on-dense"),
     pytest.param("dpo", ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "9"],
-                 "--recompute-num-layers 9 is more than the 4 layers of each pipeline stage (model chunk under the "
-                 "interleaved schedule): --recompute-method block recomputes the first N layers of each, so every layer "
+                 "--recompute-num-layers 9 is more than the layers of each pipeline stage (4; of each model chunk "
+                 "under the interleaved schedule): --recompute-method block recomputes the first N layers of each, so every layer "
                  "is recomputed; give at most 4", id="block-recompute-past-the-stage"),
     pytest.param("dpo", ["--lora-rank", "64"],
                  "--lora-rank 64 is not below 64, the narrowest side of the linear_fc1 it adapts: that adapter is "

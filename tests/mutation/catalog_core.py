@@ -526,4 +526,22 @@ MUTANTS: list[dict] = [
         "new": "        stages = parallel_state.get_virtual_pipeline_model_parallel_world_size()\n",
         "tests": ["tests/unit/test_schedule_and_lengths.py::test_interleaved_schedule_runs_a_multiple_of_the_pipeline_stages"],
     },
+    {
+        "name": "flash-attn-2-0-accepted",
+        "why": "flash-attn 2.0 aligns the causal mask top-left when a segment has fewer queries than keys: every "
+               "segment with a prefix would attend to the wrong keys on the GPU",
+        "file": "megatron_prune/model/segment_attention.py",
+        "old": "if version < Version(\"2.1\") or",
+        "new": "if version < Version(\"2.0\") or",
+        "tests": ["tests/unit/model/test_segment_attention.py::test_flash_only_where_its_causal_rule_and_the_gpu_fit"],
+    },
+    {
+        "name": "segment-plan-keyed-on-the-tensor-object",
+        "why": "under recomputation every layer gets a detached copy of the table: a plan keyed on the object is "
+               "rebuilt (host loops and copies) once per layer in the backward",
+        "file": "megatron_prune/model/segment_attention.py",
+        "old": "    key = (table.data_ptr(), tuple(table.shape),",
+        "new": "    key = (id(table), tuple(table.shape),",
+        "tests": ["tests/unit/model/test_segment_attention.py::test_recomputed_layers_reuse_the_plan"],
+    },
 ]

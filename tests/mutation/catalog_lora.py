@@ -190,4 +190,12 @@ MUTANTS: list[dict] = [
         "new": "        \"lora_dropout\": 0.0,\n",
         "tests": ["tests/distributed/test_lora.py::test_merged_and_peft_exports_match_the_lora_model"],
     },
+    {
+        "name": "lora-rank-at-a-width-not-warned",
+        "why": "a --lora-rank equal to a targeted linear's narrowest width (a full-rank adapter) passes silently",
+        "file": "megatron_prune/training/dead_flags.py",
+        "old": "lambda s: s.lora_on and s.lora.rank >= s.lora_narrowest[0],",
+        "new": "lambda s: s.lora_on and s.lora.rank > s.lora_narrowest[0],",
+        "tests": ["tests/e2e/test_dead_flags.py::test_an_ignored_flag_is_said_in_one_line_and_the_run_goes_on"],
+    },
 ]

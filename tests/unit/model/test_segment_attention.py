@@ -205,7 +205,7 @@ def use_flash_emulator(monkeypatch) -> list:
         calls.append(1)
         return flash_varlen_emulator(*args, **kwargs)
 
-    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: counted)
+    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query, deterministic=False: counted)
     return calls
 
 
@@ -309,13 +309,16 @@ class _CudaQuery:
 
 
 @pytest.mark.parametrize(
-    "version, capability, head_size, uses_flash",
-    [("2.6.3", (9, 0), 128, True), ("2.0.9", (9, 0), 128, False), ("2.6.3", (7, 5), 128, False),
-     ("2.6.3", (8, 0), 320, False)],
+    "version, capability, head_size, deterministic, uses_flash",
+    [("2.6.3", (9, 0), 128, False, True), ("2.0.9", (9, 0), 128, False, False), ("2.6.3", (7, 5), 128, False, False),
+     ("2.6.3", (8, 0), 320, False, False), ("2.3.6", (9, 0), 128, True, False), ("2.4.1", (9, 0), 128, True, True),
+     ("2.5.0", (8, 6), 256, False, False), ("2.5.0", (8, 0), 256, False, True), ("2.5.5", (8, 6), 256, False, True)],
 )
-def test_flash_only_where_its_causal_rule_and_the_gpu_fit(monkeypatch, version, capability, head_size, uses_flash):
+def test_flash_only_where_its_causal_rule_and_the_gpu_fit(monkeypatch, version, capability, head_size, deterministic,
+                                                          uses_flash):
     """flash-attn before 2.1 aligns the causal mask top-left when a segment has fewer queries than
-    keys (every prefix would be lost); flash-attn 2 refuses pre-Ampere GPUs and heads over 256."""
+    keys; flash-attn 2 refuses pre-Ampere GPUs and heads over 256, takes ``deterministic`` from
+    2.4.1, and runs the backward of heads over 192 off A100/H100 from 2.5.5."""
     import importlib.util
     import sys
     import types
@@ -325,7 +328,7 @@ def test_flash_only_where_its_causal_rule_and_the_gpu_fit(monkeypatch, version, 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    got = segment_attention_module._flash_for(_CudaQuery(head_size))
+    got = segment_attention_module._flash_for(_CudaQuery(head_size), deterministic=deterministic)
     assert (got is kernel) == uses_flash
 
 
@@ -353,7 +356,7 @@ def test_deterministic_mode_reaches_the_flash_kernel(monkeypatch):
         seen.append(kwargs.get("deterministic", False))
         return flash_varlen_emulator(*args, **{k: v for k, v in kwargs.items() if k != "deterministic"})
 
-    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query: kernel)
+    monkeypatch.setattr(segment_attention_module, "_flash_for", lambda query, deterministic=False: kernel)
     table = shared_pair_layout().to_table()
     q, kv = torch.randn(16, 1, 4, 8), torch.randn(16, 1, 2, 8)
     segment_attention(q, kv, kv, table)
