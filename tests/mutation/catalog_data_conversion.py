@@ -334,4 +334,46 @@ MUTANTS: list[dict] = [
         "new": "",
         "tests": ["tests/unit/data/test_tokenizer.py", "tests/unit/grpo/test_math_prompts.py"],
     },
+    {
+        "name": "all-skipped-file-called-empty",
+        "why": "under --skip-invalid-records a file whose every record was skipped is refused as an empty data file",
+        "file": "megatron_prune/data/records.py",
+        "old": "        before = len(items) + policy.total()\n        items.extend(read(path))\n"
+               "        records_per_file[os.fspath(path)] = len(items) + policy.total() - before\n",
+        "new": "        before = len(items)\n        items.extend(read(path))\n"
+               "        records_per_file[os.fspath(path)] = len(items) - before\n",
+        "tests": ["tests/unit/data/test_preference.py::test_a_file_whose_records_are_all_skipped_is_counted_not_called_empty"],
+    },
+    {
+        "name": "sampler-resumes-another-order",
+        "why": "a saved position of the shuffled order resumes in the file's own order (or the reverse)",
+        "file": "megatron_prune/data/sampler.py",
+        "old": "for key in (\"seed\", \"num_samples\", \"shuffle\"):",
+        "new": "for key in (\"seed\", \"num_samples\"):",
+        "tests": ["tests/unit/data/test_sampler.py::test_sampler_refuses_a_mismatched_state"],
+    },
+    {
+        "name": "plain-template-empty-turn-gets-a-space",
+        "why": "an empty turn renders as the marker plus a space, which the HH parser does not give back",
+        "file": "megatron_prune/data/tokenizer.py",
+        "old": "        parts.append(PLAIN_ROLE_MARKERS[message[\"role\"]] + (\" \" + content if content else \"\"))\n",
+        "new": "        parts.append(PLAIN_ROLE_MARKERS[message[\"role\"]] + \" \" + content)\n",
+        "tests": ["tests/unit/data/test_preference.py::test_hh_transcripts_round_trip_with_their_whitespace"],
+    },
+    {
+        "name": "hh-turns-stripped",
+        "why": "HH-RLHF turns lose all their surrounding whitespace, not just the template's one space",
+        "file": "megatron_prune/data/preference.py",
+        "old": "        messages.append({\"role\": role, \"content\": _drop_one_space(body[start:position])})\n",
+        "new": "        messages.append({\"role\": role, \"content\": body[start:position].strip()})\n",
+        "tests": ["tests/unit/data/test_preference.py::test_hh_transcripts_round_trip_with_their_whitespace"],
+    },
+    {
+        "name": "checkpoint-format-not-checked",
+        "why": "a directory of another checkpoint format is read as ours",
+        "file": "megatron_prune/training/checkpoint.py",
+        "old": "    if meta.get(\"format\") != FORMAT:\n",
+        "new": "    if False:\n",
+        "tests": ["tests/unit/test_checkpoint_atomic.py::test_a_checkpoint_of_another_format_is_refused"],
+    },
 ]

@@ -46,6 +46,18 @@ def _save(root, iteration):
                                 trainer_state={"objective": {"step": iteration}})
 
 
+def test_a_checkpoint_of_another_format_is_refused(tmp_path, stub_io):
+    """A directory another tool (or a later format) wrote is named, not read as ours."""
+    final = _save(tmp_path, 2)
+    meta_path = os.path.join(final, ckpt.META)
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    with open(meta_path, "w", encoding="utf-8") as f:
+        json.dump({**meta, "format": "megatron-prune/2"}, f)
+    with pytest.raises(ckpt.CheckpointError, match=r"unknown checkpoint format 'megatron-prune/2' \(expected megatron-prune/1\)"):
+        ckpt.read_meta(str(tmp_path))
+
+
 def _tracker(root):
     return (root / ckpt.TRACKER).read_text().strip()
 

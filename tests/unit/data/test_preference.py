@@ -177,6 +177,18 @@ def test_hh_split_on_real_bundled_records(tiny_tokenizer):
         assert render_plain_template(parse_hh_dialogue(prompt)) == prompt
 
 
+@pytest.mark.parametrize("prompt", [
+    "\n\nHuman:\n\nAssistant:",  # an empty turn: the bare marker
+    "\n\nHuman:  two spaces kept\n\nAssistant: a reply ending in a newline\n\n\nHuman: next\n\nAssistant:",
+    "\n\nHuman: trailing spaces  \n\nAssistant:\n\nHuman: \tafter an empty assistant turn\n\nAssistant:",
+])
+def test_hh_transcripts_round_trip_with_their_whitespace(prompt):
+    """The plain template is the inverse of the HH-RLHF parser, whitespace included: only the one
+    space after each marker belongs to the template, everything else is the turn's text."""
+    messages = parse_hh_dialogue(prompt)
+    assert render_plain_template(messages) == prompt
+
+
 def test_hh_first_record_by_hand(tiny_tokenizer):
     with open(HH_RLHF_SAMPLE, encoding="utf-8") as handle:
         record = json.loads(handle.readline())
@@ -615,6 +627,16 @@ def test_empty_file_says_it_is_empty(tmp_path, tiny_tokenizer, name, content):
         PreferenceDataset([good, path], tokenizer=tiny_tokenizer)
     assert str(info.value) == (f"{path}: empty data file: no records to read (expected preference pairs; the other "
                                "files hold records)")
+
+
+def test_a_file_whose_records_are_all_skipped_is_counted_not_called_empty(tmp_path, tiny_tokenizer):
+    """Under --skip-invalid-records a file of bad records beside a good one has records: they are
+    skipped and counted, not refused as an empty file."""
+    good = write_jsonl(tmp_path / "good.jsonl", [GOOD])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": USER, "chosen": "Hey", "rejected": "Hey"}] * 2)
+    pairs, skipped = load_preference_pairs([good, bad], tokenizer=tiny_tokenizer,
+                                           config=PreferenceDataConfig(skip_invalid=True))
+    assert len(pairs) == 1 and skipped == {"identical responses": 2}
 
 
 def test_directory_as_data_path_says_it_is_a_directory(tmp_path, tiny_tokenizer):

@@ -108,6 +108,9 @@ def test_sampler_refuses_a_mismatched_state():
     state = EpochSampler(11, seed=9).state_dict()
     with pytest.raises(ValueError, match="num_samples"):
         EpochSampler(12, seed=9).load_state_dict(state)
+    # A saved position in the shuffled order means another sample in the file's own order.
+    with pytest.raises(ValueError, match="saved shuffle=True but this run has shuffle=False"):
+        EpochSampler(11, seed=9, shuffle=False).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         EpochSampler(11, seed=8).load_state_dict(state)
     with pytest.raises(ValueError, match="position"):
