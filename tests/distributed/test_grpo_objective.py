@@ -550,7 +550,8 @@ def test_state_inside_a_rollout_restores_it_on_every_rank():
 def _discard_a_saved_rollout() -> dict:
     """Three updates per rollout. Objective A trains rollout 0 and update 0 of rollout 1 and is saved
     there; B resumes with the same flags (reusing rollout 1), trains update 1 and is saved again,
-    still inside rollout 1; C, at another --temperature, cannot reuse it and draws it again."""
+    still inside rollout 1; C, at another --temperature, cannot reuse it and draws it again, and
+    neither can resumes at another --loss-normalization, --max-new-tokens or --group-size."""
     import dataclasses
 
     from megatron_prune.config import TrainConfig
@@ -591,10 +592,16 @@ def _discard_a_saved_rollout() -> dict:
         resumed.load_state_dict(state)
         loaded = (resumed.sampler.state_dict(), resumed.pruner.state_dict())
         metrics = resumed.train_step(5)
+        # Every other flag the saved rollout was made for: its normalisers, groups and completions.
+        others = {}
+        for change in (dict(loss_normalization="sequence"), dict(max_new_tokens=4), dict(group_size=2)):
+            other = build(**change)
+            other.load_state_dict(state)
+            others[str(change)] = other.train_step(5)["fresh_rollout"]
         return dict(has_rollout="rollout" in state, history=bool(before[1]["history"]["ids"]),
                     reused=reused_metrics["fresh_rollout"] == 0.0, loaded_before=loaded == before,
                     same_draw=resumed.sampler.state_dict() == after, fresh=metrics["fresh_rollout"],
-                    moved=after != before[0])
+                    moved=after != before[0], others=others)
 
 
 def test_a_rollout_a_resume_cannot_reuse_is_drawn_again():
@@ -605,6 +612,7 @@ def test_a_rollout_a_resume_cannot_reuse_is_drawn_again():
     assert got["has_rollout"] and got["reused"] and got["history"] and got["moved"] and got["fresh"] == 1.0
     assert got["loaded_before"], "the resume did not go back to the state before the discarded rollout"
     assert got["same_draw"], "the resume drew other prompts than the discarded rollout's"
+    assert got["others"] and all(fresh == 1.0 for fresh in got["others"].values()), got["others"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -660,4 +660,31 @@ MUTANTS: list[dict] = [
         "new": "report.update({name: _sum_count(stats[name], 1.0) for name in AVERAGED if name in stats})",
         "tests": [f"{OBJECTIVE}::test_per_token_metrics_do_not_depend_on_the_microbatch_split"],
     },
+    {
+        "name": "rollout-reused-at-another-loss-normalization",
+        "why": "a resume inside a rollout reuses it at another --loss-normalization (its normalisers, completions or groups "
+               "were made for the old value)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "                \"--loss-normalization\": self.grpo.loss_normalization,\n",
+        "new": "",
+        "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
+    },
+    {
+        "name": "rollout-reused-at-another-max-new-tokens",
+        "why": "a resume inside a rollout reuses it at another --max-new-tokens (its normalisers, completions or groups "
+               "were made for the old value)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "                \"--max-new-tokens\": self.grpo.max_new_tokens,\n",
+        "new": "",
+        "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
+    },
+    {
+        "name": "rollout-reused-at-another-group-size",
+        "why": "a resume inside a rollout reuses it at another --group-size (its normalisers, completions or groups "
+               "were made for the old value)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "                \"--group-size\": self.grpo.group_size,\n",
+        "new": "",
+        "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
+    },
 ]
