@@ -271,7 +271,13 @@ def load_earlier(paths: list[str]) -> tuple[dict, dict[str, list[dict]]]:
 
 # --------------------------------------------------------------------------------------- keep rules
 class _KeepAll:
-    """No pruning at all (the unpruned reference of the gradient-variance measurement)."""
+    """No pruning at all (the unpruned reference of the gradient-variance measurement). Its prompt
+    history stays empty, as the trainer's pruner's would with prompt pruning off."""
+
+    def __init__(self) -> None:
+        from megatron_prune.grpo.dppo import PromptHistory
+
+        self.history = PromptHistory()
 
     def select_prompts(self, *, step, prompt_ids):
         from megatron_prune.grpo.dppo import KeepDecision
@@ -304,6 +310,7 @@ class ZeroVarianceFilter(_KeepAll):
     ``--kl-beta 0``, where it is exact) any other zero-advantage completion is left out too."""
 
     def __init__(self, *, skip_zero: bool) -> None:
+        super().__init__()
         self.skip_zero = skip_zero
 
     def select_completions(self, *, step, prompt_ids, advantages):
@@ -321,6 +328,7 @@ class SmallestAdvantageDrop(_KeepAll):
     other mode at ``--kl-beta 0``."""
 
     def __init__(self, rate: float, *, skip_zero: bool) -> None:
+        super().__init__()
         self.rate = rate
         self.skip_zero = skip_zero
 

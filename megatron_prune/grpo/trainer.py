@@ -450,9 +450,8 @@ class GRPOObjective:
     def _tell_unseen(self, ids: list, step: int) -> None:
         """Say once when prompt pruning is on but no prompt of the step has a history: a prompt
         never rolled out has keep probability 1, so nothing is pruned until prompts come round again."""
-        history = getattr(self.pruner, "history", None)  # a stand-in pruner (benchmarks) may keep none
-        if (self.dppo_args.prompt_prune_rate <= 0 or self._told_unseen or history is None
-                or any(i in history for i in ids) or not is_logging_rank()):
+        if (self.dppo_args.prompt_prune_rate <= 0 or self._told_unseen
+                or any(i in self.pruner.history for i in ids) or not is_logging_rank()):
             return
         self._told_unseen = True
         logger.warning("%s: no prompt of this step has been rolled out before, so --dppo-prompt-prune-rate keeps "

@@ -194,6 +194,18 @@ def check_resumed_steps(*, killed: list[dict], records: list[dict], reference: l
             assert got[ref["step"]][key] == ref[key], f"step {ref['step']} {key}: {got[ref['step']][key]!r} != {ref[key]!r}"
 
 
+@pytest.fixture(scope="session")
+def trained_reference(tmp_path_factory) -> Path:
+    """A tiny DPO checkpoint two steps (at --lr 1e-2) away from the fresh policy of the same seed: a
+    ``--ref-load`` whose margins against that policy are not 0. Read-only for the tests sharing it."""
+    d = tmp_path_factory.mktemp("trained_reference")
+    run_cmd([sys.executable, "-m", "megatron_prune.dpo", "--model-preset", "tiny", "--data-path", SAMPLE,
+             "--device", "cpu", "--seq-length", "128", "--max-prompt-length", "64", "--global-batch-size", "4",
+             "--micro-batch-size", "2", "--lr", "1e-2", "--train-iters", "2", "--save", str(d / "ckpt")],
+            log=d / "log.txt").check_ok()
+    return d / "ckpt"
+
+
 @pytest.fixture(autouse=True)
 def _no_torchrun_env(monkeypatch):
     """In-process tests must not see a torchrun environment of the outer shell."""

@@ -10,16 +10,14 @@ from tests.e2e.conftest import TINY_DPO, read_jsonl, run_dpo
 pytestmark = pytest.mark.e2e
 
 
-def test_lora_with_a_ref_load_scores_that_reference_in_every_mode(tmp_path):
+def test_lora_with_a_ref_load_scores_that_reference_in_every_mode(tmp_path, trained_reference):
     """With --ref-load the reference is that checkpoint, not the LoRA base: online and precomputed
     (the table is scored with the --ref-load model) give the same first step, whose margin is not 0
     (a reference equal to the fresh adapters' base would give exactly 0)."""
     data = TINY_DPO[TINY_DPO.index("--data-path") + 1]
     common = ["--model-preset", "tiny", "--data-path", data, "--seq-length", "128", "--max-prompt-length", "64",
               "--global-batch-size", "4", "--micro-batch-size", "2"]
-    reference = tmp_path / "reference"
-    run_dpo([*common, "--lr", "1e-2", "--train-iters", "2", "--save", str(reference)], log=tmp_path / "ref.txt",
-            nproc=1).check_ok()
+    reference = trained_reference
     first = {}
     for mode in ("online", "precomputed"):
         d = tmp_path / mode

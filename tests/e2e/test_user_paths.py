@@ -466,16 +466,14 @@ def test_eval_runs_after_every_eval_interval_steps(tmp_path):
     assert [("eval_reward_accuracy" in line) for line in lines] == [False, True, True], out[-3000:]
 
 
-def test_evaluation_is_unpruned_dpo_on_the_heldout_pairs(tmp_path):
+def test_evaluation_is_unpruned_dpo_on_the_heldout_pairs(tmp_path, trained_reference):
     """A pruned run (--prune-preset study: position, sequence and branch pruning) evaluates the
     held-out pairs without pruning: at unchanged weights (--lr 0) its evaluation reports what an
     unpruned run training on those pairs reports for its first step."""
     lines = (REPO / "megatron_prune" / "data" / "samples" / "hh_rlhf_heldout.jsonl").read_text().splitlines()[:8]
     heldout = tmp_path / "heldout8.jsonl"
     heldout.write_text("\n".join(lines) + "\n")
-    # A reference that differs from the starting policy, so that margins are not 0.
-    _dpo(tmp_path, "reference", "--lr", "1e-2", "--save", str(tmp_path / "reference"))
-    reference = ["--ref-load", str(tmp_path / "reference")]
+    reference = ["--ref-load", str(trained_reference)]  # differs from the starting policy: margins are not 0
     pruned, _ = _dpo(tmp_path, "pruned", "--train-iters", "1", "--lr", "0", "--prune-preset", "study",
                      "--eval-data-path", str(heldout), *reference)
     [evaluation] = [r for r in pruned if "eval_margin" in r]
