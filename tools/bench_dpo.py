@@ -321,10 +321,10 @@ def run_worker(args) -> None:
             mbs = []
             for g, b in zip(groups, batches):
                 if mode["layout"] != "full":  # segment attention: segments (and prefixes) as they run
-                    mbs.append(segment_shapes(b, seq_length))
+                    mbs.append(segment_shapes(b, b.tokens.shape[1]))
                 else:  # one dense causal row per sequence
                     rows = [[len(p.prompt) + len(p.responses[br])] for p in g for br in branches_of(p)]
-                    mbs.append(dict(rows=rows, seq_length=seq_length, scored=int(len(b.selection.index)),
+                    mbs.append(dict(rows=rows, seq_length=b.tokens.shape[1], scored=int(len(b.selection.index)),
                                     selective=mode["selective_head"]))
                 assert row_length(g, layout=mode["layout"], branches=[branches_of(p) for p in g]) <= seq_length
             passes.append({"kind": "forward", "microbatches": mbs})
@@ -575,7 +575,7 @@ def summarise(mode: str, raw: dict, *, shape: flop_model.Shape, recompute: bool,
     mem_phases = {k: statistics.median(r["peak_mem_by_phase_bytes"][k] for r in measured)
                   for k in measured[0]["peak_mem_by_phase_bytes"]}
     alloc = next((r for r in measured if "peak_alloc_bytes" in r), {})
-    q = statistics.quantiles(times, n=4) if n >= 2 else [times[0]] * 3
+    q = statistics.quantiles(times, n=4, method="inclusive") if n >= 2 else [times[0]] * 3  # within min..max
     return {
         "step_time_s": statistics.median(times),
         "step_time_min_s": min(times),
@@ -716,6 +716,7 @@ def plot(modes: dict, path: str, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -793,6 +794,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["records"] = {m: raw_modes[m]["records"] for m in order if m in done}
             if args.json:
                 _write_json(args.json, result)
+            if args.plot and done:  # like the JSON: a run stopped by a timeout keeps the modes it finished
+                plot(done, args.plot, f"DPO pruning, {args.preset} ({config.get('device_name') or args.device})")
     if args.lora_rank and result["modes"]:
         # The memory to beat: full-parameter concat with an online reference (same data and steps).
         try:

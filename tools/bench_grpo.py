@@ -433,17 +433,24 @@ def _model_parallel_sum(values):
 
 def gradient_variance(objective, *, rule, step: int, draws: int) -> dict:
     """Unpruned vs pruned gradients on one rollout of this step's prompts (see the module docs)."""
+    import dataclasses
+
     import torch
 
     from megatron_prune.grpo.dppo import combine_weights
 
     policy = objective.runner.policy
+    rollout = step // objective.grpo.updates_per_rollout
     saved_pruner, saved_sampler = objective.pruner, objective.sampler.state_dict()
+    saved_before = objective._before_buffer
+    if objective.buffer is not None and objective.buffer.index == rollout:
+        # a step inside a rollout (--ppo-epochs, --minibatches): the sampler has moved past its prompts
+        objective.sampler.load_state_dict(saved_before["sampler"])
     objective.pruner = _KeepAll()
     try:
-        full = objective._rollout(step)  # every prompt, every completion, weight 1
+        full = objective._rollout(rollout)  # every prompt, every completion, weight 1; the training draws' keys
     finally:
-        objective.pruner = saved_pruner
+        objective.pruner, objective._before_buffer = saved_pruner, saved_before
         objective.sampler.load_state_dict(saved_sampler)
     items = [it for mb in full.minibatches for it in mb]
     normaliser = sum(full.normalisers)
@@ -476,9 +483,7 @@ def gradient_variance(objective, *, rule, step: int, draws: int) -> dict:
         for r, i in enumerate(kept):
             for it in sorted(groups[i], key=lambda t: t.index):
                 if completions.keep[r, it.index]:
-                    chosen.append(type(it)(prompt_id=it.prompt_id, index=it.index, prompt=it.prompt,
-                                           completion=it.completion, advantage=it.advantage,
-                                           weight=float(weights[r, it.index])))
+                    chosen.append(dataclasses.replace(it, weight=float(weights[r, it.index])))
         gk = grad_of(chosen)
         draws_sum += gk
         sq.append(float(((gk - g) ** 2).sum()))
@@ -501,6 +506,9 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
 
+    from megatron_prune.accelerator import get_accelerator
+
+    acc = get_accelerator()
     par = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                          pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                          virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -544,10 +552,13 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
             for chunk in policy:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
+            acc.synchronize()  # on a GPU the clock reads after the queued kernels ran, not when they were queued
             start = time.perf_counter()
             m = objective.train_step(step)
+            acc.synchronize()
             before_opt = time.perf_counter()
             _, grad_norm, _ = optimizer.step()
+            acc.synchronize()
             end = time.perf_counter()
             elapsed = end - start
             cum += elapsed

@@ -177,7 +177,7 @@ class DPPOArgs:
     """Prompt keep draws under --dppo-prompt-prune-rate: independent (one uniform per prompt) or systematic (one uniform per batch, prompts in order
     of keep probability: the number kept is the expected number, rounded)."""
     dense_packing: bool = field(default=False, metadata=_flag("--dense-packing"))
-    """Pack the surviving sequences into rows of --seq-length tokens, rounded up to a multiple of 8 x TP
+    """Pack the surviving sequences into rows of --seq-length tokens, rounded up to a multiple of lcm(8, TP)
     (each sequence attends only to itself)."""
     shared_prompt: bool = field(default=False, metadata=_flag("--shared-prompt"))
     """Run each prompt once for all of its kept completions, [prompt, c1, ..., ck], in the training, old-policy and

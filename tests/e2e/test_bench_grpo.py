@@ -54,10 +54,17 @@ def test_every_mode_one_step(tmp_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_with_kl(tmp_path):
+    # the gradient-variance probe keeps the reference log-probs a KL term needs, and at the second
+    # step (--ppo-epochs 2: inside the first rollout) rolls that rollout's prompts out again
     result = _bench(tmp_path, ["--task", "toy-binary", "--modes", "grpo", "dppo", "--tensor-model-parallel-size", "2",
                                "--kl-beta", "0.05", "--kv-cache", "--no-match-time", "--dppo-prompt-sampling",
-                               "systematic", "--prompt-floor", "0.3", "--completion-floor", "0.25"], "tp2")
+                               "systematic", "--prompt-floor", "0.3", "--completion-floor", "0.25",
+                               "--grad-variance", "1", "--grad-variance-every", "1", "--ppo-epochs", "2",
+                               "--steps", "2"], "tp2")
     assert result["config"]["tensor_model_parallel_size"] == 2
+    # (the ratio itself may be nan: toy-binary's first groups tie, and the unpruned gradient is then 0)
+    probed = [r for r in result["modes"]["dppo"]["records"] if r["step"] >= 0]
+    assert [r["step"] for r in probed] == [0, 1] and all("grad_rel_mse" in r for r in probed), probed
     for s in result["modes"].values():
         assert s["reference_time_s"] > 0.0
     # the DPPO options reach the objective's config (recorded as the run used it) and bound its weights

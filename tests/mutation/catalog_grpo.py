@@ -687,4 +687,31 @@ MUTANTS: list[dict] = [
         "new": "",
         "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
     },
+    {
+        "name": "rollout-reused-at-another-temperature",
+        "why": "a resume inside a rollout reuses it at another --temperature (its old log-probs were taken at the old one)",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "                \"--temperature\": self.grpo.temperature,\n",
+        "new": "",
+        "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
+    },
+    {
+        "name": "rollout-state-before-it-not-saved",
+        "why": "a checkpoint inside a rollout keeps no sampler and history from before it, so a resume that cannot "
+               "reuse the rollout draws the next prompts and skips the rollout's own",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "            state[\"before_rollout\"] = self._before_buffer  # a resume",
+        "new": "            pass  # a resume",
+        "tests": [f"{OBJECTIVE}::test_a_rollout_a_resume_cannot_reuse_is_drawn_again"],
+    },
+    {
+        "name": "bench-grad-variance-drops-logprobs",
+        "why": "bench_grpo's gradient-variance probe rebuilds each kept item without its stored log-probs, so any "
+               "--kl-beta > 0 run of a pruned mode crashes",
+        "file": "tools/bench_grpo.py",
+        "old": "                    chosen.append(dataclasses.replace(it, weight=float(weights[r, it.index])))",
+        "new": "                    chosen.append(type(it)(prompt_id=it.prompt_id, index=it.index, prompt=it.prompt, "
+               "completion=it.completion, advantage=it.advantage, weight=float(weights[r, it.index])))",
+        "tests": ["tests/e2e/test_bench_grpo.py::test_tensor_parallel_with_kl"],
+    },
 ]
