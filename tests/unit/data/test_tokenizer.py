@@ -319,3 +319,50 @@ def test_chat_template_kwargs_that_are_not_template_variables_are_refused(text, 
     with pytest.raises(ValueError, match=f"--chat-template-kwargs {message}"):
         ModelConfig(chat_template_kwargs=text)
     assert ModelConfig(chat_template_kwargs='{"enable_thinking": false}').chat_template_args == {"enable_thinking": False}
+
+
+def test_a_stop_id_that_is_an_added_token_ends_replies(tmp_path):
+    """Chat models end their turns with a token added to the base vocabulary (<|im_end|>, <|eot_id|>):
+    its id counts in the vocabulary size, so a generation_config.json listing it keeps it as a stop id."""
+    from transformers import AutoTokenizer
+
+    directory = save_hf_tokenizer(tmp_path, chat_template=CHAT_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(directory)
+    base = hf.vocab_size
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    hf.save_pretrained(directory)
+    im_end = hf.convert_tokens_to_ids("<|im_end|>")
+    assert im_end >= base  # outside the base vocabulary
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 2]}))
+    tokenizer = load_tokenizer(directory)
+    assert tokenizer.vocab_size == im_end + 1
+    assert tokenizer.stop_ids == {2, im_end}
+
+
+def test_a_post_processor_that_adds_bos_adds_none_to_encoded_text(tmp_path):
+    """A tokenizer.json whose post-processor adds BOS (Llama-2/3 style): encode gives the text's own
+    tokens, so a response starts without a BOS, and a prompt rendered by a chat template that writes
+    BOS itself holds exactly one."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    directory = save_hf_tokenizer(tmp_path, chat_template=CHAT_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(directory)
+    hf._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf.save_pretrained(directory)
+    assert AutoTokenizer.from_pretrained(directory).encode("hello")[0] == 1  # the saved post-processor adds BOS
+    tokenizer = load_tokenizer(directory)
+    assert tokenizer.bos_id == 1
+    hello = tokenizer.encode("hello")
+    assert 1 not in hello and tokenizer.decode(hello) == "hello"
+    ids = tokenizer.apply_chat_template(MESSAGES[1:2], tokenize=True)
+    assert ids[0] == 1 and ids.count(1) == 1
+    assert tokenizer.decode(ids) == "<s><|user|>What is 2+2?</s><|assistant|>"
+
+
+def test_a_json_true_among_the_generation_eos_ids_is_no_token(tmp_path):
+    """A JSON true in generation_config.json's eos_token_id is no token id (Python's True == 1): it is
+    dropped, not read as id 1."""
+    directory = save_hf_tokenizer(tmp_path, chat_template=CHAT_TEMPLATE)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, True]}))
+    assert load_tokenizer(directory).stop_ids == {2}

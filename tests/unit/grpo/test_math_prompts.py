@@ -153,3 +153,24 @@ def test_chat_template_kwargs_reach_the_prompts(tmp_path):
     prompt = plain.get(0)
     assert tokenizer.decode(prompt.tokens).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert plain.score(prompt, tokenizer.encode(f"#### {prompt.answer}")) == 1.0
+
+
+def test_the_stop_token_that_ends_a_completion_is_not_graded(tmp_path):
+    """The sampler keeps the eos that ended a completion; the reward reads the completion's text
+    without it, so an answer that runs to the end of the text (MATH's brace-less ``\\boxed 5``) is
+    graded as written, not with ``</s>`` glued to it."""
+    from tests.unit.data.helpers import CHAT_TEMPLATE, save_hf_tokenizer
+
+    directory = save_hf_tokenizer(tmp_path / "tok", chat_template=CHAT_TEMPLATE)
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"problem": "What is 2+3?", "solution": "It is $\\boxed{5}$."}) + "\n")
+    tokenizer = load_tokenizer(directory)
+    source = build_source(GRPOConfig(task="math", data_path=[str(data)]), arch=get_preset("tiny"),
+                          model_cfg=ModelConfig(), ckpt_cfg=CheckpointConfig(), train_cfg=TrainConfig(),
+                          tokenizer_name=directory)
+    prompt = source.get(0)
+    for text, reward in (("The answer is $\\boxed 5", 1.0), ("The answer is \\boxed{5}", 1.0),
+                         ("The answer is $\\boxed 6", 0.0)):
+        ids = tokenizer.encode(text)
+        assert source.score(prompt, ids) == reward, text
+        assert source.score(prompt, ids + [tokenizer.eos_id]) == reward, text

@@ -79,6 +79,7 @@ def test_normalize_number(text, expected):
         ("The answer is \u22123", "#### -3", 1.0),  # without a marker the sign counts too
         ("The answer is \u22123", "#### 3", 0.0),
         ("From 2023-2024 it grew", "#### 2024", 1.0),  # a hyphen after a number is no sign
+        ("The answer is room B-12", "#### 12", 1.0),  # ... nor one after a letter
         ("It is -5 now", "#### -5", 1.0),
         ("#### 5 #### 6", "#### 6", 1.0),  # the last marker wins
         # A fraction or a power is never read as one of its parts (they were: reward 1 for wrong answers).
@@ -215,6 +216,10 @@ def test_math_answers_equal(predicted, reference, equal):
         ("\\boxed{5\\mbox{cm}}", "5\\mbox{ cm}", 1.0),
         ("\\boxed{\\$5 \\text{ million}}", "5", 0.0),  # a magnitude is no unit
         ("\\boxed{\\text{Monday}}", "\\text{Monday}", 1.0),  # a word alone is the answer
+        ("\\boxed{\\mathrm{odd}}", "\\text{odd}", 1.0),  # a word in any text or font command
+        ("\\boxed{\\mathbf{(C)}}", "(C)", 1.0),
+        ("\\boxed{\\textbf{even}}", "\\textrm{even}", 1.0),
+        ("\\boxed{\\mathrm{odd}}", "\\text{even}", 0.0),
         ("\\boxed{x_1 = 3}", "x_{1} = 3", 1.0),  # one variable, written two ways
     ],
 )

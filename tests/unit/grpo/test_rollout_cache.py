@@ -139,6 +139,68 @@ def test_completions_end_at_their_first_eos_cached_or_not():
                                    torch.tensor([lp for _, lps in expected for lp in lps]), rtol=0, atol=1e-5)
 
 
+def _tiny_policy_and_settings():
+    from megatron_prune.grpo.rollout import SamplingSettings
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+
+    arch = get_preset("tiny")
+    policy = setup_model(arch, ParallelConfig(), seed=SEED)
+
+    def settings(kv_cache: bool) -> SamplingSettings:
+        return SamplingSettings(max_new_tokens=3, eos_id=2, pad_id=0, vocab_size=arch.vocab_size, seed=SEED,
+                                kv_cache=kv_cache)
+
+    return policy, settings
+
+
+def _modes_after_cached_generation() -> dict:
+    """The training flags of the model's modules after cached generation from a model in training
+    mode, then from one in eval mode."""
+    from megatron_prune.grpo.rollout import generate
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.parallel import model_parallel
+
+    out = {}
+    with model_parallel(ParallelConfig(), seed=SEED):
+        policy, settings = _tiny_policy_and_settings()
+        for mode in (True, False):
+            for chunk in policy:
+                chunk.train(mode)
+            generate(model=policy, prompts=PROMPTS[:2], group_size=2, settings=settings(True), step=0)
+            out[mode] = {m.training for chunk in policy for m in chunk.modules()}
+    return out
+
+
+def test_cached_generation_gives_the_model_its_mode_back():
+    """The cached sampler decodes in eval mode (Megatron's inference path needs it), then puts every
+    module back in the mode it found it in: the training passes that follow run in training mode
+    (dropout, MoE router losses), and a model in eval mode stays in eval mode."""
+    out = run_distributed(_modes_after_cached_generation, 1)[0]
+    assert out[True] == {True}
+    assert out[False] == {False}
+
+
+def _generate_from_an_empty_prompt() -> None:
+    from megatron_prune.grpo.rollout import generate
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.parallel import model_parallel
+
+    with model_parallel(ParallelConfig(), seed=SEED):
+        policy, settings = _tiny_policy_and_settings()
+        for kv_cache in (False, True):
+            with pytest.raises(ValueError, match="prompt 0 is empty"):
+                generate(model=policy, prompts=[(0, ()), (1, (1, 5))], group_size=1, settings=settings(kv_cache),
+                         step=0)
+
+
+def test_an_empty_prompt_is_refused_cached_or_not():
+    """A prompt without tokens gives its first completion token no context: a ValueError naming the
+    prompt, with or without the KV cache (checked on the rank)."""
+    run_distributed(_generate_from_an_empty_prompt, 1)
+
+
 @pytest.mark.distributed
 def test_mixed_length_cached_batches_under_tensor_parallelism():
     """TP = 2 (vocabulary-parallel logits gathered on the inference path): same tokens as the

@@ -94,3 +94,19 @@ def test_completion_seeds_depend_on_the_prompt_ids_value_not_its_type():
     assert completion_seed(seed=1, step=2, prompt_id=6, index=3) not in seeds
     with pytest.raises(ValueError, match="ints, strings or tuples"):
         completion_seed(seed=1, step=2, prompt_id=5.0, index=3)
+
+
+def test_each_rollout_step_draws_afresh():
+    """A completion's seed depends on the rollout step: a prompt rolled out again (at another step,
+    with the same policy) gets new draws, not a replay of its earlier completions."""
+    seeds = {completion_seed(seed=1, step=step, prompt_id=7, index=j) for step in range(4) for j in range(8)}
+    assert len(seeds) == 4 * 8
+    logits = torch.zeros(8, 50)  # a policy that did not change between the steps
+
+    def draws(step: int) -> list[int]:
+        gens = [torch.Generator().manual_seed(completion_seed(seed=1, step=step, prompt_id=7, index=j))
+                for j in range(8)]
+        return sample_from_logits(logits, gens, temperature=1.0, top_p=1.0)[0].tolist()
+
+    first, second, third = draws(0), draws(1), draws(2)
+    assert first != second and second != third and first != third
