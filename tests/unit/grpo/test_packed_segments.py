@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from megatron_prune.data.packing import pack_sequences, row_attention_mask
@@ -55,3 +56,36 @@ def test_padded_rows_stay_plain_causal():
     settings = GRPOStepSettings(loss=GRPOLossConfig(), micro_batch_size=2, pad_id=0)
     for batch in layout_items(_items(5), settings=settings).batches:
         assert batch.attention_mask is None and batch.segments is None
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_group_longer_than_a_row_is_split_with_a_prompt_copy_per_part(packed):
+    """--shared-prompt: a group of 4 x (40-token prompt + 30-token completion) = 160 tokens does not
+    fit 128-token rows, so it is split; every part carries its own copy of the prompt, every row
+    stays within the capacity, and each completion token still sees exactly its prompt and its own
+    earlier tokens, at positions 0, 1, ..., in order."""
+    prompt = list(range(1, 41))
+    items = [TrainItem(prompt_id=0, index=j, prompt=prompt, completion=[100 + 10 * j + t for t in range(30)],
+                       advantage=1.0) for j in range(4)]
+    settings = GRPOStepSettings(loss=GRPOLossConfig(), micro_batch_size=2, pad_id=0, dense_packing=packed,
+                                shared_prompt=True, pack_capacity=128)
+    layout = layout_items(items, settings=settings)
+    assert layout.seq_length <= 128
+    scored = {}
+    for batch in layout.batches:
+        b = batch.tokens.shape[0]
+        assert batch.tokens.shape[1] <= 128 and batch.segments is not None
+        visible = ~batch.segments.dense_mask()[:, 0]  # [b, s, s]
+        for index, label, seq in zip(*(t.tolist() for t in (batch.selection.index, batch.selection.labels,
+                                                              batch.selection.seq_ids))):
+            position, row = divmod(index, b)
+            item = batch.items[seq]
+            j = scored.setdefault(item.index, 0)
+            keys = visible[row, position].nonzero().flatten()
+            assert batch.tokens[row, keys].tolist() == prompt + item.completion[:j]
+            assert batch.position_ids[row, keys].tolist() == list(range(len(prompt) + j))
+            assert label == item.completion[j]
+            scored[item.index] = j + 1
+    assert scored == {j: 30 for j in range(4)}
+    # a prompt copy takes 2 completions (40 + 2 x 30 <= 128 < 40 + 3 x 30): two parts, two copies
+    assert sum(batch.tokens.eq(prompt[-1]).sum().item() for batch in layout.batches) == 2
