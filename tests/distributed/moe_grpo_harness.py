@@ -6,8 +6,12 @@ padded rows, old log-probs (two PPO epochs), a KL reference, and the full-recomp
 sampler. Small microbatches make the two data-parallel ranks need different numbers of rollout
 and training microbatches and stop sampling at different steps, which is what expert parallelism
 (each MoE forward is a collective over both ranks) must follow. Compared with one rank: the
-sampled completions, the loss and every gradient (fp32, 1e-5). Router losses are off: they count
-every token a microbatch runs, padding included, so they depend on the microbatching.
+sampled completions, the loss and every gradient (fp32, 1e-5). Router losses are off unless
+``parallel`` sets their coefficients: each is a mean over one microbatch's real tokens (padding is
+masked out), weighted by 1 / (the rank's microbatches x DP), so it depends on the microbatching
+(which completions share a microbatch, how many each rank runs), which differs between two
+data-parallel ranks and one. tests/distributed/test_moe_router_losses.py runs this step with them
+on, at EP=1 and EP=2 of the same DP=2.
 """
 
 from __future__ import annotations

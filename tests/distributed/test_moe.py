@@ -266,3 +266,71 @@ def test_fused_adam_resumes_across_the_split_at_its_step(tmp_path):
     got = run_distributed(fused_adam_across_the_split, 2, root=str(tmp_path / "ckpt"))[0]
     assert got["steps"] and set(got["steps"]) == {2}, got["steps"]
     assert_same_step(got["straight"], got["resumed"], "fused Adam resumed EP=2 -> EP=1")
+
+
+def grpo_passes_with_an_empty_share() -> dict:
+    """Step 0 of GRPO on tiny-moe at EP=2 (DP=2) through the trainer, with a KL reference and two PPO
+    epochs: two minibatches of one prompt each, DPPO keeping one of its two completions, so one rank's
+    share of every minibatch is empty. Each GRPO pass a rank starts is announced to its expert-parallel
+    peer first; a pass the peer does not start at the same time fails at once (rather than hanging
+    in the MoE all-to-all). Returns the passes this rank ran, with the number of its items."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_prune.config import TrainConfig
+    from megatron_prune.grpo.config import DPPOArgs, GRPOConfig
+    from megatron_prune.grpo.trainer import build_objective, toy_source
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    passes: list[tuple] = []
+
+    def announced(runner, method: str) -> None:
+        run = getattr(runner, method)
+
+        def wrapper(items, **kwargs):
+            label = (method, kwargs.get("which"))
+            group = parallel_state.get_expert_model_parallel_group()
+            peers: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(peers, label, group=group)
+            assert all(p == label for p in peers), f"expert-parallel ranks start different passes: {peers}"
+            passes.append((*label, len(items)))
+            return run(items, **kwargs)
+
+        setattr(runner, method, wrapper)
+
+    par = ParallelConfig(expert_model_parallel_size=2)
+    with model_parallel(par, seed=SEED):
+        arch = get_preset("tiny-moe")
+        policy = setup_model(arch, par, seed=SEED)
+        reference = setup_model(arch, par, seed=SEED + 1, trainable=False)
+        configs = {
+            "TrainConfig": TrainConfig(global_batch_size=2, micro_batch_size=1, seq_length=16, seed=SEED),
+            "GRPOConfig": GRPOConfig(group_size=2, max_new_tokens=4, kl_beta=0.1, ppo_epochs=2, minibatches=2),
+            # Systematic draws keep exactly the expected number of each group's completions: 1 of 2.
+            "DPPOArgs": DPPOArgs(completion_prune_rate=0.5, completion_floor=0.3, sampling="systematic"),
+        }
+        source = toy_source(vocab_size=arch.vocab_size, num_prompts=4, seed=SEED)
+        objective = build_objective(configs=configs, arch=arch, policy=policy, reference=reference, source=source)
+        for method in ("score", "train"):
+            announced(objective.runner, method)
+        for chunk in policy:
+            chunk.zero_grad_buffer()
+        objective.train_step(0)
+    return dict(passes=passes, minibatches=[len(items) for items in objective.buffer.minibatches])
+
+
+@pytest.mark.distributed
+def test_grpo_expert_parallel_ranks_run_every_pass_together_with_an_empty_share():
+    """A rank whose share of a minibatch is empty still runs the reference and old-log-prob passes
+    (placeholders) with its expert-parallel peer, whose MoE all-to-alls need it."""
+    ranks = run_distributed(grpo_passes_with_an_empty_share, 2)
+    assert ranks[0]["minibatches"] == ranks[1]["minibatches"] == [1, 1]
+    expected = [("score", "ref"), ("score", "ref"), ("score", "old"), ("score", "old"), ("train", None)]
+    for got in ranks:
+        assert [p[:2] for p in got["passes"]] == expected
+    # Every pass had one completion on one rank and none on the other.
+    assert [p[2] for p in ranks[0]["passes"]] == [1, 1, 1, 1, 1]
+    assert [p[2] for p in ranks[1]["passes"]] == [0, 0, 0, 0, 0]

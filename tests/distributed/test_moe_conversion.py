@@ -5,7 +5,9 @@ EP=2 x TP=2 (sequence parallel) by tools/convert_hf_to_megatron.py, its logits c
 EP=4 (the checkpoint reshards across expert layouts on load), and exported back. The fused expert
 layout (``experts.gate_up_proj`` / ``experts.down_proj``) is converted from a rewritten copy of
 the same weights. Negative controls (two experts swapped, the router read transposed) go through
-the same comparison. One 4-rank launch does all Megatron-side work.
+the same comparison. A second model, whose router does not renormalise the top-k weights
+(``norm_topk_prob=false``: each chosen expert weighted by its softmax over all experts), is compared
+at EP=2 x TP=2 too. One 4-rank launch does all Megatron-side work.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ NUM_EXPERTS = 8
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def make_qwen3_moe(path: str, *, seed: int = 0) -> str:
+def make_qwen3_moe(path: str, *, seed: int = 0, norm_topk_prob: bool = True) -> str:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=NUM_EXPERTS, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=512,
+        norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=512,
         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
@@ -104,7 +106,7 @@ def _router_transposed(state: dict) -> dict:
     return {**state, name: state[name].t().reshape(state[name].shape).contiguous()}
 
 
-def conversion_suite(*, root: str, hf_dir: str, fused_dir: str) -> dict:
+def conversion_suite(*, root: str, hf_dir: str, fused_dir: str, unnormalised_dir: str) -> dict:
     from megatron_prune.model import hf_convert
     from megatron_prune.model.provider import ParallelConfig
 
@@ -123,6 +125,9 @@ def conversion_suite(*, root: str, hf_dir: str, fused_dir: str) -> dict:
     hf_convert.convert_hf_to_megatron(hf_dir=fused_dir, save_dir=fused_converted)
     out["logits"]["fused layout, ep2xtp2"] = hf_convert.compare_hf_and_megatron(
         hf_dir=hf_dir, load_dir=fused_converted, parallel=ParallelConfig(**LAYOUTS["ep2xtp2"]))
+    out["logits"]["norm_topk_prob false, ep2xtp2"] = logits_against_hf(
+        unnormalised_dir, hf=_state(unnormalised_dir), arch=hf_convert.read_hf_arch(unnormalised_dir),
+        parallel=ParallelConfig(**LAYOUTS["ep2xtp2"]))
     out["controls"] = {
         "two experts swapped": _controlled_comparison(hf_dir, change=_swap_two_experts),
         "router read transposed": _controlled_comparison(hf_dir, change=_router_transposed),
@@ -134,13 +139,15 @@ def conversion_suite(*, root: str, hf_dir: str, fused_dir: str) -> dict:
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf-moe")
     hf_dir = make_qwen3_moe(str(root / "qwen3-moe"))
-    return dict(hf=hf_dir, fused=make_fused_copy(hf_dir, str(root / "qwen3-moe-fused")))
+    return dict(hf=hf_dir, fused=make_fused_copy(hf_dir, str(root / "qwen3-moe-fused")),
+                unnormalised=make_qwen3_moe(str(root / "qwen3-moe-unnormalised"), seed=1, norm_topk_prob=False))
 
 
 @pytest.fixture(scope="module")
 def suite(models, tmp_path_factory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("megatron-moe"))
-    return root, run_distributed(conversion_suite, 4, root=root, hf_dir=models["hf"], fused_dir=models["fused"])[0]
+    return root, run_distributed(conversion_suite, 4, root=root, hf_dir=models["hf"], fused_dir=models["fused"],
+                                 unnormalised_dir=models["unnormalised"])[0]
 
 
 @pytest.mark.distributed

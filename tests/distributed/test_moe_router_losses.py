@@ -336,3 +336,45 @@ def test_a_pruned_branch_in_the_training_row_adds_no_router_loss():
     assert joined["metrics"]["moe_aux_loss"] > 0 and joined["metrics"]["moe_z_loss"] > 0
     assert_metrics_and_grads(separate, joined, "pruned branch joined vs separate",
                              ("loss", "margin", "moe_aux_loss", "moe_z_loss"), rtol=1e-5, atol=1e-7)
+
+
+def grpo_training_pass_after_a_forward_only_pass() -> dict:
+    """At TP = 2 with sequence parallelism (the group-mean z-loss) and padding in the microbatch: the
+    router losses of a GRPO training pass alone, and of the same pass right after the policy's
+    forward-only old-log-prob pass over the same completions."""
+    from megatron_prune.grpo.loss import GRPOLossConfig
+    from megatron_prune.grpo.step import GRPOStep, GRPOStepSettings, TrainItem
+    from megatron_prune.model.arch import get_preset
+    from megatron_prune.model.provider import ParallelConfig
+    from megatron_prune.training.model_setup import setup_model
+    from megatron_prune.training.parallel import model_parallel
+
+    def items() -> list:
+        return [TrainItem(prompt_id=0, index=0, prompt=[1, 5, 9, 3], completion=[4, 7, 2, 8, 8, 6, 1], advantage=1.0),
+                TrainItem(prompt_id=1, index=0, prompt=[2, 6], completion=[3, 3], advantage=-0.5)]
+
+    par = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, moe_aux_loss_coeff=AUX,
+                         moe_z_loss_coeff=Z)
+    with model_parallel(par, seed=7):
+        policy = setup_model(get_preset("tiny-moe"), par, seed=7)
+        step = GRPOStep(settings=GRPOStepSettings(loss=GRPOLossConfig(), micro_batch_size=2, pad_id=0), policy=policy)
+        alone, layout = step.train(items(), normaliser=8.0)
+        scored = items()
+        step.score(scored, which="old")
+        after, _ = step.train(scored, normaliser=8.0)
+    padding = layout.batches[0].padding_mask
+    return dict(alone=alone, after=after, padded=bool(padding.any()) and not bool(padding.all()),
+                scored=all(it.old_logprobs is not None for it in scored))
+
+
+@pytest.mark.distributed
+def test_forward_only_passes_add_no_router_loss_at_tensor_parallel_2():
+    """The policy's forward-only passes (old log-probs, a pruned branch) run in training mode under
+    no_grad: their router losses are neither added nor reported, so a training pass reports the
+    same router losses whether or not such a pass ran before it."""
+    ranks = run_distributed(grpo_training_pass_after_a_forward_only_pass, 2)
+    for rank, got in enumerate(ranks):
+        assert got["padded"] and got["scored"], rank
+        for name in ("moe_aux_loss", "moe_z_loss"):
+            assert got["alone"][name] > 0, (rank, name)
+            assert got["after"][name] == pytest.approx(got["alone"][name], rel=RTOL, abs=0), (rank, name)

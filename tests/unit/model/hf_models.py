@@ -13,6 +13,8 @@ import os
 import torch
 
 KINDS = ("qwen3", "qwen3-tied", "qwen2", "llama", "mistral")
+# Mixture-of-experts kinds: not in KINDS, whose every kind the dense conversion tests also run.
+MOE_KINDS = ("qwen3-moe",)
 VOCAB = 300
 # Files that stand in for a tokenizer: the converter must carry them over byte for byte.
 FAKE_ASSETS = {
@@ -40,12 +42,19 @@ _COMMON = dict(
 
 def hf_config(kind: str, **overrides):
     """The transformers config object of a tiny model of ``kind``."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     kw = dict(_COMMON)
     if kind in ("qwen3", "qwen3-tied"):
         cls = Qwen3Config
         kw.update(num_hidden_layers=4, tie_word_embeddings=kind == "qwen3-tied",
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif kind == "qwen3-moe":
+        # Values other than transformers' defaults (norm_topk_prob false, every layer sparse): a
+        # field dropped on the way shows.
+        cls = Qwen3MoeConfig
+        kw.update(num_hidden_layers=4, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     elif kind == "qwen2":
         cls = Qwen2Config

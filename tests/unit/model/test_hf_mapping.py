@@ -11,13 +11,13 @@ import torch
 from megatron_prune.model import hf_convert, hf_mapping
 from megatron_prune.model.hf_convert import HFCheckpoint
 from megatron_prune.model.hf_mapping import arch_from_hf_config, hf_to_megatron_state, megatron_to_hf_state
-from tests.unit.model.hf_models import FAKE_ASSETS, KINDS, VOCAB, hf_config, make_hf_model, read_config
+from tests.unit.model.hf_models import FAKE_ASSETS, KINDS, MOE_KINDS, VOCAB, hf_config, make_hf_model, read_config
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf")
-    dirs = {kind: make_hf_model(kind, str(root / kind), seed=i) for i, kind in enumerate(KINDS)}
+    dirs = {kind: make_hf_model(kind, str(root / kind), seed=i) for i, kind in enumerate(KINDS + MOE_KINDS)}
     dirs["qwen2-bf16-sharded"] = make_hf_model("qwen2", str(root / "qwen2-bf16"), seed=9, dtype=torch.bfloat16,
                                                max_shard_size="40KB")
     return dirs
@@ -27,7 +27,7 @@ def _arch(path: str):
     return arch_from_hf_config(read_config(path))
 
 
-@pytest.mark.parametrize("kind", KINDS + ("qwen2-bf16-sharded",))
+@pytest.mark.parametrize("kind", KINDS + MOE_KINDS + ("qwen2-bf16-sharded",))
 def test_round_trip_is_bit_identical(hf_dirs, kind):
     arch = _arch(hf_dirs[kind])
     with HFCheckpoint(hf_dirs[kind]) as hf:
@@ -289,7 +289,7 @@ def test_export_config_keeps_the_original_and_sets_dtype(hf_dirs):
         hf_convert.export_config(_arch(hf_dirs["mistral"]), assets=hf_dirs["llama"], dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + MOE_KINDS)
 def test_config_made_from_arch_describes_the_same_model(kind, hf_dirs):
     """Without the original config, export writes one that transformers builds into the same model."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -299,7 +299,10 @@ def test_config_made_from_arch_describes_the_same_model(kind, hf_dirs):
     assert arch_from_hf_config(made) == arch
     config = AutoConfig.for_model(**made)
     model = AutoModelForCausalLM.from_config(config)
-    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    state = model.state_dict()
+    # A MoE model's experts as the converter reads them (per expert, whichever layout transformers holds).
+    shapes = (hf_mapping.PerExpertView(state, arch).shapes() if arch.is_moe
+              else {n: tuple(t.shape) for n, t in state.items()})
     hf_mapping.check_hf_tensors(shapes, arch, source=kind)
     assert arch_from_hf_config(config.to_dict()) == arch
 

@@ -40,6 +40,38 @@ def test_layer_pattern_matches_transformers_model():
     assert ModelArch.from_hf_config(cfg).moe_layer_pattern() == sparse == [0, 1, 1, 1, 0, 1]
 
 
+def test_transformers_4_expert_count_key_is_read():
+    """transformers 5 writes the expert count as num_local_experts, transformers 4 (and the config.json
+    of released Qwen3-MoE checkpoints) as num_experts: either key alone is read."""
+    tf5 = _qwen3_moe_config()
+    assert tf5.get("num_local_experts") == 8 and "num_experts" not in tf5
+    tf4 = dict(tf5)
+    tf4["num_experts"] = tf4.pop("num_local_experts")
+    assert ModelArch.from_hf_config(tf4) == ModelArch.from_hf_config(tf5)
+    assert ModelArch.from_hf_config(tf4).num_experts == 8
+
+
+def test_missing_norm_topk_prob_is_read_as_transformers_reads_it():
+    """A config.json without norm_topk_prob: transformers builds the model without renormalising the
+    top-k weights, and so must the arch read from it."""
+    from transformers import Qwen3MoeConfig
+
+    config = _qwen3_moe_config()
+    del config["norm_topk_prob"]
+    hf = Qwen3MoeConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert ModelArch.from_hf_config(config).norm_topk_prob is hf.norm_topk_prob is False
+
+
+@pytest.mark.parametrize("norm_topk_prob, pre_softmax", [(True, False), (False, True)])
+def test_router_weights_follow_norm_topk_prob(norm_topk_prob, pre_softmax):
+    """HF without renormalisation weights the chosen experts by their softmax over all experts
+    (Megatron's pre-softmax router); with it, by the softmax over the chosen k (Megatron's default)."""
+    arch = ModelArch.from_hf_config(_qwen3_moe_config(norm_topk_prob=norm_topk_prob))
+    assert arch.norm_topk_prob is norm_topk_prob
+    kw = moe_config_kwargs(arch, ParallelConfig(), grouped_gemm=False)
+    assert kw["moe_router_pre_softmax"] is pre_softmax and kw["moe_router_score_function"] == "softmax"
+
+
 def test_dense_models_are_unchanged():
     tiny = get_preset("tiny")
     assert not tiny.is_moe and tiny.moe_layer_pattern() == [0] * tiny.num_layers
@@ -85,6 +117,8 @@ def test_other_moe_families_are_refused():
         (dict(moe_token_dispatcher="flex"), "dispatcher"),
         (dict(expert_model_parallel_size=2, moe_token_dispatcher="allgather"), "allgather needs"),
         (dict(moe_aux_loss_coeff=-1.0), "must be a finite number >= 0"),
+        (dict(moe_z_loss_coeff=-0.01), "--moe-z-loss-coeff must be a finite number >= 0"),
+        (dict(moe_z_loss_coeff=float("nan")), "--moe-z-loss-coeff must be a finite number >= 0"),
     ],
 )
 def test_bad_moe_layouts_are_refused(parallel, match):
