@@ -229,20 +229,23 @@ def test_save_holding_checkpoints_without_load_is_refused(tmp_path, monkeypatch,
     assert _no_process_group()
 
 
+@pytest.mark.parametrize("load", ["folder", "iteration"])
 @pytest.mark.parametrize("start", ["finetune", "lora"])
-def test_a_new_run_from_a_checkpoint_into_its_own_folder_is_refused(tmp_path, monkeypatch, capsys, start):
+def test_a_new_run_from_a_checkpoint_into_its_own_folder_is_refused(tmp_path, monkeypatch, capsys, start, load):
     """--finetune, or LoRA from a full-parameter checkpoint, starts a new run at iteration 0 from
     --load's weights: saving into that run's folder replaced its checkpoints of the same
-    iterations (the new run's own base and reference among them). Refused, also in a dry run."""
+    iterations (the new run's own base and reference among them). Refused, also in a dry run,
+    whether --load names the folder or one checkpoint in it (X/iter_N)."""
     save = tmp_path / "ckpt"
     _fake_checkpoint(save, 2, get_preset("tiny"))
+    source = save if load == "folder" else save / "iter_0000002"
     flags = ["--finetune"] if start == "finetune" else ["--lora-rank", "4"]
-    argv = [*TINY_DPO[2:], *flags, "--save", str(save), "--load", str(save), "--dry-run"]
+    argv = [*TINY_DPO[2:], *flags, "--save", str(save), "--load", str(source), "--dry-run"]
     code, err = _main(argv, monkeypatch, capsys)
     how = "--finetune" if start == "finetune" else "LoRA starting from its model weights"
     assert code == 2
     assert err.strip().splitlines() == [
-        f"megatron-prune: error: --load {save}: {how} starts a new run at iteration 0 from it, and --save {save} is "
+        f"megatron-prune: error: --load {source}: {how} starts a new run at iteration 0 from it, and --save {save} is "
         "that run's folder: the new checkpoints would replace its checkpoints of the same iterations (the new run's "
         "base and reference among them); choose another --save"]
     assert _no_process_group()

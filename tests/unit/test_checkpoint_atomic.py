@@ -239,19 +239,50 @@ def test_resaving_an_iteration_never_leaves_a_partial_checkpoint_in_place(tmp_pa
 # --------------------------------------------------------------------------- --save / --load of one launch
 
 
-def test_save_and_load_of_one_directory_start_fresh_until_it_holds_a_checkpoint(tmp_path, stub_io, capsys):
+def test_save_and_load_of_one_directory_start_fresh_until_it_holds_a_checkpoint(tmp_path, stub_io, capsys,
+                                                                                 monkeypatch):
     """``--save X --load X`` on the first launch (X missing, empty, or only a killed first save in it)
-    starts fresh with a notice; once X holds a checkpoint, it resumes it."""
+    starts fresh with a notice, however the two flags spell X (``x``, ``./x``, ``x/``, its absolute
+    path); once X holds a checkpoint, it resumes it."""
     x = str(tmp_path / "x")
     assert ckpt.resume_source(x, x, can_start_fresh=True) is None
     assert capsys.readouterr().out == (f"[megatron-prune] --load {x} holds no complete checkpoint yet: starting a new "
                                        f"run at iteration 0 that saves into --save {x}\n")
+    monkeypatch.chdir(tmp_path)
+    spellings = ["./x", "x/", x]
+    for load in spellings:
+        assert ckpt.resume_source("x", load, can_start_fresh=True) is None, load
+        assert capsys.readouterr().out == (f"[megatron-prune] --load {load} holds no complete checkpoint yet: starting "
+                                           "a new run at iteration 0 that saves into --save x\n")
     (tmp_path / "x" / "iter_0000002.tmp" / "dist").mkdir(parents=True)
     assert ckpt.resume_source(x, x, can_start_fresh=True) is None
     assert "found only iter_0000002.tmp (a save that did not finish)" in capsys.readouterr().out
+    for load in spellings:
+        assert ckpt.resume_source("x", load, can_start_fresh=True) is None, load
+        assert "found only iter_0000002.tmp (a save that did not finish)" in capsys.readouterr().out
     _save(x, 2)
     assert ckpt.resume_source(x, x, can_start_fresh=True) == x
+    for load in spellings:
+        assert ckpt.resume_source("x", load, can_start_fresh=True) == load
     assert capsys.readouterr().out == ""
+
+
+def test_load_of_a_checkpoint_inside_the_save_directory_resumes_it(tmp_path, stub_io):
+    """``--save X --load X/iter_N`` resumes an earlier checkpoint of the same run (X's later saves
+    go on in X); a --load from anywhere else into an X that holds checkpoints is refused, a sibling
+    whose name starts with X's included: its saves would land among X's."""
+    x = str(tmp_path / "x")
+    _save(x, 2)
+    _save(x, 4)
+    earlier = os.path.join(x, "iter_0000002")
+    assert ckpt.resume_source(x, earlier, can_start_fresh=True) == earlier
+    assert ckpt.resume_source(x + "/", earlier, can_start_fresh=True) == earlier
+    for other in (str(tmp_path / "y"), str(tmp_path / "x_other")):
+        _save(other, 2)
+        with pytest.raises(ckpt.CheckpointError) as exc:
+            ckpt.resume_source(x, other, can_start_fresh=True)
+        assert str(exc.value) == (f"--save {x} already holds checkpoints (newest: {x}/iter_0000004) that this run from "
+                                  f"--load {other} would overwrite; choose another --save")
 
 
 def test_load_that_is_not_the_save_directory_must_exist(tmp_path, stub_io):
