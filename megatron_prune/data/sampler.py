@@ -74,7 +74,9 @@ class EpochSampler:
             raise ValueError(f"count must be >= 0, got {count}")
         if self.distinct:
             return self._next_distinct(count)
-        indices: list[int] = []
+        # Indices a distinct request deferred (a resume may turn distinct off: another batch size) still
+        # belong to this epoch's visit, so they come first here too.
+        indices, self.deferred = self.deferred[:count], self.deferred[count:]
         while len(indices) < count:
             if self._order is None:
                 self._order = self.epoch_order(self.epoch)

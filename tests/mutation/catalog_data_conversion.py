@@ -376,4 +376,14 @@ MUTANTS: list[dict] = [
         "new": "    if False:\n",
         "tests": ["tests/unit/test_checkpoint_atomic.py::test_a_checkpoint_of_another_format_is_refused"],
     },
+    {
+        "name": "sampler-deferred-dropped-when-not-distinct",
+        "why": "a resume at a batch size that turns distinct requests off never serves the indices a distinct request "
+               "deferred, so one epoch skips them",
+        "file": "megatron_prune/data/sampler.py",
+        "old": "        # belong to this epoch's visit, so they come first here too.\n"
+               "        indices, self.deferred = self.deferred[:count], self.deferred[count:]\n",
+        "new": "        indices: list[int] = []\n",
+        "tests": ["tests/unit/data/test_sampler.py::test_a_resume_that_turns_distinct_off_serves_the_deferred_indices_first"],
+    },
 ]

@@ -104,6 +104,22 @@ def test_distinct_sampler_resumes_exactly_with_deferred_indices():
         EpochSampler(10, seed=7, distinct=True).load_state_dict({**state, "deferred": [10]})
 
 
+def test_a_resume_that_turns_distinct_off_serves_the_deferred_indices_first():
+    """DPO asks for distinct indices only while the data holds a global batch; a resume at a larger
+    --global-batch-size turns that off. The indices a distinct request deferred are still due in
+    their epoch: each of the first two epochs visits every sample exactly once, and no stale
+    deferral is saved again."""
+    sampler = EpochSampler(6, seed=1234, distinct=True)
+    served = sampler.next_indices(4) + sampler.next_indices(4)
+    state = sampler.state_dict()
+    assert state["deferred"], "this test needs a position with deferred indices"
+    resumed = EpochSampler(6, seed=1234, distinct=False)
+    resumed.load_state_dict(state)
+    served += resumed.next_indices(4)
+    assert sorted(served[:6]) == sorted(served[6:12]) == list(range(6)), served
+    assert resumed.state_dict()["deferred"] == []
+
+
 def test_sampler_refuses_a_mismatched_state():
     state = EpochSampler(11, seed=9).state_dict()
     with pytest.raises(ValueError, match="num_samples"):
