@@ -544,6 +544,10 @@ def test_state_inside_a_rollout_restores_it_on_every_rank():
         assert metrics["clip_fraction"] > 0.0  # the old log-probs are the rollout policy's, not the current one's
         for key in ("loss", "policy_loss", "kl_loss", "clip_fraction", "ratio_mean", "policy_tokens"):
             assert metrics_resumed[key] == metrics[key], (rank, key)
+        # and the rollout's own metrics (rewards, kept fractions, lengths) come back with it; only clocks differ
+        timeless = {key for key in metrics if not key.endswith("_time_s")}
+        assert "reward_mean" in timeless and set(metrics_resumed) == set(metrics), sorted(metrics)
+        assert {k: metrics_resumed[k] for k in timeless} == {k: metrics[k] for k in timeless}, rank
         assert torch.equal(grad_resumed, grad), rank
 
 
