@@ -114,6 +114,9 @@ WARNINGS = [
     pytest.param("dpo", ["--optimizer", "sgd", "--adam-beta2", "0.99"],
                  "--adam-beta2 0.99 has no effect with --optimizer sgd (it is one of Adam's moment decays)",
                  id="adam-beta-with-sgd"),
+    pytest.param("dpo", ["--optimizer", "sgd", "--adam-beta1", "0.8"],
+                 "--adam-beta1 0.8 has no effect with --optimizer sgd (it is one of Adam's moment decays)",
+                 id="adam-beta1-with-sgd"),
     pytest.param("grpo", ["--sgd-momentum", "0.5"],
                  "--sgd-momentum 0.5 has no effect with --optimizer adam (it is SGD's momentum: pass --optimizer sgd "
                  "to use it)", id="momentum-with-adam"),
@@ -149,6 +152,9 @@ WARNINGS = [
     pytest.param("grpo", ["--toy-num-digits", "4", "--task", "gsm8k", "--data-path", GSM8K],
                  "--toy-num-digits 4 has no effect with --task gsm8k (it shapes the toy tasks' prompts)",
                  id="toy-flag-on-gsm8k"),
+    pytest.param("grpo", ["--toy-num-prompts", "64", "--task", "gsm8k", "--data-path", GSM8K],
+                 "--toy-num-prompts 64 has no effect with --task gsm8k (it shapes the toy tasks' prompts)",
+                 id="toy-num-prompts-on-gsm8k"),
     pytest.param("grpo", ["--skip-invalid-records"],
                  "--skip-invalid-records has no effect with --task toy (its prompts are generated: there are no "
                  "records to skip)", id="skip-invalid-on-toy"),
@@ -156,6 +162,9 @@ WARNINGS = [
     pytest.param("grpo", ["--clip-eps-high", "0.28"],
                  "--clip-eps-high 0.28 has no effect with --ppo-epochs 1 and --minibatches 1: each rollout feeds one "
                  "update, whose PPO ratio is exactly 1, so nothing is clipped", id="clip-with-one-update"),
+    pytest.param("grpo", ["--clip-eps-low", "0.1"],
+                 "--clip-eps-low 0.1 has no effect with --ppo-epochs 1 and --minibatches 1: each rollout feeds one "
+                 "update, whose PPO ratio is exactly 1, so nothing is clipped", id="clip-low-with-one-update"),
     pytest.param("grpo", ["--no-std-normalization", "--advantage-std", "sample"],
                  "--advantage-std sample has no effect with --no-std-normalization (the advantages are not divided "
                  "by a std)", id="advantage-std-without-normalization"),
@@ -224,6 +233,9 @@ def test_ignored_reference_and_finetune_flags(tmp_path, monkeypatch, capsys):
     assert code == 0 and err == [WARNING + f"--finetune has no effect: --load {converted} holds weights only (a "
                                  "converted model, no optimizer state), which a run always starts from at iteration "
                                  "0"], err
+    code, err = _dry_run("dpo", [*DPO[2:], "--load", converted, "--override-opt-param-scheduler"], monkeypatch, capsys)
+    assert code == 0 and err == [WARNING + "--override-opt-param-scheduler has no effect: the run resumes no "
+                                 "learning-rate schedule (it starts at iteration 0 with this launch's flags anyway)"], err
 
     trained = _checkpoint(tmp_path / "trained")
     code, err = _dry_run("dpo", [*DPO[2:], "--load", trained, "--finetune", "--lora-rank", "4"],
@@ -262,6 +274,19 @@ def test_the_distributed_optimizer_warns_only_where_it_shards_nothing(tmp_path, 
     assert code == 0 and len(err) == 1 and err[0].startswith(WARNING + "--use-distributed-optimizer shards nothing"), err
 
 
+def test_block_recompute_is_judged_per_model_chunk_under_the_interleaved_schedule(monkeypatch, capsys):
+    """With 2 pipeline stages of 2 model chunks each, the tiny preset's 4 layers are 1 per chunk: block
+    recompute of 2 layers already recomputes every layer, though each stage holds 2."""
+    argv = [*DPO, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+            "--recompute-granularity", "full", "--recompute-method", "block"]
+    code, err = _dry_run("dpo", [*argv, "--recompute-num-layers", "2"], monkeypatch, capsys, world=2)
+    assert code == 0 and err == [
+        WARNING + "--recompute-num-layers 2 is more than the layers of each pipeline stage (1; of each model chunk "
+        "under the interleaved schedule): --recompute-method block recomputes the first N layers of each, so every "
+        "layer is recomputed; give at most 1"], err
+    assert _dry_run("dpo", [*argv, "--recompute-num-layers", "1"], monkeypatch, capsys, world=2) == (0, [])
+
+
 def test_only_rank_0_warns(monkeypatch, capsys):
     argv = [*DPO, "--tensor-model-parallel-size", "2", "--prune-branch-chosen-prob", "0.7"]
     code, err = _dry_run("dpo", argv, monkeypatch, capsys, world=2, rank=1)
@@ -295,6 +320,7 @@ NO_WARNING = [
                           "--toy-num-digits", "4"], id="grpo-in-use"),
     pytest.param("grpo", [*TINY_GRPO, "--kl-beta", "0.1", "--minibatches", "2", "--clip-eps-low", "0.1"],
                  id="grpo-kl-and-minibatches"),
+    pytest.param("grpo", [*TINY_GRPO, "--skip-zero-advantage"], id="skip-zero-advantage-without-kl"),
     pytest.param("grpo", ["--model-preset", "tiny", "--task", "gsm8k", "--data-path", GSM8K, "--tokenizer", "tiny",
                           "--max-prompt-length", "64", "--skip-invalid-records"], id="grpo-gsm8k"),
 ]
@@ -371,10 +397,15 @@ def test_the_example_and_readme_commands_warn_nothing(tmp_path, monkeypatch, cap
 
 def test_schedule_flags_of_a_resume_are_not_judged(tmp_path, monkeypatch, capsys):
     """A resume keeps the checkpoint's learning-rate schedule (and its note says which flags it
-    ignores), so --lr 0 or a long warm-up is not said to train nothing; with
+    ignores), so --lr 0 or a long warm-up is not said to train nothing, nor --min-lr to do nothing
+    under the default constant style; with
     --override-opt-param-scheduler the flags set the schedule again, and are judged."""
     saved = _checkpoint(tmp_path / "saved", optimizer_format="local")
     flags = [*DPO[2:], "--load", saved, "--train-iters", "5", "--lr", "0", "--lr-warmup-iters", "8"]
     assert _dry_run("dpo", flags, monkeypatch, capsys) == (0, [])
     code, err = _dry_run("dpo", [*flags, "--override-opt-param-scheduler"], monkeypatch, capsys)
     assert code == 0 and [line.split(" ", 3)[2] for line in err] == ["--lr", "--lr-warmup-iters"], err
+    flags = [*DPO[2:], "--load", saved, "--min-lr", "1e-5"]
+    assert _dry_run("dpo", flags, monkeypatch, capsys) == (0, [])
+    code, err = _dry_run("dpo", [*flags, "--override-opt-param-scheduler"], monkeypatch, capsys)
+    assert code == 0 and [line.split(" ", 3)[2] for line in err] == ["--min-lr"], err

@@ -125,7 +125,8 @@ def test_skipping_stops_after_ten_non_finite_steps_in_a_row(tmp_path):
     data): ten skipped steps in a row end the run like --on-nonfinite stop, naming the step."""
     run, records = _run_with_nan(tmp_path, "skip", iters=14, every=True)
     assert run.returncode != 0
-    assert "step 11/14: 10 steps in a row had a non-finite loss or gradient" in run.output, run.output[-4000:]
+    assert ("step 11/14: 10 steps in a row had a non-finite loss or gradient; --on-nonfinite skip stops here (the "
+            "weights or the data are broken, not one batch: steps 2..11 were skipped)") in run.output, run.output[-4000:]
     assert [r["skipped"] for r in records] == [False] + [True] * 9
 
 

@@ -106,3 +106,18 @@ def test_a_new_run_starts_without_the_last_runs_signal(tmp_path):
         assert ExitConditions(ckpt).received
     with exit_conditions.recording(exit_conditions.watched_signal(ckpt)):
         assert not ExitConditions(ckpt).received_before_start()
+
+
+def test_a_run_that_fails_inside_the_block_leaves_the_old_handler_and_no_signal_behind(tmp_path):
+    """A usage error (SystemExit) inside the CLI's block after the signal came: the previous handler is
+    back, and the next in-process run starts without that signal."""
+    ckpt = CheckpointConfig(save=str(tmp_path), exit_signal_handler=True, exit_signal="SIGUSR1")
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(SystemExit):
+        with exit_conditions.recording(exit_conditions.watched_signal(ckpt)):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            raise SystemExit(2)
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with exit_conditions.recording(exit_conditions.watched_signal(ckpt)):
+        assert not ExitConditions(ckpt).received_before_start()
+    assert signal.getsignal(signal.SIGUSR1) is before
