@@ -482,10 +482,19 @@ def test_dry_run_prints_the_values_the_run_resolves(monkeypatch, capsys):
     assert "  resolved: --ref-mode online\n" in capsys.readouterr().out
 
 
-def test_a_malformed_world_size_is_one_line(monkeypatch, capsys):
-    code, err = _main([*TINY_DPO, "--dry-run"], monkeypatch, capsys, world="8x")
-    assert code == 2 and err.strip() == ("megatron-prune: error: WORLD_SIZE='8x' is not a positive integer (torchrun "
-                                         "sets it; unset it to run one process)"), err
+@pytest.mark.parametrize("world", ["8x", "0"])
+def test_a_malformed_world_size_is_one_line(world, monkeypatch, capsys):
+    code, err = _main([*TINY_DPO, "--dry-run"], monkeypatch, capsys, world=world)
+    assert code == 2 and err.strip() == (f"megatron-prune: error: WORLD_SIZE='{world}' is not a positive integer "
+                                         "(torchrun sets it; unset it to run one process)"), err
+
+
+def test_an_hf_model_that_is_a_file_is_named(monkeypatch, capsys):
+    """--hf-model names the trainer's own flag when it is given a file (not the converter's --hf-dir)."""
+    i = TINY_DPO.index("--model-preset")
+    code, err = _main([*TINY_DPO[:i], *TINY_DPO[i + 2:], "--hf-model", "README.md", "--dry-run"], monkeypatch, capsys,
+                      world=1)
+    assert code == 2 and err.strip().splitlines()[-1] == "megatron-prune: error: --hf-model README.md: not a directory", err
 
 
 @pytest.mark.parametrize("cli", ["dpo", "grpo"])
