@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from megatron_prune.arguments import GIVEN, exit_reported, ignore_expected_warnings, parse_configs
+from megatron_prune.arguments import GIVEN, exit_reported, fail_usage, ignore_expected_warnings, parse_configs
 from megatron_prune.ranks import first_rank
 from megatron_prune.training import exit_conditions  # noqa: F401  (starts the --exit-duration-in-mins clock)
 
@@ -35,7 +35,7 @@ def run_cli(
         kind = bootstrap_device(argv)
     except (AcceleratorError, RuntimeError) as exc:
         if not {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
-            _fail_early(exc)
+            fail_usage(exc)  # every node's first rank says it: a node without the device is often not the first
         kind = "cpu"  # the help needs no device
     # MindSpeed's own flags (e.g. --use-flash-attn) are accepted on the NPU only.
     args, configs = parse_configs(prog, groups, description, argv,
@@ -153,9 +153,3 @@ def _resolved_defaults(configs: dict[str, Any]) -> list[str]:
     if lora_active(lora):
         resolved.append(f"--lora-alpha {lora.rank * lora.scale:g} (scale {lora.scale:g})")
     return resolved
-
-
-def _fail_early(exc: Exception) -> None:
-    if first_rank():
-        print(f"megatron-prune: error: {exc}", file=sys.stderr, flush=True)
-    sys.exit(2)

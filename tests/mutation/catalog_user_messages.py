@@ -75,4 +75,11 @@ MUTANTS: list[dict] = [
      "file": SESSION, "old": "if model.hf_model and not os.path.isdir(model.hf_model):",
      "new": "if model.hf_model and not os.path.exists(model.hf_model):",
      "tests": ["tests/e2e/test_flags.py::test_an_hf_model_that_is_a_file_is_named"]},
+    {"name": "device-error-said-on-the-first-node-only",
+     "why": "a device that cannot start is printed by global rank 0 only and never reaches torchrun's report, so "
+            "a node without the device exits 2 in silence",
+     "file": "megatron_prune/training/cli.py",
+     "old": "            fail_usage(exc)  # every node's first rank says it",
+     "new": "            print(f\"megatron-prune: error: {exc}\", file=sys.stderr) if first_rank() else None; sys.exit(2)  #",
+     "tests": ["tests/unit/test_device_error_on_every_node.py"]},
 ]

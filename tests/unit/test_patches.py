@@ -148,8 +148,10 @@ def test_a_checkout_on_pythonpath_without_pip_install_finds_its_patches(tmp_path
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     checkout = tmp_path / "checkout"
     for folder in ("megatron_prune", "patches"):
-        shutil.copytree(os.path.join(repo, folder), checkout / folder,
-                        ignore=shutil.ignore_patterns("__pycache__", "samples", "tokenizer"))
+        # A link megatron_prune/patches -> patches (the mutation harness's copies have one) is left out:
+        # the checkout must find patches/ by itself.
+        skip = ("__pycache__", "samples", "tokenizer", *(("patches",) if folder == "megatron_prune" else ()))
+        shutil.copytree(os.path.join(repo, folder), checkout / folder, ignore=shutil.ignore_patterns(*skip))
     code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
             f"sys.path.insert(0, {str(checkout)!r}); import megatron_prune.patches.registry as r; print(r.__file__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
