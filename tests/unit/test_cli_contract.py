@@ -175,3 +175,25 @@ def test_every_nodes_first_rank_says_the_usage_error(monkeypatch, capsys, tmp_pa
         assert exc.value.code == 2
         assert (capsys.readouterr().err == "megatron-prune: error: --lr must be >= 0\n") == speaks
         assert bool(started) == speaks
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "cpu", "--use-flash-attn"], "unrecognized arguments: --use-flash-attn"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    ],
+)
+def test_a_bad_flag_off_the_npu_is_a_usage_error(argv, message, monkeypatch, capsys):
+    """Off the NPU an unknown flag (even one of MindSpeed's) is the trainer's usage error, exit code 2,
+    not a MindSpeed import error; an unknown --device value is one too, not a traceback."""
+    from megatron_prune import accelerator as acc_mod
+    from megatron_prune.dpo.__main__ import main
+
+    monkeypatch.setattr(acc_mod, "_CURRENT", None)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["--model-preset", "tiny", "--dry-run", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

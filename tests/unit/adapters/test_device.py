@@ -11,6 +11,7 @@ import sys
 import types
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +54,65 @@ def test_cpu_device_and_no_device_module():
     assert acc.module is None
 
 
+def test_device_index_is_the_local_rank(monkeypatch):
+    """Global rank 9 is local rank 1 on the second node of 8-device nodes: it takes device 1."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "9")
+    assert Accelerator("cuda").device == torch.device("cuda", 1)
+
+
+class _FakeDeviceModule:
+    """Stands in for ``torch.cuda``/``torch.npu``: records seeds, reports fixed memory readings."""
+
+    def __init__(self):
+        self.seeds = []
+
+    def manual_seed_all(self, seed):
+        self.seeds.append(seed)
+
+    def max_memory_allocated(self):
+        return 100 * 2**20
+
+    def max_memory_reserved(self):
+        return 300 * 2**20
+
+    def memory_allocated(self):
+        return 40 * 2**20
+
+    def memory_reserved(self):
+        return 200 * 2**20
+
+
+def _fake_device(monkeypatch) -> _FakeDeviceModule:
+    fake = _FakeDeviceModule()
+    monkeypatch.setattr(Accelerator, "module", property(lambda self: None if self.kind == "cpu" else fake))
+    return fake
+
+
+def test_manual_seed_seeds_every_device_generator(monkeypatch):
+    """--seed must reach the GPU/NPU generators too (dropout masks on the device)."""
+    fake = _fake_device(monkeypatch)
+    Accelerator("cuda").manual_seed(1234)
+    assert fake.seeds == [1234]
+    assert torch.initial_seed() == 1234
+
+
+def test_manual_seed_takes_seeds_beyond_numpys_range():
+    """numpy seeds are below 2**32; a larger --seed still seeds it (reduced) instead of crashing."""
+    Accelerator("cpu").manual_seed(2**32 + 7)
+    drawn = np.random.rand(3)
+    np.random.seed(7)
+    assert np.array_equal(drawn, np.random.rand(3))
+
+
+def test_device_memory_readings_count_tensors_not_the_allocator_cache(monkeypatch):
+    """Peak and current memory on GPU/NPU are what tensors held, not what the caching allocator reserved."""
+    _fake_device(monkeypatch)
+    acc = Accelerator("npu")
+    assert acc.peak_memory_bytes() == 100 * 2**20
+    assert acc.current_memory_bytes() == 40 * 2**20
+
+
 def test_unknown_device_is_a_value_error():
     with pytest.raises(ValueError, match="auto, cuda, npu, cpu"):
         detect_kind("tpu")
@@ -65,6 +125,17 @@ def test_unknown_device_is_a_value_error():
 def test_auto_without_npu(monkeypatch, npu, cuda, expected):
     _hardware(monkeypatch, npu=npu, cuda=cuda)
     assert detect_kind("auto") == expected
+
+
+@pytest.mark.parametrize("visible", [False, True])
+def test_npu_available_asks_torch_npu(monkeypatch, visible):
+    """torch_npu installed on a host without an NPU: not available, and auto does not pick it."""
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: visible), raising=False)
+    assert acc_mod.npu_available() is visible
+    if not visible:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert detect_kind("auto") == "cpu"
 
 
 def test_auto_prefers_the_npu_over_cuda(monkeypatch):
@@ -206,10 +277,28 @@ def test_npu_stack_complete(monkeypatch):
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
-    [([], "auto"), (["--device", "npu"], "npu"), (["--lr", "1e-5", "--device=cpu"], "cpu"), (["--dev", "npu"], "auto")],
+    [([], "auto"), (["--device", "npu"], "npu"), (["--lr", "1e-5", "--device=cpu"], "cpu"), (["--dev", "npu"], "auto"),
+     (["--device", "tpu"], "auto")],
 )
 def test_requested_device(argv, expected):
     assert adapter.requested_device(argv) == expected
+
+
+@pytest.mark.parametrize(
+    ("transfer_loaded", "cuda", "expected"), [(True, True, "cpu"), (False, True, "cuda"), (False, False, "cpu")]
+)
+def test_unprepared_npu_host_falls_back_without_the_redirected_cuda(monkeypatch, transfer_loaded, cuda, expected):
+    """A process that chose no device on an NPU host where MindSpeed is not loaded in order (a
+    converter) runs on CUDA or the CPU; once transfer_to_npu is imported, torch.cuda reports the
+    NPUs, so it must not be taken for a GPU (nccl on an NPU)."""
+    _hardware(monkeypatch, npu=True, cuda=cuda)
+    _installed(monkeypatch, "torch_npu", "mindspeed", MINDSPEED_ADAPTOR)
+    monkeypatch.delitem(sys.modules, MINDSPEED_ADAPTOR, raising=False)
+    if transfer_loaded:
+        monkeypatch.setitem(sys.modules, TRANSFER_TO_NPU, types.ModuleType(TRANSFER_TO_NPU))
+    else:
+        monkeypatch.delitem(sys.modules, TRANSFER_TO_NPU, raising=False)
+    assert acc_mod.get_accelerator().kind == expected
 
 
 def test_bootstrap_cpu_prepares_nothing(monkeypatch):
@@ -240,5 +329,8 @@ def test_cpu_release_cached_memory_returns_freed_heap_pages():
     acc.reset_peak_memory()
     base = acc.current_memory_bytes()
     grown = torch.ones(2**23)  # 32 MiB touched after the reset
+    del grown
+    acc.release_cached_memory()  # gone from the RSS now; the window's peak still counts it
+    assert acc.current_memory_bytes() - base < 16 * 2**20
     assert acc.peak_memory_bytes() - base >= 31 * 2**20
-    del pin, grown
+    del pin
