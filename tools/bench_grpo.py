@@ -498,6 +498,7 @@ def gradient_variance(objective, *, rule, step: int, draws: int) -> dict:
 def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool = False) -> list[dict]:
     """Train ``mode`` from the seed's initial policy; one record per step (step -1: the evaluation
     before training). ``warmup``: one step, no evaluation (first-call costs of the process)."""
+    from megatron_prune.accelerator import get_accelerator
     from megatron_prune.config import TrainConfig
     from megatron_prune.grpo.config import GRPOConfig
     from megatron_prune.grpo.trainer import build_objective
@@ -505,8 +506,6 @@ def run_mode(mode: str, args, *, seed: int, budget_s: float | None, warmup: bool
     from megatron_prune.model.provider import ParallelConfig
     from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
     from megatron_prune.training.parallel import model_parallel
-
-    from megatron_prune.accelerator import get_accelerator
 
     acc = get_accelerator()
     par = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -28,9 +28,10 @@ Two views of the same step:
   sequence, the head projects the scored rows (selective) or every real token (baseline). This is
   the physical limit a perfect kernel would reach.
 - ``padded``: the shapes the schedule actually runs: every row padded to its microbatch's
-  length (the pass's longest row under pipeline parallelism, whose stages agree on one), causal attention over the whole row (the block-diagonal concat mask still
-  computes the full row), the baseline head over every padded position, and the selective head's
-  backward recomputing its logits (one more head forward). Measured / padded shows the
+  length (the pass's longest row under pipeline parallelism, whose stages agree on one), causal
+  attention over the whole row (the block-diagonal concat mask still computes the full row), the
+  baseline head over every padded position, and the selective head's backward recomputing its
+  logits (one more head forward). Measured / padded shows the
   efficiency of the executed work; padded / ideal shows what padding and recompute cost.
 
 Memory (``padded`` view only, rough): a training microbatch stores per token and layer about
