@@ -9,7 +9,10 @@ that mutant's own tests there::
 
 with the copy as working directory and ``PYTHONPATH``, so the copy's code is what the tests, the
 ranks they spawn and the CLIs they launch import (never the checkout the project is
-pip-installed from). A mutant is
+pip-installed from). Each pytest is forked from a server that imported torch, Megatron-Core,
+transformers and pytest once (never the project's own packages), which saves the ~4 s a new
+interpreter spends importing them for every mutant; ``--fresh`` starts a new interpreter instead.
+A mutant is
 
 - ``killed`` when pytest exits 1 (a test failed): the suite notices the bug;
 - ``survived`` when pytest exits 0: the suite does not notice it;
@@ -34,10 +37,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import importlib.util
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -69,6 +74,12 @@ COPY_PACKAGES = {
 PACKAGE_LINKS = {"megatron_prune/patches": "patches"}
 
 PYTEST_ARGS = ["-q", "-x", "-p", "no:cacheprovider", "-m", ""]
+PRELOAD = ("numpy", "torch", "torch.distributed", "pytest", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
+           "transformers")
+"""Third-party modules the fork server imports once (any that fail to import are left out).
+Never the project's packages: those must come from each mutant's copy."""
+FORK_SERVER_FLAG = "--fork-server"
 KILLED, SURVIVED, ERROR = "killed", "survived", "error"
 PASSED = "passed"
 """Status of a baseline run (no edit) whose tests pass."""
@@ -118,6 +129,8 @@ class Options:
     python: str = sys.executable
     keep: bool = False
     verbose: bool = False
+    fresh: bool = False
+    """Start a new interpreter for every pytest instead of forking it from the fork server."""
     workdir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
 
 
@@ -343,33 +356,37 @@ def check_fresh_interpreter(*, python: str, copy: Path, env: dict[str, str]) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-_RUNNING: set[subprocess.Popen] = set()
+_RUNNING: set[int] = set()
+"""Process ids of the pytest runs in progress (each leads a session of its own)."""
+_SERVERS: set["ForkServer"] = set()
 _RUNNING_LOCK = threading.Lock()
 _STOPPING = threading.Event()
 
 
 def _stop_everything(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
     """On SIGTERM/SIGINT stop every running pytest with its ranks (they run in sessions of their
-    own, so a signal to the harness alone would leave them behind), then exit."""
+    own, so a signal to the harness alone would leave them behind) and the fork servers, then exit."""
     _STOPPING.set()
     with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for proc in running:
-        _kill_tree(proc)
+        running, servers = list(_RUNNING), list(_SERVERS)
+    for pid in running:
+        _kill_tree(pid)
+    for server in servers:
+        server.close()
     sys.exit(128 + signum)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def _kill_tree(pid: int) -> None:
     """Stop pytest and everything it started (torchrun ranks start sessions of their own)."""
     family = []
     try:
         import psutil
 
-        family = psutil.Process(proc.pid).children(recursive=True)
+        family = psutil.Process(pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - psutil missing or the process already gone
         pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     for child in family:
@@ -377,7 +394,6 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             child.kill()
         except Exception:  # noqa: BLE001
             pass
-    proc.wait()
 
 
 def _kill_leftovers(copy: Path) -> int:
@@ -423,6 +439,108 @@ def _wait_with_cpu(proc: subprocess.Popen, *, timeout: float) -> tuple[int, floa
         time.sleep(0.1)
 
 
+class ForkServer:
+    """A process (``tools/mutants.py --fork-server``) that imported :data:`PRELOAD` and forks one
+    pytest run per request, as ``python -m pytest`` in the copy would run it: the child leads a
+    session of its own, takes the copy's directory, environment and ``sys.path``, writes to the
+    log and exits through the interpreter's normal shutdown. The server waits for the child and
+    replies with its exit status and CPU time. One request at a time; one server per worker."""
+
+    def __init__(self, python: str):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), FORK_SERVER_FLAG], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self._buffer = b""
+        with _RUNNING_LOCK:
+            _SERVERS.add(self)
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise subprocess.TimeoutExpired(self.proc.args, timeout)
+            if select.select([fd], [], [], remaining)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise RuntimeError(f"the fork server exited (status {self.proc.poll()})")
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def start(self, *, cwd: Path, env: dict[str, str], args: list[str], log: Path) -> int:
+        """Fork a pytest run; its process id. The server must have imported :data:`PRELOAD` (the
+        first request waits for that)."""
+        request = {"cwd": str(cwd), "env": env, "args": args, "log": str(log)}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout=300)["pid"]
+
+    def wait(self, *, timeout: float) -> tuple[int, float]:
+        """The exit status and CPU seconds of the run :meth:`start` forked (TimeoutExpired after ``timeout``)."""
+        reply = self._reply(timeout=timeout)
+        return reply["rc"], reply["cpu"]
+
+    def close(self) -> None:
+        with _RUNNING_LOCK:
+            _SERVERS.discard(self)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _serve_forks() -> None:
+    """The fork server's loop (``--fork-server``); a forked child leaves it by raising SystemExit."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module missing here is imported by the test that needs it
+            pass
+    gc.freeze()  # the children's collections skip the preloaded objects (and copy none of their pages)
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    for line in requests:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            raise SystemExit(_forked_pytest(request))
+        replies.write(json.dumps({"pid": pid}).encode() + b"\n")
+        replies.flush()
+        _, status, usage = os.wait4(pid, 0)
+        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status),
+                                  "cpu": usage.ru_utime + usage.ru_stime}).encode() + b"\n")
+        replies.flush()
+
+
+def _forked_pytest(request: dict) -> int:
+    """In the forked child: become ``python -m pytest <args>`` run in the copy; pytest's exit status."""
+    try:
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        sys.stdin = open(os.devnull)  # noqa: SIM115 - the child's stdin for its whole life
+        os.dup2(sys.stdin.fileno(), 0)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:1] = [request["cwd"], *entries]  # the server's [0] is this tool's folder
+        import pytest
+
+        sys.argv = [str(Path(pytest.__file__).with_name("__main__.py")), *request["args"]]
+        return int(pytest.main(request["args"]))
+    except BaseException:  # noqa: BLE001 - reported in the log; 3 is pytest's "internal error"
+        import traceback
+
+        traceback.print_exc()
+        return 3
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard_dir: Path, opts: Options,
                name: str, catalog: str, file: str) -> Result:
     """Apply ``mutant`` (None: no edit, the baseline) to a fresh copy and run ``tests`` there."""
@@ -453,22 +571,33 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
         if problem:
             return result(ERROR, detail=f"the copy is not what gets imported: {problem}")
         log = base / "pytest.log"
-        cmd = [opts.python, "-m", "pytest", *PYTEST_ARGS, "-p", GUARD_PLUGIN, *tests]
-        with log.open("w") as out:
-            proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        args = [*PYTEST_ARGS, "-p", GUARD_PLUGIN, *tests]
+        server = None if opts.fresh else _fork_server(opts)
+        proc = None
+        if server is None:
+            with log.open("w") as out:
+                proc = subprocess.Popen([opts.python, "-m", "pytest", *args], cwd=copy, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            pid = proc.pid
+        else:
+            pid = server.start(cwd=copy, env=env, args=args, log=log)
+        with _RUNNING_LOCK:
+            _RUNNING.add(pid)
+        try:
+            rc, cpu = (_wait_with_cpu(proc, timeout=opts.timeout) if server is None
+                       else server.wait(timeout=opts.timeout))
+        except subprocess.TimeoutExpired:
+            _kill_tree(pid)
+            if server is None:
+                proc.wait()
+            else:
+                server.wait(timeout=120)
+            return result(ERROR, detail=f"timed out after {opts.timeout:g} s (neither killed nor survived)",
+                          output=log.read_text(errors="replace"))
+        finally:
             with _RUNNING_LOCK:
-                _RUNNING.add(proc)
-            try:
-                rc, cpu = _wait_with_cpu(proc, timeout=opts.timeout)
-            except subprocess.TimeoutExpired:
-                _kill_tree(proc)
-                return result(ERROR, detail=f"timed out after {opts.timeout:g} s (neither killed nor survived)",
-                              output=log.read_text(errors="replace"))
-            finally:
-                with _RUNNING_LOCK:
-                    _RUNNING.discard(proc)
-                stray = _kill_leftovers(copy)
+                _RUNNING.discard(pid)
+            stray = _kill_leftovers(copy)
         output = log.read_text(errors="replace")
         if rc == 1:
             res = result(KILLED, returncode=rc, output=output)
@@ -485,6 +614,19 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
     finally:
         if not opts.keep:
             shutil.rmtree(base, ignore_errors=True)
+
+
+_WORKER = threading.local()
+
+
+def _fork_server(opts: Options) -> ForkServer:
+    """This worker thread's fork server, started on first use (a dead one is replaced)."""
+    server = getattr(_WORKER, "server", None)
+    if server is None or server.proc.poll() is not None:
+        if server is not None:
+            server.close()
+        server = _WORKER.server = ForkServer(opts.python)
+    return server
 
 
 def expected_cost(tests: list[str]) -> int:
@@ -536,6 +678,10 @@ def run_all(mutants: list[Mutant], *, opts: Options, baseline: bool = False, pro
             futures = {i: pool.submit(one, jobs[i]) for i in order}
             return [futures[i].result() for i in range(len(jobs))]
     finally:
+        with _RUNNING_LOCK:
+            servers = list(_SERVERS)
+        for server in servers:
+            server.close()
         if not opts.keep:
             shutil.rmtree(top, ignore_errors=True)
 
@@ -581,6 +727,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true",
                    help="keep the temporary copies (the folder is printed) for inspection")
     p.add_argument("--verbose", action="store_true", help="keep pytest's output for killed mutants too")
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new interpreter for every pytest run instead of forking it from a server that "
+                        "imported torch, Megatron-Core and pytest once (slower; for a result to compare)")
     return p.parse_args(argv)
 
 
@@ -622,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in problems:
             print(f"ERROR {r.name}: {r.detail}")
         return 1 if problems or drifted else 0
-    opts = Options(root=root, jobs=args.jobs, timeout=args.timeout, keep=args.keep, verbose=args.verbose)
+    opts = Options(root=root, jobs=args.jobs, timeout=args.timeout, keep=args.keep, verbose=args.verbose,
+                   fresh=args.fresh)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop_everything)
     t0 = time.monotonic()
@@ -653,4 +803,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == [FORK_SERVER_FLAG]:
+        _serve_forks()  # a forked pytest run leaves through SystemExit with pytest's status
+        sys.exit(0)
     sys.exit(main())

@@ -42,6 +42,27 @@ TESTS = {
                              start_new_session=True)
             assert add(2, 3) == 5
     """),
+    # What ``python -m pytest`` run in the copy has: its directory before site-packages, its own
+    # session, the harness's variables, no path to the tool's own folder.
+    "tests/test_started_as.py": textwrap.dedent("""
+        import os
+        import sys
+
+        import calc
+
+
+        def test_started_as_python_m_pytest_in_the_copy():
+            copy = os.environ["MEGATRON_PRUNE_MUTANT_COPY"]
+            assert os.getcwd() == copy
+            site = min(i for i, p in enumerate(sys.path) if "site-packages" in p)
+            assert copy in sys.path[:site]
+            assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == copy
+            assert os.path.dirname(calc.__file__) == copy
+            assert not any(os.path.isfile(os.path.join(p, "mutants.py")) for p in sys.path if p)
+            assert sys.argv[0].endswith(os.path.join("pytest", "__main__.py"))
+            assert os.getsid(0) == os.getpid()
+            assert calc.TWO == 2
+    """),
     # Only a child interpreter, started outside the copy, reads the mutated constant: PYTHONPATH
     # must lead it to the copy (the original tree is not on any path).
     "tests/test_child.py": textwrap.dedent("""
@@ -71,6 +92,8 @@ CATALOG = textwrap.dedent('''
          "old": "return a + b", "new": "return a - b", "tests": ["tests/test_calc.py::test_nothing"]},
         {"name": "leaves-a-process", "why": "its test leaves a process running", "file": "calc.py",
          "old": "return a + b", "new": "return a - b", "tests": ["tests/test_leak.py"]},
+        {"name": "sees-the-copys-path", "why": "a mutant the tests see only as python -m pytest in the copy",
+         "file": "calc.py", "old": "TWO = 2", "new": "TWO = 3", "tests": ["tests/test_started_as.py"]},
         {"name": "blames-broken-test", "why": "its test fails with or without the bug", "file": "calc.py",
          "old": "# adds", "new": "# sums", "tests": ["tests/test_broken.py"]},
     ]
@@ -99,9 +122,11 @@ def run_tool(root: Path, *args: str) -> tuple[int, str]:
     return out.returncode, out.stdout + out.stderr
 
 
-def test_statuses_exit_code_and_json(toy_repo, tmp_path):
+@pytest.mark.parametrize("launch", [[], ["--fresh"]], ids=["forked", "fresh-interpreter"])
+def test_statuses_exit_code_and_json(toy_repo, tmp_path, launch):
+    """The same statuses whether pytest is forked from the fork server (the default) or started anew."""
     report = tmp_path / "report.json"
-    rc, output = run_tool(toy_repo, "--jobs", "2", "--json", str(report), "--only",
+    rc, output = run_tool(toy_repo, "--jobs", "2", "--json", str(report), *launch, "--only",
                           "add-minus,child-sees-copy,comment-only,drifted,breaks-collection,unknown-test,"
                           "leaves-a-process")
     assert rc == 1, output
@@ -127,6 +152,16 @@ def test_statuses_exit_code_and_json(toy_repo, tmp_path):
     assert "comment-only" in output and "survived" in output
     # The original tree is never edited.
     assert (toy_repo / "calc.py").read_text() == CALC + "TWO = 2\n"
+
+
+@pytest.mark.parametrize("launch", [[], ["--fresh"]], ids=["forked", "fresh-interpreter"])
+def test_the_tests_run_as_python_m_pytest_in_the_copy(toy_repo, tmp_path, launch):
+    """Unmutated, the test that checks how it was started passes (forked or not); mutated, it fails."""
+    report = tmp_path / "report.json"
+    rc, output = run_tool(toy_repo, "--only", "sees-the-copys-path", "--baseline", "--json", str(report), *launch)
+    status = {r["name"]: r["status"] for r in json.loads(report.read_text())["results"]}
+    assert status == {"baseline-sees-the-copys-path": "passed", "sees-the-copys-path": "killed"}, output
+    assert rc == 0, output
 
 
 def test_only_killed_mutants_exit_zero(toy_repo):
