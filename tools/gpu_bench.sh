@@ -12,8 +12,9 @@
 # is left. bench_dpo rewrites its JSON and plot after every mode, so a step cut short keeps the
 # modes it finished (their order puts the comparisons that matter most first); steps not started
 # are listed in summary.txt as skipped. STEPS (default: all) names the steps to run, e.g.
-# STEPS="qwen3-0.6b qwen3-4b-slice-lora64", to split the work over several commands. Measured on one H200: pytest-gpu took ~125 s before its three recompute runs were
-# added (about 3 × 20 s more, hence its 240 s cap); one bench mode at Qwen3-0.6B's shape
+# STEPS="qwen3-0.6b qwen3-4b-slice-lora64", to split the work over several commands. Measured on
+# one H200: pytest-gpu took ~125 s before its three recompute runs were added (about 3 × 20 s
+# more, hence its 240 s cap); one bench mode at Qwen3-0.6B's shape
 # takes over a minute (process start, model build, warm-up, timed and replayed steps). The steps'
 # caps add up to 1220 s, so the default budget covers the first steps only: expect the LoRA step
 # to be cut before its full-parameter comparison and the last two steps to be skipped, and run
