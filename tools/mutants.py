@@ -440,6 +440,26 @@ def _wait_with_cpu(proc: subprocess.Popen, *, timeout: float) -> tuple[int, floa
         time.sleep(0.1)
 
 
+class FreshLauncher:
+    """Runs each pytest in a new interpreter (``--fresh``); the same start/wait interface as
+    :class:`ForkServer`, one run at a time."""
+
+    def __init__(self, python: str):
+        self.python = python
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *, cwd: Path, env: dict[str, str], args: list[str], log: Path) -> int:
+        """Start ``python -m pytest <args>`` in ``cwd``, leading a session of its own; its process id."""
+        with log.open("w") as out:
+            self.proc = subprocess.Popen([self.python, "-m", "pytest", *args], cwd=cwd, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return self.proc.pid
+
+    def wait(self, *, timeout: float) -> tuple[int, float]:
+        """The exit status and CPU seconds of the run :meth:`start` started (TimeoutExpired after ``timeout``)."""
+        return _wait_with_cpu(self.proc, timeout=timeout)
+
+
 class ForkServer:
     """A process (``tools/mutants.py --fork-server``) that imported :data:`PRELOAD` and forks one
     pytest run per request, as ``python -m pytest`` in the copy would run it: the child leads a
@@ -573,26 +593,15 @@ def run_mutant(mutant: Mutant | None, *, tests: list[str], pristine: Path, guard
             return result(ERROR, detail=f"the copy is not what gets imported: {problem}")
         log = base / "pytest.log"
         args = [*PYTEST_ARGS, "-p", GUARD_PLUGIN, *tests]
-        server = None if opts.fresh else _fork_server(opts)
-        proc = None
-        if server is None:
-            with log.open("w") as out:
-                proc = subprocess.Popen([opts.python, "-m", "pytest", *args], cwd=copy, env=env, stdout=out,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            pid = proc.pid
-        else:
-            pid = server.start(cwd=copy, env=env, args=args, log=log)
+        launcher = FreshLauncher(opts.python) if opts.fresh else _fork_server(opts)
+        pid = launcher.start(cwd=copy, env=env, args=args, log=log)
         with _RUNNING_LOCK:
             _RUNNING.add(pid)
         try:
-            rc, cpu = (_wait_with_cpu(proc, timeout=opts.timeout) if server is None
-                       else server.wait(timeout=opts.timeout))
+            rc, cpu = launcher.wait(timeout=opts.timeout)
         except subprocess.TimeoutExpired:
             _kill_tree(pid)
-            if server is None:
-                proc.wait()
-            else:
-                server.wait(timeout=120)
+            launcher.wait(timeout=120)
             return result(ERROR, detail=f"timed out after {opts.timeout:g} s (neither killed nor survived)",
                           output=log.read_text(errors="replace"))
         finally:

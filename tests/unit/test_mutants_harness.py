@@ -63,6 +63,14 @@ TESTS = {
             assert os.getsid(0) == os.getpid()
             assert calc.TWO == 2
     """),
+    # Never finishes on its own: only the harness's --timeout ends it.
+    "tests/test_hang.py": textwrap.dedent("""
+        import time
+
+
+        def test_hangs():
+            time.sleep(600)
+    """),
     # Only a child interpreter, started outside the copy, reads the mutated constant: PYTHONPATH
     # must lead it to the copy (the original tree is not on any path).
     "tests/test_child.py": textwrap.dedent("""
@@ -78,6 +86,8 @@ TESTS = {
 }
 CATALOG = textwrap.dedent('''
     MUTANTS = [
+        {"name": "hangs", "why": "its test outlives the timeout", "file": "calc.py",
+         "old": "# adds", "new": "# sums", "tests": ["tests/test_hang.py"]},
         {"name": "add-minus", "why": "subtracts", "file": "calc.py", "old": "return a + b", "new": "return a - b",
          "tests": ["tests/test_calc.py"]},
         {"name": "child-sees-copy", "why": "a constant read in a child process", "file": "calc.py",
@@ -162,6 +172,20 @@ def test_the_tests_run_as_python_m_pytest_in_the_copy(toy_repo, tmp_path, launch
     status = {r["name"]: r["status"] for r in json.loads(report.read_text())["results"]}
     assert status == {"baseline-sees-the-copys-path": "passed", "sees-the-copys-path": "killed"}, output
     assert rc == 0, output
+
+
+@pytest.mark.parametrize("launch", [[], ["--fresh"]], ids=["forked", "fresh-interpreter"])
+def test_a_run_past_the_timeout_is_stopped_and_the_worker_goes_on(toy_repo, tmp_path, launch):
+    """One worker: the hanging run is stopped and counts as an error; the next run on the same
+    worker (the same fork server, when forked) still gets its own verdict."""
+    report = tmp_path / "report.json"
+    rc, output = run_tool(toy_repo, "--jobs", "1", "--timeout", "5", "--only", "hangs,add-minus",
+                          "--json", str(report), *launch)
+    assert rc == 1, output
+    by_name = {r["name"]: r for r in json.loads(report.read_text())["results"]}
+    assert by_name["hangs"]["status"] == "error" and "timed out after 5 s" in by_name["hangs"]["detail"], output
+    assert by_name["add-minus"]["status"] == "killed", output
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "test_hang.py" in " ".join(p.info["cmdline"] or [])]
 
 
 def test_only_killed_mutants_exit_zero(toy_repo):
