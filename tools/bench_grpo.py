@@ -600,7 +600,8 @@ def run_worker(args) -> None:
     out = {"records": {m: [] for m in args.modes},
            "device_name": torch.cuda.get_device_name() if acc.kind == "cuda" else platform.processor(),
            "dppo_config": repr(dppo_args("dppo", args).dppo_config(kl_beta=args.kl_beta))}
-    run_mode("grpo", args, seed=seeds[0], budget_s=None, warmup=True)  # first-call costs, discarded
+    for mode in args.modes:  # each mode's first-call costs (its own code paths and shapes), discarded
+        run_mode(mode, args, seed=seeds[0], budget_s=None, warmup=True)
     for seed, mode in ((s, m) for s in seeds for m in args.modes):
         budget = None
         if mode != "grpo" and args.match_time and out["records"]["grpo"]:
