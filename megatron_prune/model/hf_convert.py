@@ -691,6 +691,9 @@ def megatron_logits(model: list[torch.nn.Module], tokens: torch.Tensor) -> torch
     vocabulary over TP on the last stage and broadcasts along the pipeline. With virtual pipeline
     stages (several chunks) the interleaved schedule needs a multiple of PP microbatches: the rows
     run one per microbatch, the last row repeated to fill the count (its repeats are dropped).
+    Sequence parallelism shards the sequence over TP: a length TP does not divide is padded with
+    copies of the last token, whose positions (attention is causal) change no earlier logit and
+    are dropped.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -700,6 +703,10 @@ def megatron_logits(model: list[torch.nn.Module], tokens: torch.Tensor) -> torch
 
     device = get_accelerator().device
     b, s = tokens.shape
+    chunk = model[-1].module if hasattr(model[-1], "module") else model[-1]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if chunk.config.sequence_parallel and s % tp:
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(b, -s % tp)], dim=1)
     if len(model) > 1:
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         microbatches = [tokens[i:i + 1] for i in range(b)]
@@ -712,14 +719,13 @@ def megatron_logits(model: list[torch.nn.Module], tokens: torch.Tensor) -> torch
         data_iterator=data if len(model) > 1 else data[0],
         model=model,
         num_microbatches=len(microbatches),
-        seq_length=s,
+        seq_length=tokens.shape[1],
         micro_batch_size=microbatches[0].shape[0],
         forward_only=True,
     )
-    chunk = model[-1].module if hasattr(model[-1], "module") else model[-1]
     vocab = chunk.vocab_size
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        logits = torch.cat([out["logits"] for out in outputs])[:b].float().contiguous()
+        logits = torch.cat([out["logits"] for out in outputs])[:b, :s].float().contiguous()
     else:
         logits = torch.empty(b, s, vocab, dtype=torch.float32, device=device)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

@@ -237,6 +237,8 @@ class SelectiveGPTModel(GPTModel):
         """Baseline head: logits for every position, vocab-parallel CE, then the selected rows."""
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, V/tp]
+        if selection.temperature is not None:
+            logits = logits.float() / self._position_temperature(selection, logits.shape[:2])
         v_local = logits.shape[-1]
         start = self.pg_collection.tp.rank() * v_local
         if start + v_local > self.true_vocab_size:
@@ -246,3 +248,20 @@ class SelectiveGPTModel(GPTModel):
         labels = selection.all_labels.transpose(0, 1).contiguous()  # [s, b]
         logprobs = -vocab_parallel_cross_entropy(logits.float(), labels)  # [s, b]
         return logprobs.reshape(-1).index_select(0, selection.index)
+
+    @staticmethod
+    def _position_temperature(selection: TokenSelection, shape: torch.Size) -> torch.Tensor:
+        """``[s, b, 1]`` fp32 temperature of every position for the baseline head: the selection's
+        (scalar, or per selected row at its position), 1 where nothing is scored."""
+        t = selection.temperature
+        t = torch.as_tensor(t, dtype=torch.float32, device=selection.index.device).detach()
+        if not bool((t > 0).all()):
+            raise ValueError("temperature must be positive (and not NaN) for every row")
+        if t.numel() == 1:
+            return t.reshape(1, 1, 1)
+        if t.shape != selection.index.shape:
+            raise ValueError(f"temperature must be a scalar or a [n] = [{selection.index.numel()}] tensor; "
+                             f"got {tuple(t.shape)}")
+        per_position = torch.ones(shape.numel(), dtype=torch.float32, device=t.device)
+        per_position[selection.index] = t
+        return per_position.reshape(*shape, 1)

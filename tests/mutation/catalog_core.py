@@ -348,6 +348,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/distributed/test_segment_attention.py::test_shared_row_equals_separate_rows"],
     },
     {
+        "name": "baseline-head-ignores-temperature",
+        "why": "the full-vocabulary head (all_labels) scores at temperature 1 whatever the selection asks, "
+               "while the selective head divides by it: the two heads disagree",
+        "file": "megatron_prune/model/selective_gpt.py",
+        "old": "            logits = logits.float() / self._position_temperature(selection, logits.shape[:2])\n",
+        "new": "            logits = logits.float()\n",
+        "tests": ["tests/distributed/test_selective_head_temperature.py"],
+    },
+    {
         "name": "grpo-shared-positions-follow-row",
         "why": "GRPO --shared-prompt numbers positions along the row, so completion j rotates as if it "
                "followed completions 1..j-1 instead of the prompt",
