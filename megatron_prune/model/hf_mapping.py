@@ -35,8 +35,9 @@ from megatron_prune.model.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
-# The embedding is padded to a multiple of this (kept equal to provider.VOCAB_PAD_MULTIPLE, which
-# this module does not import so that it stays free of Megatron; a test pins the two together).
+# The embedding is padded to a multiple of this, independent of TP, so that one checkpoint
+# reshards to TP = 1, 2, 4, 8 (Megatron's default pads to 128 x TP, which changes with TP). This
+# module stays free of Megatron; the model provider takes the value from here.
 VOCAB_PAD_MULTIPLE = 1024
 
 HF_EMBED = "model.embed_tokens.weight"

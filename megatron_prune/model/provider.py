@@ -19,17 +19,10 @@ from megatron_prune.accelerator import get_accelerator
 from megatron_prune.config import FULL_RECOMPUTE
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.model.decode_attention import with_rotated_key_cache
+from megatron_prune.model.hf_mapping import VOCAB_PAD_MULTIPLE, padded_vocab_size  # noqa: F401 - re-exported
 from megatron_prune.model.norm import RMSNorm
 from megatron_prune.model.swiglu import SwiGLU
 from megatron_prune.model.segment_attention import with_segment_attention
-
-# The embedding is padded to a multiple of this, independent of TP, so that one checkpoint
-# reshards to TP = 1, 2, 4, 8 (Megatron's default pads to 128 x TP, which changes with TP).
-VOCAB_PAD_MULTIPLE = 1024
-
-
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
-    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,7 @@ from megatron_prune.arguments import UsageError, fail_usage
 from megatron_prune.config import CheckpointConfig, ModelConfig, TrainConfig
 from megatron_prune.lora_config import lora_active
 from megatron_prune.model.arch import ModelArch, get_preset
-from megatron_prune.model.provider import ParallelConfig
+from megatron_prune.model.provider import VOCAB_PAD_MULTIPLE, ParallelConfig, padded_vocab_size
 from megatron_prune.ranks import first_rank
 from megatron_prune.training.loop import TrainingParts, build_scheduler
 from megatron_prune.training.model_setup import OptimConfig, build_optimizer, setup_model
@@ -340,6 +340,11 @@ def check_layout_fits(arch: ModelArch, model: ModelConfig | ParallelConfig) -> N
     if arch.num_attention_heads % tp:
         raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the model's {arch.num_attention_heads} "
                          "attention heads")
+    vocab = padded_vocab_size(arch.vocab_size)
+    if vocab % tp:
+        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the model's padded vocabulary ({vocab} "
+                         f"rows: {arch.vocab_size} padded to a multiple of {VOCAB_PAD_MULTIPLE}, the same at every "
+                         "TP so that checkpoints reshard); use a TP size that divides it")
     if arch.intermediate_size % tp:
         raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the model's MLP width "
                          f"(intermediate_size {arch.intermediate_size})")

@@ -225,23 +225,28 @@ def test_corrupt_weight_files_are_named_in_one_line(llama_dir, tmp_path, monkeyp
 
 
 def test_dry_run_refuses_what_the_hf_model_cannot_run(tmp_path, monkeypatch, capsys):
-    """An MLP width the tensor-parallel size does not split, and a tokenizer larger than the
-    model's vocabulary: both passed --dry-run and failed after the ranks started (a Megatron
-    assertion per rank; the vocabulary check only once the data was read)."""
+    """An MLP width the tensor-parallel size does not split, a padded vocabulary it does not split
+    (heads, MLP and key-value heads all split by 3), and a tokenizer larger than the model's
+    vocabulary: each passed --dry-run and failed after the ranks started (a Megatron assertion per
+    rank; the vocabulary check only once the data was read)."""
     from megatron_prune.data import HH_RLHF_SAMPLE
     from megatron_prune.dpo.__main__ import main
 
     hf_dir = make_hf_model("qwen3", str(tmp_path / "qwen3"), seed=4, intermediate_size=91, vocab_size=300)
-    common = ["--hf-model", hf_dir, "--data-path", HH_RLHF_SAMPLE, "--seq-length", "256", "--global-batch-size", "2",
+    three_heads = make_hf_model("qwen3", str(tmp_path / "qwen3-3h"), seed=4, num_attention_heads=3,
+                                num_key_value_heads=1, vocab_size=600)
+    common = ["--data-path", HH_RLHF_SAMPLE, "--seq-length", "256", "--global-batch-size", "3",
               "--micro-batch-size", "1", "--dry-run"]
     monkeypatch.setenv("RANK", "0")
-    for world, extra, message in [
-        (2, ["--tensor-model-parallel-size", "2"],
+    for model, world, extra, message in [
+        (hf_dir, 2, ["--tensor-model-parallel-size", "2"],
          "--tensor-model-parallel-size 2 does not divide the model's MLP width (intermediate_size 91)"),
-        (1, ["--tokenizer", "tiny"], "tokenizer tiny has 512 tokens but the model only 300"),
+        (three_heads, 3, ["--tensor-model-parallel-size", "3", "--tokenizer", "tiny"],
+         "--tensor-model-parallel-size 3 does not divide the model's padded vocabulary (1024 rows: 600 padded"),
+        (hf_dir, 1, ["--tokenizer", "tiny"], "tokenizer tiny has 512 tokens but the model only 300"),
     ]:
         monkeypatch.setenv("WORLD_SIZE", str(world))
         with pytest.raises(SystemExit) as exc:
-            main([*common, *extra])
+            main(["--hf-model", model, *common, *extra])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and message in err and "Traceback" not in err, err
