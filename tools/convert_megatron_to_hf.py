@@ -61,10 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for flag, value in (("--hf-assets", args.hf_assets), ("--max-shard-size", args.max_shard_size)):
             if value is not None:
                 p.error(f"{flag} applies to --hf-out DIR (a PEFT directory has no tokenizer files or shards)")
-    if args.hf_out and args.peft_out and os.path.abspath(args.hf_out) == os.path.abspath(args.peft_out):
-        p.error("--hf-out and --peft-out must be different directories")
+    if args.hf_out and args.peft_out and _overlap(args.hf_out, args.peft_out):
+        p.error("--hf-out and --peft-out must be different directories, neither inside the other")
     args.max_shard_size = args.max_shard_size or "5GB"
     return args
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether the directories ``a`` and ``b`` are one, or one lies inside the other."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return os.path.commonpath([a, b]) in (a, b)
 
 
 def main(argv: list[str] | None = None) -> int:

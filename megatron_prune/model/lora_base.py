@@ -217,7 +217,7 @@ def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: 
             raise ValueError(f"{flag} {override}: not an HF model directory (no config.json)")
         raise ValueError(f"{ckpt}: the base model its LoRA adapters were trained on, {recorded.path}, is missing "
                          f"(moved or deleted); pass the base model directory with {flag} DIR")
-    found = hf_base(where)
+    found = _read_hf_base(where, ckpt=ckpt, override=override, flag=flag)
     source = f"{flag} {override}" if override else f"the recorded base {recorded.path}"
     if found.arch != recorded.arch:
         raise ValueError(f"{ckpt}: {source} is a different model ({_arch_line(found.arch)}: "
@@ -228,6 +228,18 @@ def resolve_base(record: dict | None, *, ckpt: str, override: str | None, flag: 
         raise ValueError(f"{ckpt}: {source} holds other weights (fingerprint {found.fingerprint}) than the base "
                          f"its LoRA adapters were trained on, {was}; pass the original base with {flag} DIR")
     return found
+
+
+def _read_hf_base(where: str, *, ckpt: str, override: str | None, flag: str) -> BaseSource:
+    """:func:`hf_base` of the base directory ``where``; its weight files missing is one sentence
+    naming the directory and ``flag``."""
+    try:
+        return hf_base(where)
+    except FileNotFoundError as exc:
+        if override:
+            raise ValueError(f"{flag} {override}: cannot read the base model's weights ({exc})") from None
+        raise ValueError(f"{ckpt}: the base model its LoRA adapters were trained on, {where}, has lost its weights "
+                         f"({exc}); pass the base model directory with {flag} DIR") from None
 
 
 def _find_megatron(recorded: BaseSource, *, ckpt: str, override: str | None, flag: str,

@@ -12,7 +12,9 @@ which is read from there (an HF directory, or a preset regenerated from its seed
   input, so every module split from it gets the same ``A``; ``B``'s rows are split exactly like
   the base weight's rows (the interleaved per-group QKV order, the [gate; up] halves); on a
   mixture-of-experts model, per expert (``mlp.experts.<e>.gate_proj`` ...), except where the model
-  also has dense MLP layers with adapters (refused: peft would drop those on load).
+  also has dense MLP layers with adapters (refused: peft would drop those on load); expert
+  ``gate_proj``/``up_proj`` adapters without ``down_proj`` ones get zero ``down_proj`` adapters
+  (peft, on transformers' fused expert tensors, loads the former only beside the latter).
 """
 
 from __future__ import annotations
@@ -213,7 +215,25 @@ def peft_tensors(*, dist_dir: str, metadata: dict, arch: ModelArch, targets: lis
                 add(rule, expert, tensors[a_key][expert], tensors[b_key][expert])
         else:
             add(rule, None, tensors[a_key], tensors[b_key])
+    if _pads_expert_down_proj(arch, targets):
+        a = next(t for k, t in out.items() if k.endswith(".lora_A.weight"))
+        for rule in (r for r in tensor_rules(arch) if r.stack == "expert" and _target_of(r) == "linear_fc2"):
+            for expert in range(arch.num_experts):
+                add(rule, expert, a.new_zeros(a.shape[0], rule.shape[1]), a.new_zeros(rule.shape[0], a.shape[0]))
     return out
+
+
+def _target_of(rule) -> str:
+    """The LoRA target (``linear_fc1`` ...) a rule's Megatron key names."""
+    return rule.megatron_key.removesuffix(".weight").rsplit(".", 1)[-1]
+
+
+def _pads_expert_down_proj(arch: ModelArch, targets) -> bool:
+    """Whether the PEFT export adds zero expert ``down_proj`` adapters: peft, on transformers'
+    fused expert tensors, maps expert ``gate_proj``/``up_proj`` adapters to the fused
+    ``gate_up_proj`` only where ``down_proj`` has adapters too, and silently drops them otherwise.
+    Zero adapters add nothing to the model."""
+    return arch.is_moe and "linear_fc1" in targets and "linear_fc2" not in targets
 
 
 def peft_target_modules(arch: ModelArch, targets: list[str]) -> list[str]:
@@ -222,7 +242,7 @@ def peft_target_modules(arch: ModelArch, targets: list[str]) -> list[str]:
     names = {n.removesuffix(".weight").rsplit(".", 1)[-1]
              for r in tensor_rules(arch) if r.megatron_key in adapted
              for n in r.names(0 if r.stack is not None else None)}
-    return sorted(names)
+    return sorted(names | ({"down_proj"} if _pads_expert_down_proj(arch, targets) else set()))
 
 
 def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base=None) -> list[str]:
