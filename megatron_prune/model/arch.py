@@ -158,9 +158,12 @@ class ModelArch:
         # transformers' Qwen2 always has q/k/v biases and Mistral never (neither reads attention_bias)
         qkv_bias = model_type == "qwen2" or (model_type != "mistral" and bool(config.get("attention_bias", False)))
         sizes = {name: _int_field(config, key, source) for name, key in _REQUIRED_SIZES.items()}
-        sizes.update(num_key_value_heads=_int_field(config, "num_key_value_heads", source,
-                                                    default=sizes["num_attention_heads"]),
-                     head_dim=_int_field(config, "head_dim", source, default=None),
+        absent = _ABSENT_SIZE_DEFAULTS.get(model_type, {})
+        kv_default = sizes["num_attention_heads"] if "num_key_value_heads" in config else absent.get(
+            "num_key_value_heads", sizes["num_attention_heads"])
+        sizes.update(num_key_value_heads=_int_field(config, "num_key_value_heads", source, default=kv_default),
+                     head_dim=_int_field(config, "head_dim", source,
+                                         default=None if "head_dim" in config else absent.get("head_dim")),
                      max_position_embeddings=max_positions)
         try:
             return cls(
@@ -276,6 +279,18 @@ _MEGATRON_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 
 # transformers' defaults for a config that leaves max_position_embeddings out.
+# What transformers' config classes take for a field config.json leaves out (not one set to null):
+# the class's default argument. Reading the same sizes as transformers makes a config that relies on
+# them convert to the model transformers builds (a different reading fails on the weights' shapes,
+# naming a tensor instead of the field). Without an entry: as many key-value heads as attention
+# heads, head_dim = hidden_size / num_attention_heads.
+_ABSENT_SIZE_DEFAULTS: dict[str, dict[str, int]] = {
+    "qwen3": {"head_dim": 128, "num_key_value_heads": 32},
+    "qwen3_moe": {"num_key_value_heads": 4},
+    "qwen2": {"num_key_value_heads": 32},
+    "mistral": {"num_key_value_heads": 8},
+}
+
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": _MISTRAL_DEFAULT_MAX_POSITIONS, "qwen2": 32768, "qwen3": 32768,
                           "qwen3_moe": 32768}
 

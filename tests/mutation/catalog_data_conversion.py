@@ -386,4 +386,13 @@ MUTANTS: list[dict] = [
         "new": "        indices: list[int] = []\n",
         "tests": ["tests/unit/data/test_sampler.py::test_a_resume_that_turns_distinct_off_serves_the_deferred_indices_first"],
     },
+    {
+        "name": "hf-absent-head-dim-from-hidden",
+        "why": "a Qwen3 config.json without head_dim is read as hidden_size / heads, not transformers' 128: the "
+               "conversion fails on a tensor's shape instead of building the model transformers builds",
+        "file": "megatron_prune/model/arch.py",
+        "old": "    \"qwen3\": {\"head_dim\": 128, \"num_key_value_heads\": 32},\n",
+        "new": "    \"qwen3\": {\"num_key_value_heads\": 32},\n",
+        "tests": ["tests/unit/model/test_hf_mapping.py::test_a_missing_attention_size_is_read_as_transformers_reads_it"],
+    },
 ]

@@ -154,6 +154,19 @@ def test_a_missing_context_length_takes_transformers_default(kind, expected):
     assert arch_from_hf_config(config).max_position_embeddings == expected
 
 
+@pytest.mark.parametrize("field", ["head_dim", "num_key_value_heads"])
+@pytest.mark.parametrize("kind", KINDS + MOE_KINDS)
+def test_a_missing_attention_size_is_read_as_transformers_reads_it(kind, field):
+    """config.json without ``head_dim`` or ``num_key_value_heads``: the sizes transformers builds the
+    model with (its config class's defaults differ by model type: Qwen3's head_dim is 128)."""
+    config = hf_config(kind, num_attention_heads=32, num_key_value_heads=4).to_dict()
+    config.pop(field, None)
+    reference = type(hf_config(kind)).from_dict(config)
+    arch = arch_from_hf_config(config)
+    assert arch.num_key_value_heads == reference.num_key_value_heads
+    assert arch.head_dim == (getattr(reference, "head_dim", None) or reference.hidden_size // reference.num_attention_heads)
+
+
 def test_sliding_window_is_refused():
     config = hf_config("mistral").to_dict()
     config.update(sliding_window=128)
