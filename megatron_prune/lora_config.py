@@ -89,7 +89,8 @@ def lora_meta(lora: LoRAConfig | None, *, base: dict | None = None) -> dict:
     weights come from; empty without LoRA. A checkpoint with a recorded base holds no base weights."""
     if not lora_active(lora):
         return {}
-    meta = {"lora": {"rank": lora.rank, "alpha": lora.rank * lora.scale, "dropout": lora.dropout,
+    alpha = lora.alpha if lora.alpha is not None else float(lora.rank)  # as given: rank * scale can round
+    meta = {"lora": {"rank": lora.rank, "alpha": alpha, "dropout": lora.dropout,
                      "targets": list(lora.target_names)}}
     if base is not None:
         from megatron_prune.model.lora_base import META_KEY

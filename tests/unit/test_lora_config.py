@@ -20,6 +20,16 @@ def test_scale_is_alpha_over_rank():
     assert LoRAConfig(rank=64, alpha=16.0).scale == 0.25
 
 
+@pytest.mark.parametrize("rank, alpha", [(49, 1.0), (3, 5.0), (64, None)])
+def test_the_checkpoint_records_alpha_as_given(rank, alpha):
+    """The recorded alpha (PEFT's ``lora_alpha`` on export) is the flag's value, not rank * (alpha / rank),
+    which rounds (1 at rank 49 became 0.9999999999999999)."""
+    from megatron_prune.lora_config import lora_meta
+
+    recorded = lora_meta(LoRAConfig(rank=rank, alpha=alpha))["lora"]["alpha"]
+    assert recorded == (alpha if alpha is not None else float(rank))
+
+
 def test_targets_are_parsed_from_a_comma_list():
     assert LoRAConfig(rank=4, targets="linear_qkv, linear_fc2").target_names == ("linear_qkv", "linear_fc2")
 
