@@ -585,6 +585,18 @@ def check_output_dir(path: str, *, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write into {parent}: {exc.strerror}") from None
 
 
+@contextlib.contextmanager
+def removed_on_failure(staging: str, *, writer: bool):
+    """Run the writing of the ``staging`` directory; if it fails (a full disk, an interrupt), the
+    writer removes what it wrote before the error goes on, so no partial copy is left behind."""
+    try:
+        yield
+    except BaseException:
+        if writer:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def write_hf_directory(*, hf_out: str, ckpt: str, arch: ModelArch, out_dtype: torch.dtype, hf_assets: str | None,
                        max_shard_size: str | int, tensors, what: str = "") -> list[str]:
     """Write HF-named ``tensors`` (an iterator every rank runs; rank 0 writes) with the config and
@@ -602,22 +614,23 @@ def write_hf_directory(*, hf_out: str, ckpt: str, arch: ModelArch, out_dtype: to
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    writer = ShardWriter(tmp, plan)
-    for name, tensor in tensors:
+    with removed_on_failure(tmp, writer=writer_rank):
+        writer = ShardWriter(tmp, plan)
+        for name, tensor in tensors:
+            if writer_rank:
+                writer.add(name, tensor.to(out_dtype))
         if writer_rank:
-            writer.add(name, tensor.to(out_dtype))
-    if writer_rank:
-        files = writer.finish()
-        _write_config(tmp, config)
-        copied = copy_hf_assets(assets, tmp, skip=("config.json",)) if assets is not None else []
-        if assets is None:
-            logger.warning("%s: no %s found; wrote a config.json from the recorded architecture and no "
-                           "tokenizer (pass --hf-assets to copy the original files)", ckpt, ASSETS_DIR)
-        if os.path.isdir(hf_out):
-            os.rmdir(hf_out)
-        os.replace(tmp, hf_out)
-        logger.info("exported %s%s to %s (%s; %s)", ckpt, what, hf_out, ", ".join(files),
-                    ", ".join(copied) or "no assets")
+            files = writer.finish()
+            _write_config(tmp, config)
+            copied = copy_hf_assets(assets, tmp, skip=("config.json",)) if assets is not None else []
+            if assets is None:
+                logger.warning("%s: no %s found; wrote a config.json from the recorded architecture and no "
+                               "tokenizer (pass --hf-assets to copy the original files)", ckpt, ASSETS_DIR)
+            if os.path.isdir(hf_out):
+                os.rmdir(hf_out)
+            os.replace(tmp, hf_out)
+            logger.info("exported %s%s to %s (%s; %s)", ckpt, what, hf_out, ", ".join(files),
+                        ", ".join(copied) or "no assets")
     barrier()
     return sorted(os.listdir(hf_out))
 

@@ -252,7 +252,7 @@ def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base=None)
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from megatron_prune.model.hf_convert import check_output_dir, resolve_dtype
+    from megatron_prune.model.hf_convert import check_output_dir, removed_on_failure, resolve_dtype
     from megatron_prune.training.parallel import barrier
 
     check_output_dir(peft_out, flag="--peft-out")
@@ -281,13 +281,14 @@ def export_peft(*, load_dir: str, peft_out: str, dtype: str = "auto", base=None)
         tmp = peft_out.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "adapter_config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
-        if os.path.isdir(peft_out):
-            os.rmdir(peft_out)
-        os.replace(tmp, peft_out)
+        with removed_on_failure(tmp, writer=True):
+            save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+            with open(os.path.join(tmp, "adapter_config.json"), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+                f.write("\n")
+            if os.path.isdir(peft_out):
+                os.rmdir(peft_out)
+            os.replace(tmp, peft_out)
         logger.info("exported the LoRA adapters of %s to %s (PEFT format)", ckpt, peft_out)
     barrier()
     return sorted(os.listdir(peft_out))

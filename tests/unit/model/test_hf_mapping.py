@@ -415,3 +415,22 @@ def test_export_steps_read_every_rule_once_a_layer_at_a_time(preset):
     assert sorted(seen, key=str) == sorted(expected, key=str) and len(set(seen)) == len(seen)
     for rules, layer in export_steps(arch):
         assert len({r.layer for r in rules if r.layer is not None}) <= 1
+
+
+def test_an_export_that_fails_midway_leaves_no_directory(tmp_path):
+    """A write that fails part-way (here the tensor source, as a full disk would) removes the staging
+    directory: neither the output nor a partial ``.tmp`` copy stays behind."""
+    from megatron_prune.model.arch import get_preset
+
+    arch = get_preset("tiny")
+    out = tmp_path / "hf"
+
+    def tensors():
+        yield "model.embed_tokens.weight", torch.zeros(arch.vocab_size, arch.hidden_size)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        hf_convert.write_hf_directory(hf_out=str(out), ckpt=str(tmp_path / "ckpt"), arch=arch,
+                                      out_dtype=torch.float32, hf_assets=None, max_shard_size=1 << 30,
+                                      tensors=tensors())
+    assert sorted(os.listdir(tmp_path)) == []
