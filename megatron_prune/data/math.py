@@ -4,7 +4,7 @@ Record shapes, detected per record (or forced with ``format=``):
 
 ``gsm8k``
     ``question`` and ``answer``, whose last line is ``#### N``; the answer is N with
-    surrounding whitespace and thousands separators removed (``"#### 1,000"`` -> ``"1000"``).
+    surrounding whitespace, thousands separators and a final period removed (``"#### 1,000."`` -> ``"1000"``).
 ``math``
     MATH-style ``problem`` and ``solution``; the answer is the content of the last
     ``\\boxed{...}`` (or ``\\fbox{...}``) in the solution, braces balanced.
@@ -89,9 +89,12 @@ _FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution")}
 
 
 def detect_format(record: dict[str, Any]) -> str:
-    for kind, names in _FIELDS.items():  # a record with only one of the two then names the missing field
-        if any(name in record for name in names):
-            return kind
+    """The shape whose fields the record holds the most of (a MATH-500 record has problem, solution
+    and answer: math); a record with only one of a shape's two fields is that shape, missing the other."""
+    present = {kind: sum(name in record for name in names) for kind, names in _FIELDS.items()}
+    kind = max(present, key=present.get)  # the first of equals
+    if present[kind]:
+        return kind
     keys = sorted(record)[:8]
     raise RecordError("unknown format", f"expected question/answer or problem/solution; got keys {keys}")
 
@@ -103,7 +106,8 @@ def gsm8k_answer(answer: str) -> str:
     if match is None:
         raise RecordError("no final answer", "the last line of 'answer' must be '#### <answer>'")
     value = match.group(1).translate(MINUS_SIGNS)
-    plain = value.replace(",", "") if _NUMBER_WITH_COMMAS.match(value) else value
+    number = value.removesuffix(".")  # "#### 18." ends its sentence
+    plain = number.replace(",", "") if _NUMBER_WITH_COMMAS.match(number) else number
     # The reward compares one number: a reference like "1/2" or "3 apples and 4 pears" could never be matched.
     if not _ONE_NUMBER.match(plain):
         raise RecordError("no final answer", f"'#### {value[:40]}' is not one number (e.g. '#### 72' or '#### -3.5')")

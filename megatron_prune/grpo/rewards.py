@@ -126,14 +126,24 @@ def _format_fraction(value: Fraction) -> str:
     return text if Fraction(text) == value else f"{value.numerator}/{value.denominator}"
 
 
+_LATEX_SPACE = re.compile(r"\\[,!;: ]")
+"""LaTeX spacing commands, which sit inside numbers: thousands as ``1,\\!000`` or ``1\\,000``, a sign as ``-\\,5``."""
+
+
+def _number_text(text: str) -> str:
+    """``text`` with its minus signs read as ``-`` and LaTeX spacing and dollar signs (``\\$`` too)
+    removed, so that ``-\\$5`` and ``1,\\!000`` read as ``-5`` and ``1,000``, not ``5`` and ``000``."""
+    return _LATEX_SPACE.sub("", text.translate(MINUS_SIGNS)).replace("\\$", "").replace("$", "")
+
+
 def normalize_number(text: str) -> str | None:
     """Canonical string of the first number in ``text``, or ``None`` if there is none.
 
-    Removes ``$``, ``%``, spaces and thousands commas and drops trailing zeros:
-    ``"$1,234.50"`` -> ``"1234.5"``, ``"72.0"`` -> ``"72"``, ``"- 5"`` -> ``"-5"``.
+    Removes ``$``, ``%``, spaces, LaTeX spacing and thousands commas and drops trailing zeros:
+    ``"$1,234.50"`` -> ``"1234.5"``, ``"72.0"`` -> ``"72"``, ``"- 5"`` -> ``"-5"``, ``"1,\\!000"`` -> ``"1000"``.
     """
     # Read past, the sign of "−3" (U+2212) was lost and it scored as 3.
-    cleaned = text.translate(MINUS_SIGNS).replace("$", "").replace("%", "").replace("\\", "")
+    cleaned = _number_text(text).replace("%", "").replace("\\", "")
     cleaned = re.sub(r"(?<=[-+])\s+(?=\d|\.)", "", cleaned.strip())
     match = _NUMBER_RE.search(cleaned)
     number = None if match is None else _number_of(match, cleaned)
@@ -165,22 +175,29 @@ def extract_gsm8k_answer(text: str) -> str | None:
     If the text contains ``####``, the answer is the first number after the *last*
     marker (``None`` if no number follows: the model committed to an answer and gave
     none). Without a marker, the last number of the last ``\\boxed{}`` (the form chat models
-    answer in; after its last ``=``, LaTeX's ``{,}`` read as a comma and ``\\frac{a}{b}`` as
-    ``a/b``), ``None`` if the box holds none; without a box, the last number of the text. A
-    fraction counts as its value and a power as no number, never as one of their parts.
+    answer in; after its last ``=``), ``None`` if the box holds none; without a box, the last
+    number of the text. Everywhere LaTeX's ``{,}`` reads as a comma, ``\\frac{a}{b}`` as ``a/b``
+    and spacing (``1,\\!000``, ``1\\,000``) and ``\\$`` as nothing. A fraction counts as its value
+    and a power as no number, never as one of their parts.
     """
     if _GSM8K_MARKER in text:
         tail = text.rsplit(_GSM8K_MARKER, 1)[1]
-        return normalize_number(tail)
+        return normalize_number(_read_latex(tail))
     boxed = extract_boxed(text)
     if boxed is None:
-        return _last_number(text)
-    content = re.sub(r"(\d+)\s*\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}", _mixed_number, boxed)
-    content = re.sub(r"\\[dt]?frac\s*(\d)\s*(\d)", r"\1/\2", content.replace("{,}", ","))
-    content = re.sub(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}", r"\1/\2", content)
+        return _last_number(_read_latex(text))
+    content = _read_latex(boxed)
     if "\\frac" in content:  # a fraction of more than two numbers: not read here
         return None
     return _last_number(content.rsplit("=", 1)[-1])
+
+
+def _read_latex(text: str) -> str:
+    """``text`` with LaTeX's ``{,}`` read as a comma and ``\\frac{a}{b}`` (``\\frac ab``, a mixed
+    ``2\\frac{1}{2}``) as ``a/b``, so that a fraction is read as its value, never as a part of it."""
+    text = re.sub(r"(\d+)[^\S\n]*\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}", _mixed_number, text)
+    text = re.sub(r"\\[dt]?frac\s*(\d)\s*(\d)", r"\1/\2", text.replace("{,}", ","))
+    return re.sub(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}", r"\1/\2", text)
 
 
 def _mixed_number(match: re.Match) -> str:
@@ -194,7 +211,7 @@ def _mixed_number(match: re.Match) -> str:
 
 def _last_number(text: str) -> str | None:
     """The normalised last number of ``text``, or ``None``."""
-    cleaned = text.translate(MINUS_SIGNS).replace("$", "")
+    cleaned = _number_text(text)
     matches = list(_NUMBER_RE.finditer(cleaned))
     if not matches:
         return None

@@ -444,6 +444,15 @@ MUTANTS: list[dict] = [
         "tests": ["tests/unit/grpo/test_rewards.py::test_math_grades_what_follows_the_reasoning"],
     },
     {
+        "name": "gsm8k-latex-spacing-splits-numbers",
+        "why": "the GSM8K reward reads a boxed 12\\,500 or 1,\\!000 as 500 or 0 and -\\$5 as 5: a wrong answer equal "
+               "to a part of the written number scores 1",
+        "file": "megatron_prune/grpo/rewards.py",
+        "old": '    return _LATEX_SPACE.sub("", text.translate(MINUS_SIGNS)).replace("\\\\$", "").replace("$", "")',
+        "new": '    return text.translate(MINUS_SIGNS).replace("$", "")',
+        "tests": ["tests/unit/grpo/test_reward_latex_numbers.py::test_the_reward_credits_the_written_number_not_a_part_of_it"],
+    },
+    {
         "name": "math-frac-sign-dropped",
         "why": "the MATH reward parses -\\frac{a}{b} as +a/b: a negative fraction matches the positive reference",
         "file": "megatron_prune/grpo/rewards.py",
