@@ -10,12 +10,12 @@ Record shapes, detected per record (or forced with ``format=``):
     string responses that both start with the prompt string (transcripts) lose that copy, and
     after an HH-RLHF-form prompt also the one space the plain template puts after the marker.
 ``hh``
-    HH-RLHF: ``chosen`` and ``rejected`` are full transcripts sharing the dialogue up to the
-    last ``"\\n\\nAssistant:"``. The prompt is that shared dialogue, marker included; a
-    response is the rest (its single leading space belongs to the plain template). The same
-    record with message lists instead of transcripts (TRL's conversational "implicit prompt"):
-    the prompt is the messages both lists share, and each must end in one assistant message
-    after them.
+    HH-RLHF: ``chosen`` and ``rejected`` are full transcripts (their leading newlines may be
+    stripped) sharing the dialogue up to the last ``"\\n\\nAssistant:"``. The prompt is that
+    shared dialogue, marker included; a response is the rest (its single leading space belongs
+    to the plain template). The same record with message lists instead of transcripts (TRL's
+    conversational "implicit prompt"): the prompt is the messages both lists share, and each
+    must end in one assistant message after them.
 ``helpsteer3``
     HelpSteer3-Preference: ``context`` (message list), ``response1``, ``response2`` and
     ``overall_preference`` (int in [-3, 3]; negative prefers response1, positive response2).
@@ -35,12 +35,15 @@ Truncation rule (``max_seq_length`` L, ``max_prompt_length`` P):
 1. a prompt longer than P tokens keeps its head (BOS, the template's preamble and any leading
    system messages: everything before the text of its first user or assistant message,
    :func:`prompt_head`) and its last ``P - head`` tokens (left truncation that never drops BOS,
-   the preamble or the system prompt; a head of P tokens or more is not kept);
+   the preamble or the system prompt; a head of P tokens or more is not kept), less the up to 3
+   tokens at the cut that hold only the rest of a character whose first byte was cut off;
 2. each response keeps its first ``L - len(prompt)`` tokens (right truncation; a cut response
    loses its eos), so prompt+chosen and prompt+rejected both fit in L;
 3. when the prompt leaves no room for a response token (only possible when P is None or
    P >= L) the record is invalid (reason ``"prompt too long"``), and so is a pair whose two
-   responses are identical after truncation (reason ``"identical responses"``).
+   responses are the same tokens after truncation, or already before it (texts that differ only
+   in what the tokenizer does not keep, e.g. their Unicode normalization form) (reason
+   ``"identical responses"``).
 
 Kept pairs that lost tokens to rules 1 and 2 are counted per part (``"prompt"``, ``"chosen"``,
 ``"rejected"``) in :attr:`PreferenceDataset.truncated` and logged.
@@ -59,7 +62,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from megatron_prune.data.records import (
     DataError,
@@ -266,7 +269,9 @@ def _parse_hh(record: dict[str, Any]) -> PreferenceText:
         raise RecordError(exc.reason, f"{exc.detail} ({hint})") from None
     if prompt_c != prompt_r:
         raise RecordError("no shared prefix", "chosen and rejected differ before their last assistant turn")
-    return PreferenceText(parse_hh_dialogue(prompt_c), _drop_one_space(response_c), _drop_one_space(response_r))
+    # Also with the transcripts' leading newlines stripped ("Human: ..."), as an explicit prompt is read.
+    dialogue = parse_hh_dialogue("\n\n" + prompt_c.lstrip("\n"))
+    return PreferenceText(dialogue, _drop_one_space(response_c), _drop_one_space(response_r))
 
 
 def _parse_implicit_chat(chosen: Any, rejected: Any) -> PreferenceText:
@@ -384,15 +389,35 @@ def prompt_head(tokenizer: Tokenizer, messages: list[Message], prompt_ids: Seque
     return n
 
 
-def truncate_prompt(prompt_ids: Sequence[int], *, max_length: int, keep_head: int = 0) -> list[int]:
+def truncate_prompt(prompt_ids: Sequence[int], *, max_length: int, keep_head: int = 0,
+                    decode: Callable[[Sequence[int]], str] | None = None) -> list[int]:
     """Left-truncate ``prompt_ids`` to ``max_length`` tokens, keeping its first ``keep_head`` tokens
-    (BOS and the template's preamble) when there is room for more than them."""
+    (BOS and the template's preamble) when there is room for more than them. With ``decode`` (the
+    tokenizer's), the kept tail also loses the tokens at its start that hold only the rest of a
+    character the cut went through (:func:`without_cut_character`)."""
     prompt = list(prompt_ids)
     if len(prompt) <= max_length:
         return prompt
     if keep_head >= max_length:
-        return prompt[len(prompt) - max_length :]
-    return prompt[:keep_head] + prompt[len(prompt) - (max_length - keep_head) :]
+        keep_head = 0
+    tail = prompt[len(prompt) - (max_length - keep_head) :]
+    return prompt[:keep_head] + (without_cut_character(tail, decode) if decode is not None else tail)
+
+
+UTF8_CONTINUATION_BYTES = 3
+"""The most bytes a UTF-8 character has after its first."""
+
+
+def without_cut_character(tail: list[int], decode: Callable[[Sequence[int]], str]) -> list[int]:
+    """``tail`` (the end of a token sequence) without its leading tokens that are bytes of a character
+    whose first byte was cut off (byte-fallback and byte-level tokenizers spell a character with
+    several tokens): they decode as U+FFFD. At most :data:`UTF8_CONTINUATION_BYTES` tokens go, and
+    never the last one."""
+    for _ in range(UTF8_CONTINUATION_BYTES):
+        if len(tail) < 2 or not decode(tail).startswith("\ufffd"):
+            break
+        tail = tail[1:]
+    return tail
 
 
 def truncate_pair(
@@ -403,11 +428,12 @@ def truncate_pair(
     max_seq_length: int,
     max_prompt_length: int | None = None,
     keep_head: int = 0,
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Apply the truncation rule of the module docstring; RecordError when nothing is left."""
     prompt = list(prompt_ids)
     if max_prompt_length is not None:
-        prompt = truncate_prompt(prompt, max_length=max_prompt_length, keep_head=keep_head)
+        prompt = truncate_prompt(prompt, max_length=max_prompt_length, keep_head=keep_head, decode=decode)
     budget = max_seq_length - len(prompt)
     if budget < 1:
         raise RecordError(
@@ -417,9 +443,9 @@ def truncate_pair(
         )
     chosen, rejected = list(chosen_ids[:budget]), list(rejected_ids[:budget])
     if chosen == rejected:
-        raise RecordError(
-            "identical responses", f"chosen and rejected are the same {len(chosen)} tokens after truncation"
-        )
+        cut = len(chosen_ids) > budget or len(rejected_ids) > budget
+        why = "after truncation" if cut else "(their texts differ only in what the tokenizer does not keep)"
+        raise RecordError("identical responses", f"chosen and rejected are the same {len(chosen)} tokens {why}")
     return prompt, chosen, rejected
 
 
@@ -442,7 +468,8 @@ def tokenize_preference(
     whole = (prompt_ids, chosen_ids, rejected_ids)
     too_long = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
     kept = truncate_pair(*whole, max_seq_length=max_seq_length, max_prompt_length=max_prompt_length,
-                         keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0)
+                         keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0,
+                         decode=tokenizer.decode)
     if truncated is not None:
         truncated.update(part for part, before, after in zip(PAIR_PARTS, whole, kept) if len(after) < len(before))
     return kept

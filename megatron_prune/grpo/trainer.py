@@ -133,7 +133,7 @@ def math_source(*, task: str, paths: list[str], tokenizer, max_prompt_length: in
     def get(i: int) -> Prompt:
         problem = dataset[i]
         ids = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text}], tokenize=True)
-        kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head)
+        kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head, decode=tokenizer.decode)
         return Prompt(i, tuple(kept), problem.answer, truncated=len(kept) < len(ids))
 
     stops, listed_in = tokenizer.stop_ids, getattr(tokenizer, "path", "")

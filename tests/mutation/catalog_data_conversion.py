@@ -114,8 +114,8 @@ MUTANTS: list[dict] = [
         "name": "pref-prompt-truncation-drops-bos",
         "why": "left truncation of a long prompt keeps no template head: BOS and the chat preamble are cut",
         "file": PREFERENCE,
-        "old": "keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0)",
-        "new": "keep_head=0)",
+        "old": "keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0,",
+        "new": "keep_head=0,",
         "tests": [f"{PREF_TESTS}::test_truncation_on_tokenized_pairs"],
     },
     {
@@ -123,9 +123,18 @@ MUTANTS: list[dict] = [
         "why": "the kept head is measured on a one-user-message probe: a template that adds a default system "
                "prompt keeps the start of a prompt's own user text as head",
         "file": PREFERENCE,
-        "old": "keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0)",
-        "new": "keep_head=prompt_head_length(tokenizer) if too_long else 0)",
+        "old": "keep_head=prompt_head(tokenizer, text.prompt, prompt_ids) if too_long else 0,",
+        "new": "keep_head=prompt_head_length(tokenizer) if too_long else 0,",
         "tests": [f"{PREF_TESTS}::test_prompt_head_is_measured_on_the_prompts_own_messages"],
+    },
+    {
+        "name": "pref-prompt-truncation-keeps-a-cut-character",
+        "why": "a prompt cut from the left inside a character that byte-fallback or byte-level tokenizers spell "
+               "with several tokens starts with that character's orphan bytes (decoded: U+FFFD)",
+        "file": PREFERENCE,
+        "old": "                         decode=tokenizer.decode)",
+        "new": "                         decode=None)",
+        "tests": ["tests/unit/data/test_preference_edge_cases.py::test_left_truncated_prompt_starts_on_a_whole_character"],
     },
     # --- record files -------------------------------------------------------------------------
     {

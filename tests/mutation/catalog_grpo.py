@@ -361,8 +361,8 @@ MUTANTS: list[dict] = [
         "name": "grpo-math-truncation-drops-head",
         "why": "long GSM8K/MATH prompts are left-truncated without keeping BOS and the template head",
         "file": "megatron_prune/grpo/trainer.py",
-        "old": "kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head)",
-        "new": "kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=0)",
+        "old": "kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=head,",
+        "new": "kept = truncate_prompt(ids, max_length=max_prompt_length, keep_head=0,",
         "tests": [PROMPT_TRUNCATION],
     },
     {
@@ -722,5 +722,14 @@ MUTANTS: list[dict] = [
         "new": "                    chosen.append(type(it)(prompt_id=it.prompt_id, index=it.index, prompt=it.prompt, "
                "completion=it.completion, advantage=it.advantage, weight=float(weights[r, it.index])))",
         "tests": ["tests/e2e/test_bench_grpo.py::test_tensor_parallel_with_kl"],
+    },
+    {
+        "name": "grpo-prompt-truncation-keeps-a-cut-character",
+        "why": "a GRPO prompt cut from the left inside a multi-token character starts with that character's "
+               "orphan bytes (decoded: U+FFFD), input the model never sees at inference",
+        "file": "megatron_prune/grpo/trainer.py",
+        "old": "keep_head=head, decode=tokenizer.decode)",
+        "new": "keep_head=head)",
+        "tests": ["tests/unit/grpo/test_math_prompts.py::test_a_prompt_cut_inside_a_character_starts_after_it"],
     },
 ]

@@ -82,6 +82,27 @@ def test_long_prompts_keep_the_head_and_the_tail(tokenizer, questions, limit):
         assert prompt.tokens[-1] == assistant
 
 
+def test_a_prompt_cut_inside_a_character_starts_after_it(tmp_path, tokenizer):
+    """The tiny tokenizer spells CJK characters as byte tokens; a cut through one must not leave its
+    orphan bytes (decoded: U+FFFD) at the start of the kept tail, nor lose more than those bytes."""
+    data = tmp_path / "cjk.jsonl"
+    question = "小明有三个苹果，又买了五个，然后吃掉两个。他现在有几个苹果？"
+    data.write_text(json.dumps({"question": question, "answer": "3 + 5 - 2 = 6\n#### 6"}, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    full = expected_tokens(tokenizer, question)
+    assert "\ufffd" not in tokenizer.decode(full)
+    cut_inside = 0
+    for limit in range(8, len(full)):
+        tokens = list(build_source(GRPOConfig(task="gsm8k", data_path=[str(data)]), arch=get_preset("tiny"),
+                                   model_cfg=ModelConfig(), ckpt_cfg=CheckpointConfig(),
+                                   train_cfg=TrainConfig(max_prompt_length=limit), tokenizer_name="tiny").get(0).tokens)
+        tail = tokenizer.decode(tokens[2:])
+        assert "\ufffd" not in tail, (limit, tail)
+        assert limit - 3 <= len(tokens) <= limit
+        cut_inside += tokenizer.decode(full[len(full) - (limit - 2):]).startswith("\ufffd")
+    assert cut_inside > 0  # the limits tried do cut through characters
+
+
 def test_limit_defaults_to_what_the_completion_leaves(tokenizer, questions):
     # no --max-prompt-length: a prompt gets --seq-length - --max-new-tokens = 40 - 16 tokens
     human, _ = markers(tokenizer)
