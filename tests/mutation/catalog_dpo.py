@@ -450,4 +450,13 @@ MUTANTS: list[dict] = [
         "new": "            pass\n        return {n: float(v)",
         "tests": ["tests/distributed/test_dpo.py::test_layouts_match_single_rank_2_ranks"],
     },
+    {
+        "name": "dpo-branch-weight-scales-reported-loss",
+        "why": "the branch-pruning weight 1/q multiplies the loss's value as well as its gradient: the reported "
+               "loss is the weighted one, not the unpruned objective's per-pair mean the docs promise",
+        "file": "megatron_prune/dpo/loss.py",
+        "old": "        loss = loss.detach() + (loss - loss.detach()) * grad_scale\n",
+        "new": "        loss = loss * grad_scale\n",
+        "tests": ["tests/distributed/test_dpo_metrics.py::test_branch_pruning_reports_the_unweighted_metrics"],
+    },
 ]
