@@ -161,6 +161,10 @@ class ModelConfig:
         return {}
 
 
+MAX_TIMEOUT_MINUTES = 10_000_000
+"""Largest --distributed-timeout-minutes: a deadline the collectives' clocks can still hold."""
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Schedule, batch and optimizer."""
@@ -212,7 +216,7 @@ class TrainConfig:
     on_nonfinite: str = field(default="stop", metadata=_flag("--on-nonfinite", choices=("stop", "skip")))
     """A NaN/Inf loss or gradient: stop the run naming the step, or skip the step (10 skipped in a row stop the run)."""
     distributed_timeout_minutes: float = field(default=10.0, metadata=_flag("--distributed-timeout-minutes"))
-    """Collective timeout; a rank that waits longer ends the run with an error naming itself."""
+    """Collective timeout (at most 1e7 minutes); a rank that waits longer ends the run with an error naming itself."""
 
     def __post_init__(self) -> None:
         for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length"):
@@ -246,6 +250,11 @@ class TrainConfig:
             raise ValueError(f"--sgd-momentum must be in [0, 1), got {self.sgd_momentum}")
         if self.distributed_timeout_minutes <= 0:
             raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
+        if self.distributed_timeout_minutes > MAX_TIMEOUT_MINUTES:
+            # Python's timedelta overflows near 1.4e12 minutes, and the collectives' deadlines (now + timeout,
+            # in int64 nanoseconds) near 1.5e8.
+            raise ValueError(f"--distributed-timeout-minutes must be at most {MAX_TIMEOUT_MINUTES} (about 19 years), "
+                             f"got {self.distributed_timeout_minutes}")
 
 
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
