@@ -38,7 +38,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.ranks import first_rank
-from megatron_prune.training.parallel import any_rank
+from megatron_prune.training.parallel import any_rank, broadcast_object
 
 logger = logging.getLogger(__name__)
 
@@ -572,11 +572,16 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
 
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
+    failure, cause = None, None
     if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "dist"))
-    _barrier()
+        try:  # on a full disk, creating a directory is the first thing that fails
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "dist"))
+        except OSError as exc:
+            failure, cause = (f"--save {root}: creating {tmp} for the checkpoint of iteration {iteration} failed "
+                              f"({_cause(exc)}); the checkpoints published before it are intact"), exc
+    _agree_or_raise(failure, cause)
     assert "lora" not in (extra_meta or {}) or "lora_base" in extra_meta, "a LoRA checkpoint records its base"
     state = _model_sharded_state_dict(model, adapters_only="lora_base" in (extra_meta or {}))
     if optimizer is not None:
@@ -612,8 +617,10 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
             with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
                 json.dump(meta, f, indent=2)
         except (OSError, RuntimeError) as exc:
-            raise CheckpointError(f"--save {root}: writing the checkpoint of iteration {iteration} into {tmp} "
-                                  f"failed ({_cause(exc)}); the checkpoints published before it are intact") from exc
+            failure, cause = (f"--save {root}: writing the checkpoint of iteration {iteration} into {tmp} "
+                              f"failed ({_cause(exc)}); the checkpoints published before it are intact"), exc
+    _agree_or_raise(failure, cause)
+    if _rank() == 0:
         _replace_dir(tmp, final)
         tracker_tmp = os.path.join(root, TRACKER + ".tmp")
         try:
@@ -626,6 +633,16 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
         logger.info("saved checkpoint %s", final)
     _barrier()
     return final
+
+
+def _agree_or_raise(failure: str | None, cause: BaseException | None) -> None:
+    """Raise rank 0's ``failure`` (a save's own files are written by rank 0 alone) on every rank. In
+    place of a barrier, which would let the others go on as if the checkpoint were saved (into the
+    next collective, waiting for a rank that stopped). Collective."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failure = broadcast_object(failure)
+    if failure is not None:
+        raise CheckpointError(failure) from cause
 
 
 def _replace_dir(new: str, final: str) -> None:

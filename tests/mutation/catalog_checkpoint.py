@@ -109,4 +109,14 @@ MUTANTS: list[dict] = [
         "new": "\"metrics\": {},",
         "tests": ["tests/distributed/test_grpo_objective.py::test_state_inside_a_rollout_restores_it_on_every_rank"],
     },
+    {
+        "name": "rank-0-save-failure-not-shared",
+        "why": "a full disk while rank 0 writes trainer_state.pt / meta.json stops rank 0 alone: the other ranks "
+               "pass the save as if the checkpoint were published and wait in the next collective",
+        "file": CHECKPOINT,
+        "old": "    if dist.is_initialized() and dist.get_world_size() > 1:\n        failure = broadcast_object(failure)\n",
+        "new": "    if dist.is_initialized() and dist.get_world_size() > 1:\n        _barrier()\n",
+        "tests": ["tests/unit/test_checkpoint_save_failure_ranks.py::"
+                  "test_a_disk_full_in_rank_0s_files_stops_every_rank_with_the_save_error[trainer_state]"],
+    },
 ]
