@@ -29,7 +29,13 @@ from megatron_prune.config import CheckpointConfig, LoggingConfig, TrainConfig
 from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import checkpoint as ckpt_io
 from megatron_prune.training.exit_conditions import ExitConditions
-from megatron_prune.training.parallel import collective_failure, guard_collectives, is_logging_rank, largest_over_ranks
+from megatron_prune.training.parallel import (
+    broadcast_object,
+    collective_failure,
+    guard_collectives,
+    is_logging_rank,
+    largest_over_ranks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -469,9 +475,27 @@ def _say_schedule_kept(launch: dict[str, Any], saved: dict, *, train_iters: int,
 
 def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
     """Keep the original HF config and tokenizer next to our checkpoints (for export): from the HF
-    directory the run started from, else from ``hf_assets/`` beside the checkpoint it loaded."""
-    if not ckpt.save or (dist.is_initialized() and dist.get_rank() != 0):
+    directory the run started from, else from ``hf_assets/`` beside the checkpoint it loaded.
+    Collective: rank 0 copies, and a copy that fails there (a full disk) stops every rank with one
+    ``--save`` error instead of leaving the others waiting for it in the save's collectives."""
+    if not ckpt.save:
         return
+    from megatron_prune.model.hf_convert import ASSETS_DIR
+
+    failure = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            _copy_hf_assets(ckpt, hf_model)
+        except OSError as exc:
+            failure = (f"--save {ckpt.save}: copying the HF config and tokenizer files into "
+                       f"{os.path.join(ckpt.save, ASSETS_DIR)} failed ({exc}); this iteration was not saved, "
+                       "the checkpoints published before it are intact")
+    failure = broadcast_object(failure)
+    if failure is not None:
+        raise ckpt_io.CheckpointError(failure)
+
+
+def _copy_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
     from megatron_prune.model.hf_convert import ASSETS_DIR, assets_beside, copy_hf_assets
 
     dst = os.path.join(ckpt.save, ASSETS_DIR)

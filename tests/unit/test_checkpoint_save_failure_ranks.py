@@ -78,3 +78,39 @@ def test_a_disk_full_in_rank_0s_files_stops_every_rank_with_the_save_error(tmp_p
         "iter_0000002", "latest_checkpointed_iteration.txt"]
     with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "2"
+
+
+def _rank_0_cannot_copy_the_hf_files(root: str, hf_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from megatron_prune.config import CheckpointConfig
+    from megatron_prune.model import hf_convert
+    from megatron_prune.training import checkpoint as ckpt, loop
+
+    def disk_full_copy(src, dst, *args, **kwargs):
+        if dist.get_rank() == 0:
+            raise OSError(28, "No space left on device")
+
+    hf_convert.copy_hf_assets = disk_full_copy
+    try:
+        loop._carry_hf_assets(CheckpointConfig(save=root), hf_dir)
+        outcome = "returned"
+    except ckpt.CheckpointError as exc:
+        outcome = str(exc)
+    except Exception as exc:  # noqa: BLE001 - what the rank saw instead of the --save error
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome}
+
+
+def test_a_failed_copy_of_the_hf_files_stops_every_rank_with_the_save_error(tmp_path):
+    """Before a save rank 0 alone copies the HF config and tokenizer files beside the checkpoints;
+    a full disk there must stop every rank, not rank 0 alone with the others waiting in the save."""
+    root, hf_dir = tmp_path / "ckpts", tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    results = run_distributed(_rank_0_cannot_copy_the_hf_files, 2, root=str(root), hf_dir=str(hf_dir))
+    for rank, result in enumerate(results):
+        assert result["outcome"] == (
+            f"--save {root}: copying the HF config and tokenizer files into {root}/hf_assets failed "
+            "([Errno 28] No space left on device); this iteration was not saved, the checkpoints published "
+            "before it are intact"), f"rank {rank}"
