@@ -581,7 +581,7 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
         except OSError as exc:
             failure, cause = (f"--save {root}: creating {tmp} for the checkpoint of iteration {iteration} failed "
                               f"({_cause(exc)}); the checkpoints published before it are intact"), exc
-    _agree_or_raise(failure, cause)
+    agree_or_raise(failure, cause)
     assert "lora" not in (extra_meta or {}) or "lora_base" in extra_meta, "a LoRA checkpoint records its base"
     state = _model_sharded_state_dict(model, adapters_only="lora_base" in (extra_meta or {}))
     if optimizer is not None:
@@ -619,7 +619,7 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
         except (OSError, RuntimeError) as exc:
             failure, cause = (f"--save {root}: writing the checkpoint of iteration {iteration} into {tmp} "
                               f"failed ({_cause(exc)}); the checkpoints published before it are intact"), exc
-    _agree_or_raise(failure, cause)
+    agree_or_raise(failure, cause)
     if _rank() == 0:
         _replace_dir(tmp, final)
         tracker_tmp = os.path.join(root, TRACKER + ".tmp")
@@ -635,12 +635,11 @@ def _save(root: str, *, iteration: int, model: list[torch.nn.Module], arch: Mode
     return final
 
 
-def _agree_or_raise(failure: str | None, cause: BaseException | None) -> None:
+def agree_or_raise(failure: str | None, cause: BaseException | None = None) -> None:
     """Raise rank 0's ``failure`` (a save's own files are written by rank 0 alone) on every rank. In
     place of a barrier, which would let the others go on as if the checkpoint were saved (into the
     next collective, waiting for a rank that stopped). Collective."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        failure = broadcast_object(failure)
+    failure = broadcast_object(failure)
     if failure is not None:
         raise CheckpointError(failure) from cause
 

@@ -30,7 +30,6 @@ from megatron_prune.model.arch import ModelArch
 from megatron_prune.training import checkpoint as ckpt_io
 from megatron_prune.training.exit_conditions import ExitConditions
 from megatron_prune.training.parallel import (
-    broadcast_object,
     collective_failure,
     guard_collectives,
     is_logging_rank,
@@ -490,9 +489,7 @@ def _carry_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:
             failure = (f"--save {ckpt.save}: copying the HF config and tokenizer files into "
                        f"{os.path.join(ckpt.save, ASSETS_DIR)} failed ({exc}); this iteration was not saved, "
                        "the checkpoints published before it are intact")
-    failure = broadcast_object(failure)
-    if failure is not None:
-        raise ckpt_io.CheckpointError(failure)
+    ckpt_io.agree_or_raise(failure)
 
 
 def _copy_hf_assets(ckpt: CheckpointConfig, hf_model: str | None) -> None:

@@ -114,9 +114,8 @@ MUTANTS: list[dict] = [
         "why": "a full disk while rank 0 writes trainer_state.pt / meta.json stops rank 0 alone: the other ranks "
                "pass the save as if the checkpoint were published and wait in the next collective",
         "file": CHECKPOINT,
-        "old": "    if dist.is_initialized() and dist.get_world_size() > 1:\n"
-               "        failure = broadcast_object(failure)\n",
-        "new": "    if dist.is_initialized() and dist.get_world_size() > 1:\n        _barrier()\n",
+        "old": "    failure = broadcast_object(failure)\n    if failure is not None:\n        raise CheckpointError",
+        "new": "    _barrier()\n    if failure is not None:\n        raise CheckpointError",
         "tests": ["tests/unit/test_checkpoint_save_failure_ranks.py::"
                   "test_a_disk_full_in_rank_0s_files_stops_every_rank_with_the_save_error[trainer_state]"],
     },
@@ -125,8 +124,7 @@ MUTANTS: list[dict] = [
         "why": "a full disk while rank 0 copies the HF config and tokenizer beside the checkpoints stops rank 0 "
                "alone: the other ranks enter the save's collectives and wait for it",
         "file": "megatron_prune/training/loop.py",
-        "old": "    failure = broadcast_object(failure)\n"
-               "    if failure is not None:\n        raise ckpt_io.CheckpointError(failure)\n",
+        "old": "    ckpt_io.agree_or_raise(failure)\n",
         "new": "    if failure is not None:\n        raise ckpt_io.CheckpointError(failure)\n",
         "tests": ["tests/unit/test_checkpoint_save_failure_ranks.py::"
                   "test_a_failed_copy_of_the_hf_files_stops_every_rank_with_the_save_error"],
